@@ -1,0 +1,231 @@
+"""Engine genome and gene space: the typed record of an engine's design decisions.
+
+A genome groups named genes into three domains (fusion, scheduling, memory). It is immutable,
+serialises to canonical JSON and is identified by the hash of that JSON. A gene space declares, per
+workload and device, which genes exist, which values each may take and which combinations are
+illegal; `GeneSpace.validate` turns any violation into a `GenomeError` that names the gene, the value
+and what is allowed.
+
+This module imports neither Ray nor MLflow nor torch.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+import numpy as np
+
+DOMAINS: tuple[str, ...] = ("fusion", "scheduling", "memory")
+Scalar = bool | int | float | str | None
+
+
+class GenomeError(ValueError):
+    """A genome is not legal in its gene space (unknown gene, illegal value or combination)."""
+
+
+def canonical_json(obj: Any) -> str:
+    """JSON with sorted keys and no whitespace: equal objects give equal strings."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+@dataclass(frozen=True)
+class Genome:
+    """An engine's design decisions. `hash` is its identity, cache key and dedupe key."""
+
+    workload: str
+    fusion: tuple[tuple[str, Scalar], ...] = ()
+    scheduling: tuple[tuple[str, Scalar], ...] = ()
+    memory: tuple[tuple[str, Scalar], ...] = ()
+    hash: str = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for domain in DOMAINS:
+            object.__setattr__(self, domain, tuple(sorted(getattr(self, domain))))
+        digest = hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+        object.__setattr__(self, "hash", digest)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Genome:
+        unknown = set(data) - {"workload", *DOMAINS}
+        if unknown:
+            raise GenomeError(
+                f"unknown genome keys {sorted(unknown)}; allowed: 'workload' and domains {list(DOMAINS)}"
+            )
+        if not isinstance(data.get("workload"), str):
+            raise GenomeError(f"genome needs a string 'workload', got {data.get('workload')!r}")
+        domains = {}
+        for domain in DOMAINS:
+            genes = data.get(domain, {})
+            if not isinstance(genes, Mapping):
+                raise GenomeError(f"genome domain {domain!r} must be an object of gene: value, got {genes!r}")
+            domains[domain] = tuple(genes.items())
+        return cls(workload=data["workload"], **domains)
+
+    @classmethod
+    def from_json(cls, text: str) -> Genome:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise GenomeError(f"genome is not valid JSON: {exc}") from exc
+        if not isinstance(data, Mapping):
+            raise GenomeError(f"genome JSON must be an object, got {type(data).__name__}")
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"workload": self.workload, **{d: dict(getattr(self, d)) for d in DOMAINS}}
+
+    def to_json(self) -> str:
+        return canonical_json(self.to_dict())
+
+    def domain(self, name: str) -> dict[str, Scalar]:
+        """The genes of one domain as a dict."""
+        if name not in DOMAINS:
+            raise GenomeError(f"unknown domain {name!r}; allowed: {list(DOMAINS)}")
+        return dict(getattr(self, name))
+
+    def values(self) -> dict[str, Scalar]:
+        """All genes, flattened (gene names are unique across domains)."""
+        return {k: v for d in DOMAINS for k, v in getattr(self, d)}
+
+    def __getitem__(self, gene: str) -> Scalar:
+        values = self.values()
+        if gene not in values:
+            raise KeyError(f"genome has no gene {gene!r}; genes: {sorted(values)}")
+        return values[gene]
+
+    def with_domain(self, name: str, genes: Mapping[str, Scalar]) -> Genome:
+        """A copy whose domain `name` is replaced by `genes`."""
+        data = self.to_dict()
+        data[name] = dict(genes)
+        return Genome.from_dict(data)
+
+    def with_genes(self, **changes: Scalar) -> Genome:
+        """A copy with some genes changed, each kept in the domain it belongs to."""
+        data = self.to_dict()
+        for gene, value in changes.items():
+            home = [d for d in DOMAINS if gene in data[d]]
+            if not home:
+                raise GenomeError(f"genome has no gene {gene!r}; genes: {sorted(self.values())}")
+            data[home[0]][gene] = value
+        return Genome.from_dict(data)
+
+    def describe(self) -> str:
+        """One line for logs: every gene as name=value, by domain."""
+        return " | ".join(
+            ", ".join(f"{k}={v}" for k, v in getattr(self, d)) for d in DOMAINS
+        )
+
+
+@dataclass(frozen=True)
+class Gene:
+    """One named design decision, its legal values (in preference order) and its default."""
+
+    name: str
+    domain: str
+    values: tuple[Scalar, ...]
+    default: Scalar
+    doc: str
+
+    def __post_init__(self) -> None:
+        if self.domain not in DOMAINS:
+            raise ValueError(f"gene {self.name!r}: domain {self.domain!r} not in {DOMAINS}")
+        if self.default not in self.values:
+            raise ValueError(f"gene {self.name!r}: default {self.default!r} not in {self.values}")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A rule over several genes. `violation` returns a message when the genome breaks it."""
+
+    name: str
+    violation: Callable[[Mapping[str, Scalar]], str | None]
+
+
+@dataclass(frozen=True)
+class GeneSpace:
+    """What is legal for one workload on one device."""
+
+    workload: str
+    genes: tuple[Gene, ...]
+    constraints: tuple[Constraint, ...] = ()
+
+    def gene(self, name: str) -> Gene:
+        for gene in self.genes:
+            if gene.name == name:
+                return gene
+        raise GenomeError(f"unknown gene {name!r}; genes of {self.workload}: {[g.name for g in self.genes]}")
+
+    def in_domain(self, domain: str) -> tuple[Gene, ...]:
+        return tuple(g for g in self.genes if g.domain == domain)
+
+    def default(self) -> Genome:
+        return self.make({g.name: g.default for g in self.genes})
+
+    def make(self, values: Mapping[str, Scalar]) -> Genome:
+        """A validated genome from flat gene values; missing genes take their defaults."""
+        known = {g.name for g in self.genes}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise GenomeError(f"unknown genes {unknown} for workload {self.workload!r}; allowed: {sorted(known)}")
+        domains: dict[str, dict[str, Scalar]] = {d: {} for d in DOMAINS}
+        for gene in self.genes:
+            domains[gene.domain][gene.name] = values.get(gene.name, gene.default)
+        return self.validate(Genome.from_dict({"workload": self.workload, **domains}))
+
+    def validate(self, genome: Genome) -> Genome:
+        """Return `genome` unchanged if legal, else raise GenomeError saying what is wrong."""
+        if genome.workload != self.workload:
+            raise GenomeError(f"genome is for workload {genome.workload!r}, this gene space is for {self.workload!r}")
+        for domain in DOMAINS:
+            given = genome.domain(domain)
+            declared = {g.name: g for g in self.in_domain(domain)}
+            for name in given:
+                if name not in declared:
+                    raise GenomeError(
+                        f"unknown gene {name!r} in domain {domain!r}; allowed in {domain}: {sorted(declared)}"
+                    )
+            for name, gene in declared.items():
+                if name not in given:
+                    raise GenomeError(f"gene {name!r} missing from domain {domain!r}; allowed values: {list(gene.values)}")
+                value = given[name]
+                if not _legal(value, gene.values):
+                    raise GenomeError(
+                        f"gene {name!r} has illegal value {value!r}; allowed: {list(gene.values)}"
+                    )
+        values = genome.values()
+        for constraint in self.constraints:
+            message = constraint.violation(values)
+            if message:
+                raise GenomeError(f"illegal combination ({constraint.name}): {message}")
+        return genome
+
+    def is_legal(self, genome: Genome) -> bool:
+        try:
+            self.validate(genome)
+        except GenomeError:
+            return False
+        return True
+
+    def sample(self, rng: np.random.Generator, max_tries: int = 1000) -> Genome:
+        """A uniformly drawn legal genome (rejection sampling over the declared values)."""
+        for _ in range(max_tries):
+            values = {g.name: g.values[int(rng.integers(len(g.values)))] for g in self.genes}
+            try:
+                return self.make(values)
+            except GenomeError:
+                continue
+        raise RuntimeError(f"no legal genome found in {max_tries} draws from the {self.workload} gene space")
+
+    def describe(self) -> list[dict[str, Any]]:
+        """The gene table (for docs, configs and logs)."""
+        return [
+            {"gene": g.name, "domain": g.domain, "values": list(g.values), "default": g.default, "doc": g.doc}
+            for g in self.genes
+        ]
+
+
+def _legal(value: Any, allowed: Iterable[Scalar]) -> bool:
+    # bool is an int in Python: True must not pass for 1, nor 1 for True.
+    return any(type(value) is type(a) and value == a for a in allowed)

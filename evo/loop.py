@@ -1,0 +1,52 @@
+"""The search loop: ask, evaluate, tell, report. Executors and sinks are passed in.
+
+An executor turns proposals into (proposal, result) pairs in any order (`LocalExecutor` in-process,
+`evaluators.pool.EvaluatorPool` on Ray). Sinks subscribe to results and generations; disk sinks
+come first in the list so evidence is on disk before anything is reported.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Iterator, Protocol
+
+from evo.records import EvalResult, Evaluated, Proposal
+from evo.search import GenerationReport, Search
+
+
+class Executor(Protocol):
+    def run(self, proposals: list[Proposal]) -> Iterator[tuple[Proposal, EvalResult]]: ...
+
+
+class Sink(Protocol):
+    def on_result(self, evaluated: Evaluated) -> None: ...
+    def on_generation(self, report: GenerationReport, search: Search) -> None: ...
+
+
+class LocalExecutor:
+    """Evaluates proposals one after another with a plain evaluator object in this process."""
+
+    def __init__(self, evaluator) -> None:
+        self.evaluator = evaluator
+
+    def run(self, proposals: list[Proposal]) -> Iterator[tuple[Proposal, EvalResult]]:
+        for proposal in proposals:
+            yield proposal, self.evaluator.evaluate(proposal.genome.to_json())
+
+
+def run_search(search: Search, executor: Executor, sinks: Iterable[Sink] = (),
+               should_stop=lambda: False) -> list[GenerationReport]:
+    """Run generations until the budget is spent or `should_stop()`; return their reports."""
+    sinks = list(sinks)
+    reports = []
+    while not search.done() and not should_stop():
+        proposals = search.ask()
+        if not proposals:
+            break
+        for proposal, result in executor.run(proposals):
+            evaluated = search.tell(proposal, result)
+            for sink in sinks:
+                sink.on_result(evaluated)
+        report = search.end_generation()
+        for sink in sinks:
+            sink.on_generation(report, search)
+        reports.append(report)
+    return reports

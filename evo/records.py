@@ -1,0 +1,87 @@
+"""Immutable records that flow between search, agents and evaluators.
+
+Data flows one way: agents make `Proposal`s, evaluators turn each into exactly one `EvalResult`,
+the search pairs them into `Evaluated` entries. No Ray, no MLflow, no torch here.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from evo.genome import Genome
+
+# Result statuses. Only OK results may become parents or the best.
+OK = "ok"
+INCORRECT = "incorrect"
+BUILD_ERROR = "build_error"
+RUNTIME_ERROR = "runtime_error"
+TIMEOUT = "timeout"
+STATUSES: tuple[str, ...] = (OK, INCORRECT, BUILD_ERROR, RUNTIME_ERROR, TIMEOUT)
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A candidate genome, where it came from and why."""
+
+    genome: Genome
+    parents: tuple[str, ...]  # parent genome hashes; empty for seeds
+    agent: str  # "seed", "fusion", "scheduling", "memory", "integration"
+    move: str  # one line describing the change
+    generation: int
+    move_kind: str = ""  # the agent's statistic this move counts towards (e.g. "chunk_size")
+    index: int = 0  # position within the generation, so arrival order does not matter
+
+    @property
+    def hash(self) -> str:
+        return self.genome.hash
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """What one evaluation of one genome found. Failure is a status with a message, not an exception."""
+
+    genome_hash: str
+    status: str
+    message: str = ""
+    error: str = ""  # traceback or error text for failures
+    latency_ms: float = math.nan  # median of timed repeats
+    latency_spread_ms: float = math.nan  # interquartile range of timed repeats
+    max_rel_error: float = math.nan  # worst relative error over the correctness cases
+    build_s: float = math.nan
+    eval_s: float = math.nan  # wall time of the whole evaluation
+    device: str = ""
+    threads: int = 0
+    versions: dict[str, str] = field(default_factory=dict)
+    evaluator: str = ""
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"status {self.status!r} not in {STATUSES}")
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK and math.isfinite(self.latency_ms)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EvalResult:
+        return cls(**data)
+
+    def with_evaluator(self, evaluator: str) -> EvalResult:
+        return replace(self, evaluator=evaluator)
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    """A proposal with its result: one row of evidence."""
+
+    proposal: Proposal
+    result: EvalResult
+
+    @property
+    def fitness(self) -> float:
+        """Lower is better; failures are +inf so they never win or become parents."""
+        return self.result.latency_ms if self.result.ok else math.inf

@@ -1,0 +1,56 @@
+"""The agents of a run as Ray actors, one per agent; same interface as `operators.team.LocalTeam`."""
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from evo.genome import GeneSpace
+from evo.records import Proposal
+from operators.base import Outcome
+from operators.team import Request, make_agent
+
+
+class _AgentActor:
+    """Holds one agent; constructed inside the actor so its RNG lives there."""
+
+    def __init__(self, name: str, gene_space: GeneSpace, run_seed: int) -> None:
+        self.agent = make_agent(name, gene_space, run_seed)
+
+    def propose(self, parents, n: int, generation: int) -> list[Proposal]:
+        return self.agent.propose(parents, n, generation)
+
+    def learn(self, outcomes: list[Outcome]) -> None:
+        self.agent.learn(outcomes)
+
+    def state(self) -> dict[str, Any]:
+        return self.agent.state()
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.agent.load_state(state)
+
+
+class RayTeam:
+    """One small actor per agent (num_cpus=0: agents are light and must not take evaluator cores)."""
+
+    def __init__(self, names: list[str], gene_space: GeneSpace, run_seed: int) -> None:
+        actor = ray.remote(num_cpus=0, max_restarts=0)(_AgentActor)
+        self.actors = {name: actor.options(name=None).remote(name, gene_space, run_seed) for name in names}
+
+    def propose(self, requests: list[Request], generation: int) -> list[list[Proposal]]:
+        refs = [self.actors[name].propose.remote(parents, n, generation) for name, parents, n in requests]
+        return ray.get(refs)
+
+    def learn(self, outcomes: dict[str, list[Outcome]]) -> None:
+        ray.get([self.actors[name].learn.remote(items) for name, items in outcomes.items()])
+
+    def state(self) -> dict[str, Any]:
+        names = list(self.actors)
+        return dict(zip(names, ray.get([self.actors[n].state.remote() for n in names])))
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        ray.get([self.actors[name].load_state.remote(s) for name, s in state.items()])
+
+    def close(self) -> None:
+        for actor in self.actors.values():
+            ray.kill(actor)

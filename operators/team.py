@@ -1,0 +1,50 @@
+"""The agents of a run, called in-process. `operators.ray_team.RayTeam` is the same on Ray actors."""
+from __future__ import annotations
+
+from typing import Any
+
+from evo.genome import GeneSpace
+from evo.records import Proposal
+from evo.seeds import derive_seed
+from operators.base import Agent, Outcome, Parent
+from operators.fusion import FusionAgent
+from operators.integration import IntegrationAgent
+from operators.memory_layout import MemoryLayoutAgent
+from operators.scheduling import SchedulingAgent
+
+AGENT_CLASSES: dict[str, type[Agent]] = {
+    cls.name: cls for cls in (FusionAgent, SchedulingAgent, MemoryLayoutAgent, IntegrationAgent)
+}
+
+# (agent name, parents, number of proposals wanted)
+Request = tuple[str, list[Parent], int]
+
+
+def make_agent(name: str, gene_space: GeneSpace, run_seed: int) -> Agent:
+    if name not in AGENT_CLASSES:
+        raise ValueError(f"unknown agent {name!r}; available: {sorted(AGENT_CLASSES)}")
+    return AGENT_CLASSES[name](gene_space, derive_seed(run_seed, f"agent:{name}"))
+
+
+class LocalTeam:
+    """Agents as plain objects in this process (tests, single-process runs)."""
+
+    def __init__(self, names: list[str], gene_space: GeneSpace, run_seed: int) -> None:
+        self.agents = {name: make_agent(name, gene_space, run_seed) for name in names}
+
+    def propose(self, requests: list[Request], generation: int) -> list[list[Proposal]]:
+        return [self.agents[name].propose(parents, n, generation) for name, parents, n in requests]
+
+    def learn(self, outcomes: dict[str, list[Outcome]]) -> None:
+        for name, items in outcomes.items():
+            self.agents[name].learn(items)
+
+    def state(self) -> dict[str, Any]:
+        return {name: agent.state() for name, agent in self.agents.items()}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        for name, agent_state in state.items():
+            self.agents[name].load_state(agent_state)
+
+    def close(self) -> None:
+        pass
