@@ -1,0 +1,47 @@
+"""Command line: `python -m evo run CONFIG [--out DIR] [--set key=value ...]`."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from evo.config import ConfigError, load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m evo", description="Evolve inference engines on Ray.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    run_cmd = commands.add_parser("run", help="run a search from a YAML config")
+    run_cmd.add_argument("config", help="YAML experiment config, e.g. configs/kda_cpu.yaml")
+    run_cmd.add_argument("--out", help="run directory (default: <out_dir>/<name>-<timestamp>)")
+    run_cmd.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                         help="override a config value, e.g. --set search.generations=3 (repeatable)")
+    genes_cmd = commands.add_parser("genes", help="print a workload preset's gene space")
+    genes_cmd.add_argument("config")
+    args = parser.parse_args(argv)
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.abspath(".inductor_cache"))
+    try:
+        config = load_config(args.config, getattr(args, "overrides", []))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "genes":
+        return _print_genes(config)
+    from evo.run import run  # Ray and torch load only when needed
+
+    outcome = run(config, args.out)
+    return 0 if outcome.summary.get("best_hash") else 1
+
+
+def _print_genes(config) -> int:
+    from evo.workloads import get_workload
+    from evo.workloads.base import DeviceInfo
+
+    workload = get_workload(config.workload)
+    preset = workload.presets()[config.preset]
+    device = DeviceInfo(preset.device, preset.device, config.evaluators.threads)
+    for row in workload.gene_space(preset, device).describe():
+        print(f"{row['domain']:10s} {row['gene']:24s} default={row['default']!s:22s} {row['values']}  {row['doc']}")
+    return 0

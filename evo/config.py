@@ -1,0 +1,147 @@
+"""Experiment configuration: YAML in, frozen dataclasses out, every key checked.
+
+Each option is declared once, as a dataclass field with its default and a comment; unknown keys
+anywhere are an error that names the key and lists the allowed ones. `--set a.b=value` overrides
+parse `value` as YAML (so `8`, `true`, `[a, b]` work).
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from evaluators.settings import EvaluatorSettings
+from evo.population import PopulationSettings
+from evo.search import SearchSettings
+
+
+class ConfigError(ValueError):
+    """A config file or override is wrong; the message says where and what is allowed."""
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    count: int = 0  # evaluator actors; 0 = one per GPU if the preset runs on cuda, else cores // threads
+    threads: int = 1  # CPU threads (pinned, disjoint cores) per CPU evaluator
+    accelerator_type: str | None = None  # optional Ray accelerator type constraint for GPU evaluators
+
+
+@dataclass(frozen=True)
+class MlflowSettings:
+    tracking_uri: str | None = None  # default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db
+    experiment: str = "engine-factory"
+    enabled: bool = True
+
+
+@dataclass(frozen=True)
+class RaySettings:
+    address: str | None = None  # default: $RAY_ADDRESS, else an in-process local Ray
+    num_cpus: int | None = None  # for a local Ray only; default: all cores
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    workload: str = "kda"
+    preset: str = "cpu"
+    name: str = "run"  # run directories are <out_dir>/<name>-<timestamp>
+    out_dir: str = "runs"
+    baselines: tuple[str, ...] | None = None  # None: every baseline available here
+    search: SearchSettings = field(default_factory=SearchSettings)
+    evaluators: PoolSettings = field(default_factory=PoolSettings)
+    evaluator: EvaluatorSettings = field(default_factory=EvaluatorSettings)
+    mlflow: MlflowSettings = field(default_factory=MlflowSettings)
+    ray: RaySettings = field(default_factory=RaySettings)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(self)
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """Read a YAML config (or defaults when `path` is None) and apply `key=value` overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} not found")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config {str(path)!r} is not valid YAML: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"config {str(path)!r} must be a mapping of sections, got {type(data).__name__}")
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like key=value, e.g. search.generations=3")
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+        node[parts[-1]] = yaml.safe_load(raw)
+    return config_from_dict(data)
+
+
+def config_from_dict(data: Mapping[str, Any]) -> RunConfig:
+    return _build(RunConfig, data, "")
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    if cls is EvaluatorSettings:
+        try:
+            return EvaluatorSettings.from_dict(data)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{where}: {exc}") from exc
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where or 'config'} must be a mapping, got {data!r}")
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in {where or 'config'}; allowed: {names}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {name: _convert(hints[name], data[name], f"{where}.{name}".lstrip(".")) for name in names if name in data}
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where or 'config'}: {exc}") from exc
+
+
+def _convert(hint: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        hint = next(a for a in args if a is not type(None))
+        return _convert(hint, value, where)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, where)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where} must be a list, got {value!r}")
+        return tuple(_convert(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool) and not (type(value) is hint):
+        raise ConfigError(f"{where} must be {hint.__name__}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [_to_plain(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _to_plain(v) for k, v in obj.items()}
+    return obj
+
+
+__all__ = ["ConfigError", "MlflowSettings", "PoolSettings", "PopulationSettings", "RaySettings", "RunConfig",
+           "load_config", "config_from_dict"]

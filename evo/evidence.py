@@ -1,0 +1,106 @@
+"""Evidence on disk: every result as it lands, one Parquet file per generation, a checkpoint, a summary.
+
+Run directory layout:
+  config.yaml                 the resolved config
+  evidence.jsonl              one line per result, appended and fsynced as each result arrives
+  generations/gen_0000.parquet one row per candidate of the generation (written before it is reported)
+  baselines.json              each baseline's result
+  state.json                  search state after the last complete generation (agent statistics, RNG)
+  best_genome.json            the best genome so far
+  summary.json                best genome, latencies, speedups, evaluations, count per status
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from evo.records import EvalResult, Evaluated
+from evo.search import GenerationReport, Search
+
+SCHEMA = pa.schema([
+    ("generation", pa.int32()), ("index", pa.int32()), ("genome_hash", pa.string()), ("genome", pa.string()),
+    ("parents", pa.list_(pa.string())), ("agent", pa.string()), ("move", pa.string()), ("move_kind", pa.string()),
+    ("status", pa.string()), ("message", pa.string()), ("error", pa.string()),
+    ("latency_ms", pa.float64()), ("latency_spread_ms", pa.float64()), ("max_rel_error", pa.float64()),
+    ("build_s", pa.float64()), ("eval_s", pa.float64()), ("device", pa.string()), ("threads", pa.int32()),
+    ("evaluator", pa.string()), ("versions", pa.string()),
+])
+
+
+def evidence_row(item: Evaluated) -> dict[str, Any]:
+    p, r = item.proposal, item.result
+    return {
+        "generation": p.generation, "index": p.index, "genome_hash": p.hash, "genome": p.genome.to_json(),
+        "parents": list(p.parents), "agent": p.agent, "move": p.move, "move_kind": p.move_kind,
+        "status": r.status, "message": r.message, "error": r.error, "latency_ms": r.latency_ms,
+        "latency_spread_ms": r.latency_spread_ms, "max_rel_error": r.max_rel_error, "build_s": r.build_s,
+        "eval_s": r.eval_s, "device": r.device, "threads": r.threads, "evaluator": r.evaluator,
+        "versions": json.dumps(r.versions, sort_keys=True),
+    }
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write atomically (temp file, fsync, rename) so a reader never sees half a file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(_finite(data), f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _finite(data: Any) -> Any:
+    """JSON has no NaN/inf: write them as null."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return None
+    if isinstance(data, dict):
+        return {k: _finite(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_finite(v) for v in data]
+    return data
+
+
+class DiskEvidence:
+    """Sink writing the journal per result and the Parquet file and checkpoint per generation."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = Path(run_dir)
+        (self.run_dir / "generations").mkdir(parents=True, exist_ok=True)
+        self._journal = open(self.run_dir / "evidence.jsonl", "a")
+
+    def on_result(self, evaluated: Evaluated) -> None:
+        self._journal.write(json.dumps(_finite(evidence_row(evaluated)), sort_keys=True) + "\n")
+        self._journal.flush()
+        os.fsync(self._journal.fileno())
+
+    def on_generation(self, report: GenerationReport, search: Search) -> None:
+        path = self.generation_path(report.generation)
+        rows = [evidence_row(e) for e in report.evaluated]
+        tmp = path.with_suffix(".parquet.tmp")
+        pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), tmp)
+        os.replace(tmp, path)
+        write_json(self.run_dir / "state.json", search.state())
+        if report.best is not None:
+            write_json(self.run_dir / "best_genome.json", report.best.proposal.genome.to_dict())
+
+    def generation_path(self, generation: int) -> Path:
+        return self.run_dir / "generations" / f"gen_{generation:04d}.parquet"
+
+    def close(self) -> None:
+        self._journal.close()
+
+
+def write_baselines(run_dir: Path, baselines: dict[str, EvalResult]) -> None:
+    write_json(Path(run_dir) / "baselines.json", {name: r.to_dict() for name, r in baselines.items()})
+
+
+def read_generations(run_dir: Path) -> pa.Table:
+    """All generations' evidence as one table."""
+    files = sorted((Path(run_dir) / "generations").glob("gen_*.parquet"))
+    return pa.concat_tables([pq.read_table(f) for f in files]) if files else SCHEMA.empty_table()

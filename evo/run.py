@@ -1,0 +1,177 @@
+"""The driver: config -> Ray -> evaluators and agents -> search loop -> evidence -> summary.
+
+Ray lives here and in `evaluators.pool` / `operators.ray_team`; the search core never sees it.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TextIO
+
+import ray
+import yaml
+
+from evaluators.pool import EvaluatorPool
+from evo.config import RunConfig
+from evo.evidence import DiskEvidence, write_baselines, write_json
+from evo.loop import run_search
+from evo.mlflow_sink import MlflowSink, tracking_uri
+from evo.search import GenerationReport, Search
+from evo.summary import best_baseline, make_summary
+from evo.workloads import get_workload
+from operators.ray_team import RayTeam
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    run_dir: Path
+    summary: dict
+    mlflow_run_id: str | None
+
+
+def new_run_dir(config: RunConfig) -> Path:
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return Path(config.out_dir) / f"{config.name}-{stamp}"
+
+
+def start_ray(config: RunConfig) -> bool:
+    """Join the cluster named by the config or $RAY_ADDRESS; else start a local Ray on 127.0.0.1.
+
+    Returns whether this process started Ray (and so must stop it).
+    """
+    if ray.is_initialized():
+        return False
+    address = config.ray.address or os.environ.get("RAY_ADDRESS")
+    # Workers must import this project: it is pip-installed, and the env keeps the compile cache shared.
+    env = {"env_vars": {k: os.environ[k] for k in ("TORCHINDUCTOR_CACHE_DIR",) if k in os.environ}}
+    if address:
+        ray.init(address=address, runtime_env=env, log_to_driver=False)
+        return True
+    ray.init(num_cpus=config.ray.num_cpus or os.cpu_count(), include_dashboard=False,
+             _node_ip_address="127.0.0.1", runtime_env=env, log_to_driver=False)
+    return True
+
+
+class Progress:
+    """Prints one line per generation: best latency, speedup, fraction valid, evaluations per second."""
+
+    def __init__(self, out: TextIO, baseline_ms: float, budget: int) -> None:
+        self.out, self.baseline_ms, self.budget = out, baseline_ms, budget
+
+    def on_result(self, evaluated) -> None:
+        pass
+
+    def on_generation(self, report: GenerationReport, search: Search) -> None:
+        speedup = self.baseline_ms / report.best_latency_ms
+        best = report.best
+        print(f"gen {report.generation:3d} | best {report.best_latency_ms:8.2f} ms"
+              f" | {speedup:5.2f}x vs best baseline | valid {report.status_counts.get('ok', 0)}/{len(report.evaluated)}"
+              f" | {report.evals_per_s:5.2f} evals/s | evals {report.evaluations}/{self.budget}"
+              f" | best from {best.proposal.agent if best else '-'}", file=self.out, flush=True)
+
+
+class _MlflowGeneration:
+    """Adapter so MLflow gets each generation after its Parquet file is on disk."""
+
+    def __init__(self, sink: MlflowSink, disk: DiskEvidence) -> None:
+        self.sink, self.disk = sink, disk
+
+    def on_result(self, evaluated) -> None:
+        pass
+
+    def on_generation(self, report: GenerationReport, search: Search) -> None:
+        self.sink.on_generation(report, search, self.disk.generation_path(report.generation))
+
+
+def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout) -> RunOutcome:
+    started = time.monotonic()
+    run_dir = Path(run_dir or new_run_dir(config)).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    workload = get_workload(config.workload)
+    presets = workload.presets()
+    if config.preset not in presets:
+        raise ValueError(f"unknown preset {config.preset!r} for workload {config.workload!r}; available: {sorted(presets)}")
+    preset = presets[config.preset]
+    print(f"run directory: {run_dir}", file=out, flush=True)
+    own_ray = start_ray(config)
+    pool = team = mlflow_sink = disk = None
+    status = "FAILED"
+    try:
+        pool = EvaluatorPool(config.workload, preset, config.evaluator, config.search.seed,
+                             config.evaluators.count, config.evaluators.threads, config.evaluators.accelerator_type)
+        print(f"evaluators: {len(pool.slots)} on {pool.describe()[0]['device']}", file=out, flush=True)
+        device = pool.device_info()
+        gene_space = workload.gene_space(preset, device)
+        roofline = workload.roofline(preset, pool.measure_rates())
+        available = list(workload.baselines(preset))
+        names = list(config.baselines) if config.baselines is not None else available
+        missing = [n for n in names if n not in available]
+        if missing:
+            raise ValueError(f"baselines {missing} are not available here; available: {available}")
+        print(f"timing baselines: {', '.join(names)}", file=out, flush=True)
+        baselines = pool.run_baselines(names)
+        write_baselines(run_dir, baselines)
+        for name, result in baselines.items():
+            print(f"  baseline {name:32s} {result.status:10s} {result.latency_ms:9.2f} ms  {result.message[:80]}",
+                  file=out, flush=True)
+        top = best_baseline(baselines)
+        baseline_ms = top[1].latency_ms if top else math.nan
+        print(f"roofline floor: {roofline.floor_ms:.3f} ms", file=out, flush=True)
+
+        disk = DiskEvidence(run_dir)
+        sinks = [disk, Progress(out, baseline_ms, config.search.max_evaluations)]
+        if config.mlflow.enabled:
+            mlflow_sink = MlflowSink(tracking_uri(config.mlflow.tracking_uri), config.mlflow.experiment,
+                                     run_dir.name, config.to_dict(),
+                                     tags={"workload": config.workload, "preset": config.preset,
+                                           "run_dir": str(run_dir), "device": device.name})
+            mlflow_sink.log_baselines(baselines, roofline.floor_ms)
+            sinks.append(_MlflowGeneration(mlflow_sink, disk))
+        team = RayTeam(list(config.search.agents), gene_space, config.search.seed)
+        search = Search(gene_space, config.search, team)
+        run_search(search, pool, sinks)
+
+        summary = make_summary(search, baselines, roofline, config.workload, config.preset,
+                               time.monotonic() - started)
+        summary["mlflow_run_id"] = mlflow_sink.run_id if mlflow_sink else None
+        write_json(run_dir / "summary.json", summary)
+        status = "FINISHED"
+        _print_summary(summary, run_dir, out)
+        return RunOutcome(run_dir, summary, mlflow_sink.run_id if mlflow_sink else None)
+    finally:
+        if disk:
+            disk.close()
+        if mlflow_sink:
+            summary_path = run_dir / "summary.json"
+            mlflow_sink.finish(json.loads(summary_path.read_text()) if summary_path.exists() else {}, run_dir, status)
+        for part in (team, pool):
+            if part:
+                part.close()
+        if own_ray:
+            ray.shutdown()
+
+
+def _print_summary(summary: dict, run_dir: Path, out: TextIO) -> None:
+    print("\nbest engine", summary["best_hash"], file=out)
+    if summary["best_genome"]:
+        for domain in ("fusion", "scheduling", "memory"):
+            genes = ", ".join(f"{k}={v}" for k, v in summary["best_genome"][domain].items())
+            print(f"  {domain:10s} {genes}", file=out)
+    print(f"  latency    {summary['best_latency_ms']:.3f} ms (IQR {summary['best_latency_spread_ms']:.3f}),"
+          f" max rel error {summary['best_max_rel_error']:.2e}", file=out)
+    for name, value in sorted(summary["speedups"].items(), key=lambda kv: kv[1]):
+        print(f"  {value:7.2f}x faster than {name}", file=out)
+    print(f"  {summary['speedup_vs_best_baseline']:7.2f}x faster than the best baseline ({summary['best_baseline']})",
+          file=out)
+    if summary["roofline"]:
+        print(f"  {100 * summary['roofline']['fraction_of_floor']:.1f}% of the roofline floor"
+              f" ({summary['roofline']['floor_ms']:.3f} ms)", file=out)
+    print(f"  evaluations {summary['evaluations']} {summary['status_counts']}", file=out)
+    print(f"run directory: {run_dir}", file=out, flush=True)
