@@ -51,6 +51,7 @@ class RunConfig:
     name: str = "run"  # run directories are <out_dir>/<name>-<timestamp>
     out_dir: str = "runs"
     baselines: tuple[str, ...] | None = None  # None: every baseline available here
+    genes: dict[str, list] | None = None  # restrict genes to these values, e.g. {backend_intra: [eager]}
     search: SearchSettings = field(default_factory=SearchSettings)
     evaluators: PoolSettings = field(default_factory=PoolSettings)
     evaluator: EvaluatorSettings = field(default_factory=EvaluatorSettings)
@@ -122,6 +123,10 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
         return _convert(hint, value, where)
     if dataclasses.is_dataclass(hint):
         return _build(hint, value, where)
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where} must be a mapping, got {value!r}")
+        return dict(value)
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where} must be a list, got {value!r}")

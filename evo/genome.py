@@ -218,6 +218,21 @@ class GeneSpace:
                 continue
         raise RuntimeError(f"no legal genome found in {max_tries} draws from the {self.workload} gene space")
 
+    def restrict(self, allowed: Mapping[str, Iterable[Scalar]]) -> GeneSpace:
+        """A narrower space: gene -> the subset of its values a run may use (e.g. eager backends only)."""
+        genes = {g.name: g for g in self.genes}
+        narrowed = []
+        for name, values in allowed.items():
+            gene = self.gene(name)
+            values = tuple(values)
+            illegal = [v for v in values if not _legal(v, gene.values)]
+            if illegal or not values:
+                raise GenomeError(f"cannot restrict gene {name!r} to {list(values)}: allowed values are {list(gene.values)}")
+            default = gene.default if _legal(gene.default, values) else values[0]
+            narrowed.append(Gene(name, gene.domain, values, default, gene.doc))
+        genes.update({g.name: g for g in narrowed})
+        return GeneSpace(self.workload, tuple(genes[g.name] for g in self.genes), self.constraints)
+
     def describe(self) -> list[dict[str, Any]]:
         """The gene table (for docs, configs and logs)."""
         return [

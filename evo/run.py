@@ -109,6 +109,8 @@ def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout
         print(f"evaluators: {len(pool.slots)} on {pool.describe()[0]['device']}", file=out, flush=True)
         device = pool.device_info()
         gene_space = workload.gene_space(preset, device)
+        if config.genes:
+            gene_space = gene_space.restrict(config.genes)
         roofline = workload.roofline(preset, pool.measure_rates())
         available = list(workload.baselines(preset))
         names = list(config.baselines) if config.baselines is not None else available
