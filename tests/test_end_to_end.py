@@ -1,0 +1,112 @@
+"""A small search on a real local Ray with 2 evaluator actors, real torch engines and a real MLflow store."""
+import io
+import json
+import math
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from evo.config import load_config
+from evo.evidence import read_generations
+from evo.genome import Genome
+from evo.records import STATUSES
+from evo.run import run
+from evo.workloads import get_workload
+from evo.workloads.base import CheckCase, DeviceInfo
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.fixture(scope="module")
+def outcome(ray_local, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("e2e")
+    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    config = load_config(CONFIGS / "kda_smoke.yaml", [f"mlflow.tracking_uri={uri}", "mlflow.experiment=e2e"])
+    log = io.StringIO()
+    result = run(config, tmp / "run", out=log)
+    return result, config, uri, log.getvalue()
+
+
+def test_parquet_evidence_is_complete(outcome):
+    result, config, _, _ = outcome
+    files = sorted((result.run_dir / "generations").glob("gen_*.parquet"))
+    assert [f.name for f in files] == [f"gen_{g:04d}.parquet" for g in range(config.search.generations)]
+    table = read_generations(result.run_dir).to_pylist()
+    assert len(table) == result.summary["evaluations"] <= config.search.max_evaluations
+    hashes = [row["genome_hash"] for row in table]
+    assert len(set(hashes)) == len(hashes), "a genome was evaluated twice"
+    for row in table:
+        assert Genome.from_json(row["genome"]).hash == row["genome_hash"]
+        assert row["status"] in STATUSES and row["agent"] and row["move"]
+        assert set(row["parents"]) <= set(hashes)
+        if row["status"] == "ok":
+            assert math.isfinite(row["latency_ms"]) and row["latency_ms"] > 0 and row["device"]
+            assert row["max_rel_error"] <= 1e-5
+        else:
+            assert row["message"]
+    assert len({row["evaluator"] for row in table}) >= 2, "both evaluator actors should have worked"
+    journal = (result.run_dir / "evidence.jsonl").read_text().splitlines()
+    assert sorted(json.loads(line)["genome_hash"] for line in journal) == sorted(hashes)
+
+
+def test_summary_reports_best_baselines_and_roofline(outcome):
+    result, config, _, log = outcome
+    summary = json.loads((result.run_dir / "summary.json").read_text())
+    assert set(summary["baselines"]) == set(config.baselines)
+    assert all(b["status"] == "ok" for b in summary["baselines"].values())
+    best_ms = summary["best_latency_ms"]
+    assert best_ms > 0
+    rows = read_generations(result.run_dir).to_pylist()
+    assert best_ms == min(r["latency_ms"] for r in rows if r["status"] == "ok")
+    for name, speedup in summary["speedups"].items():
+        assert speedup == pytest.approx(summary["baselines"][name]["latency_ms"] / best_ms)
+    assert 0 < summary["roofline"]["fraction_of_floor"] < 1
+    assert sum(summary["status_counts"].values()) == summary["evaluations"]
+    assert summary["lineage"][0]["hash"] == summary["best_hash"]
+    assert json.loads((result.run_dir / "best_genome.json").read_text()) == summary["best_genome"]
+    assert "best engine" in log and "vs best baseline" in log
+
+
+def test_best_engine_is_correct_on_fresh_inputs(outcome):
+    result, config, _, _ = outcome
+    workload = get_workload("kda")
+    preset = workload.presets()[config.preset]
+    genome = Genome.from_dict(result.summary["best_genome"])
+    engine = workload.build(genome, preset, DeviceInfo("cpu", "cpu", 1))
+    for seed, distribution in ((1234, "standard"), (99, "strong_decay")):
+        case = CheckCase(distribution, {**preset.shape, "T": preset.shape["T"] - 3}, distribution, True)
+        inputs = workload.make_inputs(case, preset.dtype, "cpu", seed)
+        ref = workload.reference({k: v.clone() for k, v in inputs.items()})
+        out = engine(**inputs)
+        for name in ("o", "final_state"):
+            err = (out[name].double() - ref[name]).norm() / ref[name].norm()
+            assert torch.isfinite(out[name]).all() and err < 1e-5, (name, err)
+
+
+def test_mlflow_holds_parent_and_generation_runs(outcome):
+    result, config, uri, _ = outcome
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("e2e")
+    runs = client.search_runs([experiment.experiment_id])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(parents) == 1
+    parent = parents[0]
+    assert parent.info.run_id == result.mlflow_run_id and parent.info.status == "FINISHED"
+    assert parent.data.params["search.seed"] == str(config.search.seed)
+    history = client.get_metric_history(parent.info.run_id, "best_latency_ms")
+    assert [m.step for m in history] == list(range(config.search.generations))
+    assert all(b.value <= a.value for a, b in zip(history, history[1:]))
+    assert parent.data.metrics["speedup_vs_best_baseline"] == pytest.approx(result.summary["speedup_vs_best_baseline"])
+    assert "fraction_of_roofline" in parent.data.metrics
+    assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {"summary.json", "best_genome.json"}
+    children = client.search_runs([experiment.experiment_id],
+                                  filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    assert sorted(int(c.data.tags["generation"]) for c in children) == list(range(config.search.generations))
+    for child in children:
+        evidence = client.list_artifacts(child.info.run_id, "evidence")
+        assert [a.path for a in evidence] == [f"evidence/gen_{int(child.data.tags['generation']):04d}.parquet"]
+        local = client.download_artifacts(child.info.run_id, evidence[0].path)
+        assert pq.read_table(local).num_rows > 0

@@ -1,0 +1,70 @@
+"""Agents: legal children in their own domain only, learning biases proposals, state round-trips."""
+from collections import Counter
+
+import numpy as np
+
+from evo.genome import DOMAINS
+from operators.base import Outcome, Parent
+from operators.fusion import FusionAgent
+from operators.integration import IntegrationAgent
+from operators.scheduling import SchedulingAgent
+from tests.toy_space import toy_space
+
+
+def parents(n=3, seed=0):
+    space = toy_space()
+    rng = np.random.default_rng(seed)
+    return [Parent(space.sample(rng), float(i + 1)) for i in range(n)]
+
+
+def test_fusion_moves_are_legal_and_keep_groups_on_one_backend():
+    space = toy_space()
+    agent = FusionAgent(space, seed=1)
+    proposals = agent.propose(parents(4), 30, generation=1)
+    assert len(proposals) >= 10
+    for p in proposals:
+        assert space.is_legal(p.genome)
+        parent = next(q.genome for q in parents(4) if q.genome.hash == p.parents[0])
+        assert parent.domain("scheduling") == p.genome.domain("scheduling")
+        assert parent.domain("memory") == p.genome.domain("memory")
+        genes = p.genome.domain("fusion")
+        for group in agent.groups(genes):
+            assert len({genes[f"backend_{s}"] for s in group}) == 1
+        assert p.move_kind in {"fuse", "split", "backend"} and p.move
+
+
+def test_learning_biases_move_choice():
+    space = toy_space()
+    biased, fresh = SchedulingAgent(space, seed=5), SchedulingAgent(space, seed=5)
+    biased.learn([Outcome("algorithm", True)] * 30 + [Outcome("chunk_size", False)] * 30)
+    parent = parents(1)[0].genome
+    kinds = lambda agent: Counter(agent._draw_move(parent).kind for _ in range(200))
+    assert kinds(biased)["algorithm"] > 150 > 80 > kinds(fresh)["algorithm"]
+    assert kinds(biased)["chunk_size"] < kinds(fresh)["chunk_size"]
+    assert biased.win_rates()["algorithm"] == 1.0 and biased.win_rates()["chunk_size"] == 0.0
+
+
+def test_state_round_trip_gives_same_proposals():
+    space = toy_space()
+    agent = SchedulingAgent(space, seed=9)
+    agent.learn([Outcome("layout", True)])
+    agent.propose(parents(), 3, 0)
+    saved = agent.state()
+    first = [p.hash for p in agent.propose(parents(), 5, 1)]
+    restored = SchedulingAgent(space, seed=0)
+    restored.load_state(saved)
+    assert [p.hash for p in restored.propose(parents(), 5, 1)] == first
+
+
+def test_integration_takes_whole_domains_from_two_parents():
+    space = toy_space()
+    ps = parents(3, seed=4)
+    proposals = IntegrationAgent(space, seed=2).propose(ps, 4, 1)
+    assert proposals
+    by_hash = {p.genome.hash: p.genome for p in ps}
+    for child in proposals:
+        a, b = (by_hash[h] for h in child.parents)
+        assert a.hash != b.hash and space.is_legal(child.genome)
+        for domain in DOMAINS:
+            assert child.genome.domain(domain) in (a.domain(domain), b.domain(domain))
+        assert child.genome.hash not in by_hash
