@@ -1,0 +1,182 @@
+"""Correctness policy: an engine against the workload's float64 reference, on fresh inputs.
+
+For each case of each cascade stage (cheap stages first, stop at the first failing one) the check
+draws fresh inputs, snapshots them, runs the engine and verifies, in order:
+
+1. the inputs are unchanged after the call (engines must not write into their inputs);
+2. every declared output is present, a tensor, with the reference's shape and the expected dtype;
+3. every output is finite (NaN/inf never pass) and not all zeros (unless the reference is);
+4. norm-wise relative error <= tol and max abs error <= factor * tol * max|ref| (see settings.py).
+
+Seeds come from a `SeedStream`: a per-evaluator counter mixed with a base seed, so no seed repeats
+within one evaluator and an engine can never be tuned to a fixed input.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from evo.workloads.base import CheckCase, Engine, Preset, Workload
+
+
+class SeedStream:
+    """Fresh input seeds for one evaluator: derived from (base seed, name, counter), never repeated."""
+
+    def __init__(self, seed: int, name: str = "") -> None:
+        self._entropy = [int(seed) & 0xFFFFFFFF, zlib.crc32(name.encode())]
+        self._counter = 0
+        self._used: set[int] = set()
+
+    def next(self) -> int:
+        while True:
+            seq = np.random.SeedSequence(self._entropy, spawn_key=(self._counter,))
+            self._counter += 1
+            # 63 bits: accepted by torch.manual_seed and numpy alike.
+            hi, lo = (int(w) for w in seq.generate_state(2, np.uint32))
+            seed = ((hi << 32) | lo) & ((1 << 63) - 1)
+            if seed not in self._used:
+                self._used.add(seed)
+                return seed
+
+    @property
+    def drawn(self) -> int:
+        return len(self._used)
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    """Outcome of the correctness cascade. `max_rel_error` is the worst norm-wise error seen."""
+
+    passed: bool
+    max_rel_error: float
+    message: str
+    cases_run: int = 0
+
+
+class EngineCallError(RuntimeError):
+    """The engine raised while running a check case; the original exception is `__cause__`."""
+
+    def __init__(self, case: str, exc: BaseException) -> None:
+        super().__init__(f"engine raised {type(exc).__name__} on check case {case!r}: {exc}")
+        self.case = case
+
+
+def expected_dtypes(workload: Workload, preset: Preset) -> dict[str, str]:
+    """Output name -> dtype the engine must return: the preset's I/O dtype unless the workload
+    declares otherwise through an optional `output_dtypes(preset) -> {name: dtype}`."""
+    dtypes = {name: preset.dtype for name in workload.output_names}
+    declared = getattr(workload, "output_dtypes", None)
+    if callable(declared):
+        dtypes.update(declared(preset))
+    return dtypes
+
+
+def check_engine(
+    engine: Engine,
+    workload: Workload,
+    preset: Preset,
+    stages: Sequence[Sequence[CheckCase]],
+    seeds: SeedStream,
+    *,
+    device: str,
+    tolerance: float,
+    elementwise_factor: float,
+) -> CheckReport:
+    """Run the cascade; stop at the first failing stage. Raises EngineCallError if the engine raises."""
+    dtypes = expected_dtypes(workload, preset)
+    worst, run = math.nan, 0  # nan until a case has been compared
+    for stage_index, stage in enumerate(stages):
+        for case in stage:
+            inputs = workload.make_inputs(case, preset.dtype, device, seeds.next())
+            snapshot = _clone(inputs)
+            try:
+                outputs = engine(**inputs)
+            except Exception as exc:
+                raise EngineCallError(case.name, exc) from exc
+            run += 1
+            where = f"stage {stage_index} case {case.name!r}"
+            changed = _changed_inputs(inputs, snapshot)
+            if changed:
+                return CheckReport(False, worst, f"{where}: engine modified its inputs in place: {changed}", run)
+            reference = workload.reference(snapshot)
+            problem, rel = compare_outputs(outputs, reference, dtypes, tolerance, elementwise_factor)
+            worst = _worse(worst, rel)
+            if problem:
+                return CheckReport(False, worst, f"{where}: {problem}", run)
+    return CheckReport(True, worst, f"passed {run} cases in {len(stages)} stages (tol {tolerance:.1e})", run)
+
+
+def compare_outputs(
+    outputs: object,
+    reference: Mapping[str, torch.Tensor],
+    dtypes: Mapping[str, str],
+    tolerance: float,
+    elementwise_factor: float,
+) -> tuple[str, float]:
+    """(problem or "", worst norm-wise relative error) of engine outputs against the reference."""
+    if not isinstance(outputs, Mapping):
+        return f"engine must return a dict of outputs {sorted(dtypes)}, got {type(outputs).__name__}", math.nan
+    worst = math.nan  # nan until an output has been measured
+    for name, want_dtype in dtypes.items():
+        if name not in outputs:
+            return f"output {name!r} missing; got outputs {sorted(outputs)}", worst
+        out, ref = outputs[name], reference[name]
+        if not isinstance(out, torch.Tensor):
+            return f"output {name!r} is a {type(out).__name__}, expected a torch.Tensor", worst
+        if tuple(out.shape) != tuple(ref.shape):
+            return f"output {name!r} has shape {tuple(out.shape)}, expected {tuple(ref.shape)}", worst
+        if str(out.dtype).removeprefix("torch.") != want_dtype:
+            return f"output {name!r} has dtype {out.dtype}, expected {want_dtype}", worst
+        out64 = out.detach().to(torch.float64)
+        ref64 = ref.detach().to(device=out64.device, dtype=torch.float64)
+        if not torch.isfinite(ref64).all():
+            raise ValueError(f"reference output {name!r} is not finite: the workload's reference or inputs are wrong")
+        if not torch.isfinite(out64).all():
+            bad = int((~torch.isfinite(out64)).sum())
+            return f"output {name!r} has {bad} non-finite values (NaN/inf) of {out64.numel()}", math.inf
+        ref_norm = float(torch.linalg.vector_norm(ref64))
+        if ref_norm > 0 and not out64.any():
+            return f"output {name!r} is all zeros (reference norm {ref_norm:.3e})", 1.0
+        err = out64 - ref64
+        rel = float(torch.linalg.vector_norm(err)) / max(ref_norm, torch.finfo(torch.float64).tiny)
+        worst = _worse(worst, rel)
+        if rel > tolerance:
+            return f"output {name!r} norm-wise relative error {rel:.3e} > tolerance {tolerance:.1e}", worst
+        max_err = float(err.abs().max()) if err.numel() else 0.0
+        bound = elementwise_factor * tolerance * (float(ref64.abs().max()) if ref64.numel() else 0.0)
+        if max_err > bound:
+            return (
+                f"output {name!r} max abs error {max_err:.3e} > {elementwise_factor:g} x tol {tolerance:.1e}"
+                f" x max|ref| = {bound:.3e} (norm-wise {rel:.3e} passed)"
+            ), worst
+    return "", worst
+
+
+def _worse(a: float, b: float) -> float:
+    """The larger error, ignoring nan (nan means 'not measured')."""
+    if math.isnan(a):
+        return b
+    return a if math.isnan(b) else max(a, b)
+
+
+def _clone(inputs: Mapping[str, object]) -> dict[str, object]:
+    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+def _changed_inputs(inputs: Mapping[str, object], snapshot: Mapping[str, object]) -> list[str]:
+    return [k for k in _tensor_keys(snapshot) if not _same(inputs[k], snapshot[k])]
+
+
+def _tensor_keys(values: Mapping[str, object]) -> Iterable[str]:
+    return (k for k, v in values.items() if isinstance(v, torch.Tensor))
+
+
+def _same(a: object, b: torch.Tensor) -> bool:
+    if not isinstance(a, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return bool(torch.equal(a, b) or torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True))

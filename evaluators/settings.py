@@ -1,0 +1,128 @@
+"""Evaluator settings: every option declared once, with its default, its doc and its check.
+
+Tolerance policy
+----------------
+An engine passes a correctness case when, for every output, both bounds hold (errors computed in
+float64 against the float64 reference, which is fed the very same inputs the engine saw):
+
+* norm-wise: ``||out - ref||_2 / ||ref||_2 <= tol[dtype]``
+* element-wise: ``max|out - ref| <= elementwise_factor * tol[dtype] * max|ref|``
+
+``dtype`` is the preset's input/output dtype, never the engine's internal compute dtype: an engine
+that computes a float32 preset in bfloat16 is judged by the float32 bound and fails.
+
+* float32 (unit roundoff u = 6e-8): 1e-5 leaves ~100x room for a different summation order over
+  long recurrences and chunked reformulations, yet catches any bf16/tf32 shortcut (~1e-3).
+* bfloat16 (u = 3.9e-3): 6e-3 covers rounding the outputs to bfloat16 (~1e-3 norm-wise) plus
+  bf16 intermediates, and still catches wrong math (errors of order 1).
+
+The element-wise bound catches a few badly wrong elements that a norm over millions would hide.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Mapping
+
+DEFAULT_TOLERANCES: dict[str, float] = {"float32": 1e-5, "bfloat16": 6e-3}
+
+
+def _option(default: Any, doc: str, check: Callable[[Any], bool], *, factory: bool = False, **kw: Any) -> Any:
+    """A dataclass field carrying its doc and its validity check in the metadata."""
+    meta = {"doc": doc, "check": check}
+    if factory:
+        return field(default_factory=default, metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)
+
+
+def _positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def _count(minimum: int) -> Callable[[Any], bool]:
+    return lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= minimum
+
+
+def _tolerances_ok(x: Any) -> bool:
+    return isinstance(x, Mapping) and len(x) > 0 and all(isinstance(k, str) and _positive(v) for k, v in x.items())
+
+
+@dataclass(frozen=True)
+class EvaluatorSettings:
+    """How an evaluator checks and times engines. See the module docstring for the tolerance policy."""
+
+    tolerances: dict[str, float] = _option(
+        lambda: dict(DEFAULT_TOLERANCES),
+        "dtype name -> bound on the norm-wise relative error ||out-ref||/||ref|| (preset I/O dtype)",
+        _tolerances_ok,
+        factory=True,
+        hash=False,
+    )
+    elementwise_factor: float = _option(
+        10.0, "max|out-ref| must also be <= factor * tol * max|ref| for every output", _positive
+    )
+    warmup: int = _option(3, "untimed calls before the timed repeats", _count(0))
+    repeats: int = _option(15, "timed calls; the latency is their median, the spread their IQR", _count(1))
+    input_sets: int = _option(3, "input sets drawn at the preset shape and rotated across timed calls", _count(1))
+    build_timeout_s: float = _option(
+        120.0, "build plus first (compiling) call longer than this gives status 'timeout'", _positive
+    )
+    eval_timeout_s: float = _option(
+        300.0, "whole evaluation budget; the pool kills an evaluator that exceeds it (hangs)", _positive
+    )
+    min_timing_s: float | None = _option(
+        None,
+        "if set, keep timing past `repeats` until the timed calls add up to this many seconds",
+        lambda x: x is None or _positive(x),
+    )
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not f.metadata["check"](value):
+                raise ValueError(
+                    f"EvaluatorSettings.{f.name}={value!r} is not valid: {f.metadata['doc']}"
+                    f" (default {_default(f)!r})"
+                )
+        object.__setattr__(self, "tolerances", {k: float(v) for k, v in self.tolerances.items()})
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> EvaluatorSettings:
+        """Settings from a config mapping; unknown keys are an error that lists the allowed ones.
+
+        `tolerances` given here are merged over the defaults, so a config can change one dtype.
+        """
+        data = dict(data or {})
+        allowed = [f.name for f in fields(cls)]
+        unknown = sorted(set(data) - set(allowed))
+        if unknown:
+            raise ValueError(
+                f"unknown evaluator settings {unknown}; allowed: {allowed}. "
+                f"See EvaluatorSettings.describe() for each option's default and meaning."
+            )
+        if isinstance(data.get("tolerances"), Mapping):
+            data["tolerances"] = {**DEFAULT_TOLERANCES, **data["tolerances"]}
+        return cls(**data)
+
+    def tolerance(self, dtype: str) -> float:
+        """The norm-wise bound for a preset whose I/O dtype is `dtype`."""
+        if dtype not in self.tolerances:
+            raise ValueError(
+                f"no tolerance for dtype {dtype!r}; configured: {sorted(self.tolerances)}. "
+                f"Add it under evaluator settings 'tolerances'."
+            )
+        return self.tolerances[dtype]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def describe(cls) -> list[dict[str, Any]]:
+        """The options table: name, default, doc."""
+        return [{"option": f.name, "default": _default(f), "doc": f.metadata["doc"]} for f in fields(cls)]
+
+
+def _default(f: Any) -> Any:
+    from dataclasses import MISSING
+
+    return f.default_factory() if f.default is MISSING else f.default
