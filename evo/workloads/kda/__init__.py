@@ -1,0 +1,57 @@
+"""Kimi Delta Attention (KDA) forward, inference: the first workload of the engine factory.
+
+`WORKLOAD` satisfies `evo.workloads.base.Workload`. Modules: reference (float64 oracle), inputs
+(presets, distributions, check cases), genes (gene space and Plan), stages (the chunked math),
+engine (genome -> engine), baselines, roofline.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from evo.genome import GeneSpace, Genome
+from evo.workloads.base import CheckCase, DeviceInfo, Engine, MachineRates, Preset, Roofline
+from evo.workloads.kda import baselines as _baselines
+from evo.workloads.kda import engine as _engine
+from evo.workloads.kda import genes as _genes
+from evo.workloads.kda import inputs as _inputs
+from evo.workloads.kda import reference as _reference
+from evo.workloads.kda import roofline as _roofline
+
+
+class KdaWorkload:
+    name = "kda"
+    input_names = ("q", "k", "v", "g", "beta", "initial_state")
+    output_names = ("o", "final_state")
+
+    def presets(self) -> dict[str, Preset]:
+        return _inputs.presets()
+
+    def gene_space(self, preset: Preset, device: DeviceInfo) -> GeneSpace:
+        return _genes.gene_space(preset, device)
+
+    def check_cases(self, preset: Preset) -> list[list[CheckCase]]:
+        return _inputs.check_cases(preset)
+
+    def make_inputs(self, case: CheckCase, dtype: str, device: str, seed: int) -> dict:
+        return _inputs.make_inputs(case, dtype, device, seed)
+
+    def output_dtypes(self, preset: Preset) -> dict[str, str]:
+        """o comes back in the input dtype; the state is always float32."""
+        return {"o": preset.dtype, "final_state": "float32"}
+
+    def reference(self, inputs: dict) -> dict:
+        return _reference.reference(inputs)
+
+    def build(self, genome: Genome, preset: Preset, device: DeviceInfo) -> Engine:
+        return _engine.build(genome, preset, device)
+
+    def baselines(self, preset: Preset) -> dict[str, Callable[[DeviceInfo], Engine]]:
+        return _baselines.baselines(preset)
+
+    def roofline(self, preset: Preset, rates: MachineRates) -> Roofline:
+        return _roofline.roofline(preset, rates)
+
+
+WORKLOAD = KdaWorkload()
+
+__all__ = ["WORKLOAD", "KdaWorkload"]

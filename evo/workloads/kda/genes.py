@@ -1,0 +1,142 @@
+"""The KDA gene space and the plan an engine is built from.
+
+Stages, in order: gate (chunk-local cumulative sum of g), l2norm, intra (intra-chunk matrices and
+the unit-lower-triangular solve), recurrence (the inter-chunk state loop), output.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from evo.genome import Constraint, Gene, GeneSpace, Genome, Scalar
+from evo.workloads.base import DeviceInfo, Preset
+
+STAGES = ("gate", "l2norm", "intra", "recurrence", "output")
+FUSE_GENES = ("fuse_gate_l2norm", "fuse_l2norm_intra", "fuse_intra_recurrence", "fuse_recurrence_output")
+BACKEND_VALUES = ("eager", "compile")
+CPU_THREADS = (1, 2, 4, 8, 16)
+
+
+def _fusion_genes() -> list[Gene]:
+    docs = {
+        "fuse_gate_l2norm": "run gate and l2norm in one function (one compiled graph when compiled)",
+        "fuse_l2norm_intra": "run l2norm and the intra-chunk matrices in one function",
+        "fuse_intra_recurrence": "compute intra-chunk matrices per chunk inside the state loop",
+        "fuse_recurrence_output": "compute the output inside the state loop (else one batched pass after it)",
+    }
+    defaults = {"fuse_gate_l2norm": True}
+    genes = [
+        Gene(name, "fusion", (defaults.get(name, False), not defaults.get(name, False)), defaults.get(name, False), doc)
+        for name, doc in docs.items()
+    ]
+    genes += [
+        Gene(f"backend_{stage}", "fusion", BACKEND_VALUES, "eager", f"how the {stage} stage runs: eager torch or torch.compile")
+        for stage in STAGES
+    ]
+    return genes
+
+
+def _scheduling_genes(device: DeviceInfo) -> list[Gene]:
+    threads = tuple(t for t in CPU_THREADS if t <= max(1, device.threads)) if device.kind == "cpu" else (1,)
+    # CPU: C=16 (one sub-chunk, few exps, cheap loop steps) measured fastest; GPU: fewer, fatter chunks
+    chunk_sizes = (16, 32, 64, 128) if device.kind == "cpu" else (64, 16, 32, 128)
+    return [
+        Gene("chunk_size", "scheduling", chunk_sizes, chunk_sizes[0], "tokens per chunk C"),
+        Gene("sub_chunk_size", "scheduling", (16, 8, 32, 64), 16,
+             "sub-chunk size c for factored_subchunk and blocked_inverse; must divide chunk_size"),
+        Gene("intra_algorithm", "scheduling", ("blocked_inverse", "forward_substitution", "triangular_solve"),
+             "blocked_inverse", "how (I + A) X = R is solved inside a chunk"),
+        Gene("exponent_form", "scheduling", ("factored_subchunk", "pairwise", "factored_chunk"), "factored_subchunk",
+             "pairwise: [C,C,K] exp differences (stable, slow); factored_subchunk: per sub-chunk block offsets "
+             "(stable for c <= 32 at g >= -5); factored_chunk: exp(G) exp(-G) over the chunk (overflows under "
+             "strong decay)"),
+        Gene("threads", "scheduling", threads, threads[-1] if device.kind == "cpu" else 1,
+             "CPU threads the evaluator sets around calls"),
+    ]
+
+
+def _memory_genes(preset: Preset) -> list[Gene]:
+    dtypes = ("float32", "bfloat16") if preset.dtype == "bfloat16" else ("float32",)
+    return [
+        Gene("compute_dtype", "memory", dtypes, "float32",
+             "dtype of the intra-chunk and output matmul operands (the state stays float32)"),
+        Gene("layout", "memory", ("head_major", "time_major"), "head_major",
+             "head_major: copy to [B,H,T,*] once; time_major: strided views of [B,T,H,*]"),
+        Gene("state_layout", "memory", ("kv", "vk"), "kv", "state held as [K,V] or transposed [V,K]"),
+        Gene("intermediates", "memory", ("store", "recompute"), "store",
+             "store gated q/k once for all chunks, or recompute them where used"),
+        Gene("preallocate_outputs", "memory", (False, True), False,
+             "write outputs into buffers kept per shape (valid until the next call of that shape)"),
+    ]
+
+
+def _same_backend_when_fused(values: Mapping[str, Scalar]) -> str | None:
+    for gene, (left, right) in zip(FUSE_GENES, zip(STAGES, STAGES[1:])):
+        bl, br = values.get(f"backend_{left}"), values.get(f"backend_{right}")
+        if values.get(gene) is True and bl != br:
+            return (f"{gene}=True joins stages {left!r} and {right!r}, but backend_{left}={bl!r} and "
+                    f"backend_{right}={br!r}; give both one backend or set {gene}=False")
+    return None
+
+
+def _sub_chunk_divides_chunk(values: Mapping[str, Scalar]) -> str | None:
+    c, C = values.get("sub_chunk_size"), values.get("chunk_size")
+    if isinstance(c, int) and isinstance(C, int) and (c > C or C % c):
+        return f"sub_chunk_size={c} must divide chunk_size={C} and be <= it; pick a divisor of {C}"
+    return None
+
+
+def gene_space(preset: Preset, device: DeviceInfo) -> GeneSpace:
+    """Genes legal for `preset` on `device` (names are a contract with operators and configs)."""
+    genes = _fusion_genes() + _scheduling_genes(device) + _memory_genes(preset)
+    constraints = (
+        Constraint("fused stages share one backend", _same_backend_when_fused),
+        Constraint("sub_chunk_size divides chunk_size", _sub_chunk_divides_chunk),
+    )
+    return GeneSpace("kda", tuple(genes), constraints)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated genome as typed fields: what the stage functions read."""
+
+    fuse: tuple[bool, bool, bool, bool]  # links between adjacent STAGES
+    backends: tuple[str, ...]  # one per stage
+    chunk_size: int
+    sub_chunk_size: int
+    intra_algorithm: str
+    exponent_form: str
+    threads: int
+    compute_dtype: str
+    layout: str
+    state_layout: str
+    intermediates: str
+    preallocate_outputs: bool
+
+    @classmethod
+    def from_genome(cls, genome: Genome) -> Plan:
+        v = genome.values()
+        return cls(
+            fuse=tuple(bool(v[g]) for g in FUSE_GENES),
+            backends=tuple(str(v[f"backend_{s}"]) for s in STAGES),
+            chunk_size=int(v["chunk_size"]),
+            sub_chunk_size=int(v["sub_chunk_size"]),
+            intra_algorithm=str(v["intra_algorithm"]),
+            exponent_form=str(v["exponent_form"]),
+            threads=int(v["threads"]),
+            compute_dtype=str(v["compute_dtype"]),
+            layout=str(v["layout"]),
+            state_layout=str(v["state_layout"]),
+            intermediates=str(v["intermediates"]),
+            preallocate_outputs=bool(v["preallocate_outputs"]),
+        )
+
+    def groups(self) -> list[tuple[tuple[str, ...], str]]:
+        """Fused groups of consecutive stages, each with its (shared) backend."""
+        groups = [[STAGES[0]]]
+        for stage, linked in zip(STAGES[1:], self.fuse):
+            if linked:
+                groups[-1].append(stage)
+            else:
+                groups.append([stage])
+        return [(tuple(g), self.backends[STAGES.index(g[0])]) for g in groups]

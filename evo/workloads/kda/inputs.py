@@ -1,0 +1,74 @@
+"""Presets, input distributions and the cascade of correctness cases."""
+from __future__ import annotations
+
+import torch
+
+from evo.workloads.base import CheckCase, Preset
+
+PRESETS: dict[str, Preset] = {
+    "cpu": Preset("cpu", {"B": 1, "T": 1024, "H": 4, "K": 64, "V": 64}, "float32", "cpu"),
+    "cpu_small": Preset("cpu_small", {"B": 1, "T": 256, "H": 2, "K": 32, "V": 32}, "float32", "cpu"),
+    "h200": Preset("h200", {"B": 1, "T": 8192, "H": 96, "K": 128, "V": 128}, "bfloat16", "cuda"),
+}
+
+DISTRIBUTIONS = ("standard", "strong_decay", "heavy")
+STRONG_DECAY_MIN = -5.0  # per-step log decay floor (the bound of fla's safe gate)
+STRONG_DECAY_FRACTION = 0.25  # share of channels that decay strongly
+
+
+def presets() -> dict[str, Preset]:
+    return dict(PRESETS)
+
+
+def _student_t(shape: tuple[int, ...], df: int, gen: torch.Generator) -> torch.Tensor:
+    z = torch.randn(shape, generator=gen)
+    chi2 = (torch.randn((df, *shape), generator=gen) ** 2).sum(0)
+    return z / torch.sqrt(chi2 / df)
+
+
+def make_inputs(case: CheckCase, dtype: str, device: str, seed: int) -> dict:
+    """Fresh inputs for `case`: q, k, v, g, beta in `dtype`, initial_state float32 (or absent)."""
+    if case.distribution not in DISTRIBUTIONS:
+        raise ValueError(f"unknown distribution {case.distribution!r}; allowed: {list(DISTRIBUTIONS)}")
+    gen = torch.Generator().manual_seed(seed)
+    s = case.shape
+    B, T, H, K, V = s["B"], s["T"], s["H"], s["K"], s["V"]
+    if case.distribution == "heavy":
+        q = _student_t((B, T, H, K), 2, gen) * 10
+        k = _student_t((B, T, H, K), 2, gen) * 10
+        v = torch.randn(B, T, H, V, generator=gen) * 100
+    else:
+        q = torch.randn(B, T, H, K, generator=gen)
+        k = torch.randn(B, T, H, K, generator=gen)
+        v = torch.randn(B, T, H, V, generator=gen)
+    # mild decay: logsigmoid(N(3, 1)) ~ -0.05 per step
+    g = torch.nn.functional.logsigmoid(3 + torch.randn(B, T, H, K, generator=gen))
+    if case.distribution == "strong_decay":
+        strong = torch.rand(B, 1, H, K, generator=gen) < STRONG_DECAY_FRACTION
+        u = torch.rand(B, T, H, K, generator=gen)
+        g = torch.where(strong, STRONG_DECAY_MIN + u * (-1 - STRONG_DECAY_MIN), g)
+    beta = torch.sigmoid(torch.randn(B, T, H, generator=gen))
+    dt = getattr(torch, dtype)
+    out = {n: x.to(device=device, dtype=dt) for n, x in zip(("q", "k", "v", "g", "beta"), (q, k, v, g, beta))}
+    if case.with_initial_state:
+        out["initial_state"] = torch.randn(B, H, K, V, generator=gen).to(device)
+    return out
+
+
+def check_cases(preset: Preset) -> list[list[CheckCase]]:
+    """Stage 1: small and cheap (ragged T=77, T=1). Stage 2: the preset shape and its hard cases."""
+    full = dict(preset.shape)
+    small = {**full, "T": 77, "H": min(2, full["H"])}
+    stage1 = [
+        CheckCase("small_standard_h0", small, "standard", True),
+        CheckCase("small_strong_decay_h0", small, "strong_decay", True),
+        CheckCase("t1_standard_h0", {**small, "T": 1}, "standard", True),
+    ]
+    stage2 = [
+        CheckCase("full_standard", full, "standard"),
+        CheckCase("full_strong_decay_h0", full, "strong_decay", True),
+        CheckCase("full_heavy_h0", full, "heavy", True),
+        CheckCase("ragged_standard", {**full, "T": full["T"] - 17}, "standard", True),
+        CheckCase("long_standard_h0", {**full, "T": 4 * full["T"], "H": 1}, "standard", True),
+    ]
+    return [stage1, stage2]
