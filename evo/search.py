@@ -35,6 +35,7 @@ class SearchSettings:
     max_wall_s: float = 540.0  # no new generation starts after this many seconds
     agents: tuple[str, ...] = AGENT_NAMES  # agents taking part, offspring shared round-robin
     parents_per_agent: int = 3  # parents offered to each agent per generation
+    seed_genes: dict[str, list] | None = None  # restrict random seeds (not agents), e.g. {backend_intra: [eager]}
     population: PopulationSettings = field(default_factory=PopulationSettings)
 
     def __post_init__(self) -> None:
@@ -83,6 +84,7 @@ class Search:
         self.team = team
         self.population = Population(settings.population)
         self.rng = np.random.default_rng(derive_seed(settings.seed, "search"))
+        self.seed_space = gene_space.restrict(settings.seed_genes) if settings.seed_genes else gene_space
         self.known: dict[str, Evaluated] = {}  # every evaluated genome by hash
         self.pending: dict[str, Proposal] = {}  # asked, not yet told
         self.generation = 0
@@ -143,7 +145,7 @@ class Search:
         for _ in range(50 * max(n, 1)):
             if len(out) >= n:
                 break
-            genome = self.gene_space.sample(self.rng)
+            genome = self.seed_space.sample(self.rng)
             if genome.hash in self.known or genome.hash in taken:
                 continue
             taken.add(genome.hash)

@@ -128,3 +128,13 @@ def test_population_elitism_and_tournament():
     assert not pop.offer(failed) and math.isinf(failed.fitness)
     parents = pop.select_parents(np.random.default_rng(1), 4)
     assert parents[0].fitness == 5.0 and all(p in pop.members for p in parents)
+
+
+def test_seed_genes_restrict_random_seeds_but_not_agents():
+    eager_only = {f"backend_{s}": ["eager"] for s in ("prep", "solve", "out")}
+    search, _, recorder, _ = run(generations=8, max_evaluations=60, seed_genes=eager_only)
+    seeds = [e for e in recorder.results if e.proposal.agent == "seed"]
+    assert len(seeds) >= 6
+    assert all(v == "eager" for e in seeds for k, v in e.proposal.genome.domain("fusion").items() if k.startswith("backend"))
+    explored = {v for e in recorder.results for k, v in e.proposal.genome.domain("fusion").items() if k.startswith("backend")}
+    assert "compile" in explored, "the fusion agent should still try other backends"

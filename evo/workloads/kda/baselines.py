@@ -11,9 +11,11 @@ from evo.workloads.base import DeviceInfo, Engine, Preset
 from evo.workloads.kda.reference import l2norm, recurrent_kda
 
 
-def chunk_pairwise(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, dtype=torch.float32) -> dict:
+def chunk_pairwise(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, dtype=torch.float32,
+                   intra=None, step=None) -> dict:
     """The chunked form straight from the math, pairwise exp differences [C, C, K] inside a chunk.
-    Independent of the engine's stage code; in float64 it cross-checks the reference."""
+    Independent of the engine's stage code; in float64 it cross-checks the reference.
+    `intra` and `step` replace the two parts (e.g. by their torch.compile'd versions)."""
     B, T, H, K = q.shape
     V, C = v.shape[-1], chunk_size
     pad = -T % C
@@ -23,25 +25,46 @@ def chunk_pairwise(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, d
         return x.transpose(1, 2).unflatten(2, (-1, C))
 
     q, k = chunks(l2norm(q.to(dtype)) * K**-0.5), chunks(l2norm(k.to(dtype)))
-    v, g, beta = chunks(v), chunks(g), chunks(beta)
+    W, U0, M, Qg, Kd, gammaC = (intra or _pairwise_intra)(q, k, chunks(v), chunks(g), chunks(beta))
+    S = initial_state.to(dtype) if initial_state is not None else q.new_zeros(B, H, K, V)
+    outs = []
+    for n in range(W.shape[2]):
+        o_n, S = (step or _chunk_step)(S, W[:, :, n], U0[:, :, n], M[:, :, n], Qg[:, :, n], Kd[:, :, n], gammaC[:, :, n])
+        outs.append(o_n)
+    o = torch.stack(outs, 2).flatten(2, 3).transpose(1, 2)[:, :T]
+    return {"o": o, "final_state": S}
+
+
+def _pairwise_intra(q, k, v, g, beta):
+    """Everything that does not depend on the chunk's start state, for all chunks at once."""
+    C, dtype = q.shape[-2], q.dtype
     G = g.cumsum(-2)  # [B, H, N, C, K]
-    causal = torch.ones(C, C, dtype=torch.bool).tril()
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     diff = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(~causal[:, :, None], float("-inf"))
     E = diff.exp()  # [B, H, N, C(t), C(i), K] = exp(G_t - G_i) for i <= t
     A = torch.einsum("bhntk,bhnik,bhntik->bhnti", k, k, E).tril(-1) * beta[..., None]
     M = torch.einsum("bhntk,bhnik,bhntik->bhnti", q, k, E)
-    L = A + torch.eye(C, dtype=dtype)
+    L = A + torch.eye(C, dtype=dtype, device=q.device)
     W = torch.linalg.solve_triangular(L, beta[..., None] * k * G.exp(), upper=False)
     U0 = torch.linalg.solve_triangular(L, beta[..., None] * v, upper=False)
-    S = initial_state.to(dtype) if initial_state is not None else q.new_zeros(B, H, K, V)
-    o = torch.empty_like(v)
-    for n in range(G.shape[2]):
-        Gn, gCn = G[:, :, n], G[:, :, n, -1]
-        U = U0[:, :, n] - W[:, :, n] @ S
-        o[:, :, n] = (q[:, :, n] * Gn.exp()) @ S + M[:, :, n] @ U
-        S = gCn.exp()[..., None] * S + (k[:, :, n] * (gCn[..., None, :] - Gn).exp()).transpose(-1, -2) @ U
-    o = o.flatten(2, 3).transpose(1, 2)[:, :T]
-    return {"o": o, "final_state": S}
+    gC = G[..., -1, :]  # [B, H, N, K]
+    return W, U0, M, q * G.exp(), k * (gC[..., None, :] - G).exp(), gC.exp()
+
+
+def _chunk_step(S, W, U0, M, Qg, Kd, gammaC):
+    """One chunk of the state recurrence: output of the chunk and the next start state."""
+    U = U0 - W @ S
+    return Qg @ S + M @ U, gammaC[..., None] * S + Kd.transpose(-1, -2) @ U
+
+
+def _compiled_chunk_pairwise():
+    """torch.compile (default mode) of the pairwise chunked form: its vectorised intra-chunk pass and
+    its per-chunk step are compiled; the loop over chunks stays in Python, since compiling the whole
+    function would unroll that loop for every sequence length (minutes of compile per shape).
+    dynamic=True: one graph serves every checked length instead of a recompile per shape."""
+    intra, step = torch.compile(_pairwise_intra, dynamic=True), torch.compile(_chunk_step, dynamic=True)
+    return lambda q, k, v, g, beta, initial_state=None: chunk_pairwise(q, k, v, g, beta, initial_state,
+                                                                      intra=intra, step=step)
 
 
 class _Baseline:
@@ -84,7 +107,7 @@ def baselines(preset: Preset) -> dict[str, Callable[[DeviceInfo], Engine]]:
     out: dict[str, Callable[[DeviceInfo], Engine]] = {
         "eager_recurrent": lambda d: _Baseline(_eager_recurrent, d),
         "chunk_pairwise_c64": lambda d: _Baseline(chunk_pairwise, d),
-        "chunk_pairwise_c64_compiled": lambda d: _Baseline(torch.compile(chunk_pairwise), d),
+        "chunk_pairwise_c64_compiled": lambda d: _Baseline(_compiled_chunk_pairwise(), d),
     }
     if _fla_available():
         out["fla_naive_chunk"] = lambda d: _Baseline(_fla_naive_chunk, d)

@@ -21,32 +21,22 @@ def _eager(fn: GroupFn) -> GroupFn:
 
 
 def _compile(fn: GroupFn) -> GroupFn:
-    return torch.compile(fn)  # default mode, dynamic=None
+    # default mode; dynamic shapes from the start: one graph serves every sequence length
+    return torch.compile(fn, dynamic=True)
 
 
 BACKENDS: dict[str, Callable[[GroupFn], GroupFn]] = {"eager": _eager, "compile": _compile}
 
 
 def _steps(group: tuple[str, ...], plan: Plan) -> list[Callable[[dict], dict]]:
-    """The step functions of one fused group. Intra or output fused with the recurrence move
-    inside its chunk loop; otherwise each stage runs once over all chunks."""
+    """The step functions of one fused group that contains no recurrence."""
     steps = []
-    if "gate" in group:
-        steps.append(functools.partial(stages.gate, plan=plan))
-    if "l2norm" in group:
-        steps.append(functools.partial(stages.l2norm, plan=plan))
-    if "recurrence" in group:
-        steps.append(functools.partial(
-            stages.recurrence, plan=plan, intra_in_loop="intra" in group, output_in_loop="output" in group))
-    else:
-        if "intra" in group:
-            steps.append(functools.partial(stages.intra, plan=plan))
-        if "output" in group:
-            steps.append(functools.partial(stages.output, plan=plan))
+    for stage in group:
+        steps.append(functools.partial(getattr(stages, stage), plan=plan))
     return steps
 
 
-def _group_fn(steps: list[Callable[[dict], dict]]) -> GroupFn:
+def _chain(steps: list[Callable[[dict], dict]]) -> GroupFn:
     def run(ctx: dict) -> dict:
         ctx = dict(ctx)
         for step in steps:
@@ -54,6 +44,20 @@ def _group_fn(steps: list[Callable[[dict], dict]]) -> GroupFn:
         return ctx
 
     return run
+
+
+def _group_fn(group: tuple[str, ...], backend: str, plan: Plan) -> GroupFn:
+    """One fused group on its backend. Intra or output fused with the recurrence run inside its
+    chunk loop, and the backend then applies to the loop's step; gate and l2norm fused with them
+    run before the loop as one function on the same backend."""
+    wrap = BACKENDS[backend]
+    if "recurrence" not in group:
+        return wrap(_chain(_steps(group, plan)))
+    before = tuple(s for s in group if s in ("gate", "l2norm"))
+    in_loop = {"intra_in_loop": "intra" in group, "output_in_loop": "output" in group}
+    step = wrap(functools.partial(stages.chunk_step, plan=plan, **in_loop))
+    loop = functools.partial(stages.recurrence, plan=plan, step=step, **in_loop)
+    return _chain(([wrap(_chain(_steps(before, plan)))] if before else []) + [loop])
 
 
 def _to_chunks(x: torch.Tensor, C: int, pad: int, head_major: bool) -> torch.Tensor:
@@ -75,7 +79,7 @@ class KdaEngine:
         self.genome = genome
         self.num_threads: int | None = plan.threads
         self.groups = plan.groups()
-        self._fns = [BACKENDS[backend](_group_fn(_steps(group, plan))) for group, backend in self.groups]
+        self._fns = [_group_fn(group, backend, plan) for group, backend in self.groups]
         self._buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, q, k, v, g, beta, initial_state=None) -> dict:

@@ -11,6 +11,8 @@ Each stage takes the context dict and returns the entries it adds.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from evo.workloads.kda.genes import Plan
@@ -151,50 +153,53 @@ def _output(Qg: torch.Tensor, M: torch.Tensor, U: torch.Tensor, S: torch.Tensor,
     return inter + (M @ U.to(M.dtype)).float()
 
 
-def recurrence(ctx: Ctx, plan: Plan, intra_in_loop: bool, output_in_loop: bool) -> Ctx:
-    """The state loop: two fused multiply-adds per chunk (baddbmm over B*H). Without
+CHUNK_NAMES = ("q", "k", "v", "beta", "G", "gC", "gammaC", "W", "U0", "M", "Qg", "Kd")
+
+
+def chunk_step(c: Ctx, S: torch.Tensor, plan: Plan, intra_in_loop: bool, output_in_loop: bool) -> Ctx:
+    """One chunk of the state loop, two fused multiply-adds (baddbmm over B*H): the next state "S",
+    and the chunk's output "O" (output_in_loop) or what the batched output pass needs ("U", plus
+    "M"/"Qg" when intra ran here)."""
+    if intra_in_loop:
+        c = {**c, **intra(c, plan)}
+    Kd = c["Kd"] if "Kd" in c else gated_k(c["k"], c["G"], c["gC"])
+    if plan.state_layout == "vk":
+        U = torch.baddbmm(c["U0"], c["W"], S.transpose(1, 2), alpha=-1)  # U0 - W S0: [BH, C, V]
+        S_next = torch.baddbmm(S * c["gammaC"].unsqueeze(1), U.transpose(1, 2), Kd)
+    else:
+        U = torch.baddbmm(c["U0"], c["W"], S, alpha=-1)
+        S_next = torch.baddbmm(S * c["gammaC"].unsqueeze(2), Kd.transpose(1, 2), U)
+    if output_in_loop:
+        Qg = c["Qg"] if "Qg" in c else gated_q(c["q"], c["G"])
+        return {"S": S_next, "O": _output(Qg, c["M"], U, S, plan)}
+    out = {"S": S_next, "U": U}
+    if intra_in_loop:  # the batched output pass needs what intra made inside the loop
+        out["M"] = c["M"]
+        if "Qg" in c:
+            out["Qg"] = c["Qg"]
+    return out
+
+
+def recurrence(ctx: Ctx, plan: Plan, intra_in_loop: bool, output_in_loop: bool, step=None) -> Ctx:
+    """The state loop over chunks. `step` is `chunk_step` bound to this plan; a compiled backend
+    compiles the step, so the loop is never unrolled into one graph per sequence length. Without
     output_in_loop it hands U and the per-chunk start states to one batched output pass."""
+    if step is None:
+        step = functools.partial(chunk_step, plan=plan, intra_in_loop=intra_in_loop, output_in_loop=output_in_loop)
     B, H = ctx["S0"].shape[:2]
     S = ctx["S0"].reshape(B * H, *ctx["S0"].shape[2:])  # [BH, K, V] float32 ([BH, V, K] for vk)
-    vk = plan.state_layout == "vk"
-    N = ctx["G"].shape[2]
-    chunks = _chunks(ctx, ("q", "k", "v", "beta", "G", "gC", "gammaC", "W", "U0", "M", "Qg", "Kd"), B * H)
-    us, starts, outs, ms, qgs = [], [], [], [], []
-    for n in range(N):
-        c = {name: parts[n] for name, parts in chunks.items()}
-        if intra_in_loop:
-            c.update(intra(c, plan))
-        Kd = c["Kd"] if "Kd" in c else gated_k(c["k"], c["G"], c["gC"])
-        if vk:
-            U = torch.baddbmm(c["U0"], c["W"], S.transpose(1, 2), alpha=-1)  # U0 - W S0: [BH, C, V]
-            S_next = torch.baddbmm(S * c["gammaC"].unsqueeze(1), U.transpose(1, 2), Kd)
-        else:
-            U = torch.baddbmm(c["U0"], c["W"], S, alpha=-1)
-            S_next = torch.baddbmm(S * c["gammaC"].unsqueeze(2), Kd.transpose(1, 2), U)
-        if output_in_loop:
-            Qg = c["Qg"] if "Qg" in c else gated_q(c["q"], c["G"])
-            outs.append(_output(Qg, c["M"], U, S, plan))
-        else:
-            us.append(U)
-            starts.append(S)
-            if intra_in_loop:  # the batched output pass needs what intra made inside the loop
-                ms.append(c["M"])
-                if "Qg" in c:
-                    qgs.append(c["Qg"])
-        S = S_next
-
-    def stacked(parts: list[torch.Tensor]) -> torch.Tensor:  # N x [BH, ...] -> [B, H, N, ...]
-        return torch.stack(parts, 1).unflatten(0, (B, H))
-
-    out = {"S_final": S.unflatten(0, (B, H))}
-    if output_in_loop:
-        out["O"] = stacked(outs)
-        return out
-    out.update(U=stacked(us), S_starts=stacked(starts))
-    if ms:
-        out["M"] = stacked(ms)
-    if qgs:
-        out["Qg"] = stacked(qgs)
+    chunks = _chunks(ctx, CHUNK_NAMES, B * H)
+    collected: dict[str, list[torch.Tensor]] = {}
+    for n in range(ctx["G"].shape[2]):
+        result = step({name: parts[n] for name, parts in chunks.items()}, S)
+        if not output_in_loop:
+            collected.setdefault("S_starts", []).append(S)
+        S = result.pop("S")
+        for name, value in result.items():
+            collected.setdefault(name, []).append(value)
+    # N x [BH, ...] -> [B, H, N, ...]
+    out = {name: torch.stack(parts, 1).unflatten(0, (B, H)) for name, parts in collected.items()}
+    out["S_final"] = S.unflatten(0, (B, H))
     return out
 
 
