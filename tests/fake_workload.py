@@ -5,6 +5,7 @@ or one of several deliberately broken ones, so every evaluator status can be rea
 """
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -28,6 +29,8 @@ IMPLS = (
     "raise_small",  # raises only on the small check case
     "slow_build",  # build sleeps 0.3 s
     "threads_probe",  # correct; records torch.get_num_threads() at each call
+    "hang",  # every call sleeps for an hour (the pool must kill it)
+    "exit",  # every call kills its process (the pool must replace it)
 )
 
 SEEN_SEEDS: list[int] = []  # every seed make_inputs was given, in order
@@ -37,6 +40,10 @@ THREADS_SEEN: list[int] = []
 def _engine(impl: str, threads: int) -> Engine:
     def engine(x: torch.Tensor, initial_state: torch.Tensor | None = None) -> dict:
         # x: [B, T, D]; initial_state: [B, D] or None
+        if impl == "hang":
+            time.sleep(3600)
+        if impl == "exit":
+            os._exit(3)
         if impl == "raise_run":
             raise RuntimeError("deliberate failure at run time")
         if impl == "raise_small" and x.shape[1] < 16:

@@ -1,0 +1,56 @@
+"""The Ray evaluator pool: every proposal gets exactly one result, even when evaluators hang or die."""
+import dataclasses
+
+import pytest
+
+from evaluators.pool import EvaluatorPool, PlacementError
+from evaluators.settings import EvaluatorSettings
+from evo.genome import Genome
+from evo.records import OK, RUNTIME_ERROR, TIMEOUT, Proposal
+from tests import fake_workload
+
+PRESET = fake_workload.WORKLOAD.presets()["cpu"]
+
+
+def proposal(impl, index):
+    return Proposal(Genome.from_json(fake_workload.genome_json(impl)), (), "seed", impl, 0, index=index)
+
+
+@pytest.fixture(scope="module")
+def pool(ray_local):
+    settings = EvaluatorSettings(warmup=1, repeats=3, input_sets=2, eval_timeout_s=8.0)
+    pool = EvaluatorPool("tests.fake_workload", PRESET, settings, run_seed=0, count=2, threads=1)
+    yield pool
+    pool.close()
+
+
+def test_two_evaluators_on_disjoint_cores(pool):
+    infos = pool.describe()
+    assert len(infos) == 2
+    assert infos[0]["cores"] != infos[1]["cores"]
+    assert not set(infos[0]["cores"]) & set(infos[1]["cores"])
+
+
+def test_hang_and_death_are_recorded_and_evaluators_replaced(pool):
+    proposals = [proposal("cumsum", 0), proposal("hang", 1), proposal("exit", 2), proposal("loop", 3)]
+    results = {p.move: r for p, r in pool.run(proposals)}
+    assert sorted(results) == ["cumsum", "exit", "hang", "loop"]
+    assert results["hang"].status == TIMEOUT and "killed and replaced" in results["hang"].message
+    assert results["exit"].status == RUNTIME_ERROR and "died" in results["exit"].message
+    assert results["cumsum"].status == OK and results["loop"].status == OK
+    # The replaced actors still work.
+    again = dict((p.move, r) for p, r in pool.run([proposal("cumsum", 0), proposal("loop", 1)]))
+    assert {r.status for r in again.values()} == {OK}
+
+
+def test_baselines_run_through_the_pool(pool):
+    results = pool.run_baselines(["torch_cumsum", "broken"])
+    assert results["torch_cumsum"].status == OK and results["broken"].status == "incorrect"
+
+
+def test_unplaceable_evaluators_fail_fast(ray_local):
+    settings = EvaluatorSettings()
+    with pytest.raises(PlacementError, match="need 64 CPUs"):
+        EvaluatorPool("tests.fake_workload", PRESET, settings, 0, count=64, threads=1)
+    with pytest.raises(PlacementError, match="needs GPUs"):
+        EvaluatorPool("tests.fake_workload", dataclasses.replace(PRESET, device="cuda"), settings, 0)
