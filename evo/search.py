@@ -49,7 +49,7 @@ class SearchSettings:
 
 
 class Team(Protocol):
-    def propose(self, requests: list[tuple[str, list[Parent], int]], generation: int) -> list[list[Proposal]]: ...
+    def propose(self, requests: list[tuple[str, list[Parent], int, frozenset]], generation: int) -> list[list[Proposal]]: ...
     def learn(self, outcomes: dict[str, list[Outcome]]) -> None: ...
     def state(self) -> dict[str, Any]: ...
 
@@ -158,17 +158,18 @@ class Search:
             agents.remove("integration")  # recombination needs two parents
         shares = [wanted // len(agents) + (1 if i < wanted % len(agents) else 0) for i in range(len(agents))]
         requests = []
+        known = frozenset(self.known)
         for name, share in zip(agents, shares):
             if share == 0:
                 continue
             parents = self.population.select_parents(self.rng, self.settings.parents_per_agent)
             unique = list({p.proposal.hash: Parent(p.proposal.genome, p.fitness) for p in parents}.values())
             # Ask for a few spares: some children may already be known.
-            requests.append((name, unique, share + 2))
+            requests.append((name, unique, share + 2, known))
         answers = self.team.propose(requests, self.generation)
         proposals: list[Proposal] = []
         taken: set[str] = set()
-        for (name, _, _), answer in zip(requests, answers):
+        for (name, _, _, _), answer in zip(requests, answers):
             share = shares[agents.index(name)]
             fresh = [p for p in answer if p.hash not in self.known and p.hash not in taken][:share]
             taken.update(p.hash for p in fresh)

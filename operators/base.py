@@ -62,10 +62,12 @@ class Agent:
         raise NotImplementedError
 
     # -- shared machinery -----------------------------------------------------------------------
-    def propose(self, parents: list[Parent], n: int, generation: int) -> list[Proposal]:
-        """Up to `n` distinct children, cycling over `parents` (best first)."""
+    def propose(self, parents: list[Parent], n: int, generation: int,
+                exclude: frozenset[str] = frozenset()) -> list[Proposal]:
+        """Up to `n` distinct children, cycling over `parents` (best first), none of them in `exclude`
+        (the genomes the search already knows)."""
         proposals: list[Proposal] = []
-        seen: set[str] = {p.genome.hash for p in parents}
+        seen: set[str] = {p.genome.hash for p in parents} | set(exclude)
         attempts = 0
         while len(proposals) < n and parents and attempts < 20 * n:
             parent = parents[attempts % len(parents)]

@@ -24,9 +24,10 @@ class IntegrationAgent(Agent):
     def apply(self, kind: str, parent: Genome, rng: np.random.Generator) -> Move | None:
         raise NotImplementedError("integration works on two parents; use propose()")
 
-    def propose(self, parents: list[Parent], n: int, generation: int) -> list[Proposal]:
+    def propose(self, parents: list[Parent], n: int, generation: int,
+                exclude: frozenset[str] = frozenset()) -> list[Proposal]:
         proposals: list[Proposal] = []
-        seen = {p.genome.hash for p in parents}
+        seen = {p.genome.hash for p in parents} | set(exclude)
         pairs = list(itertools.permutations(range(len(parents)), 2))
         order = self.rng.permutation(len(pairs)) if pairs else []
         for pair_index in order:

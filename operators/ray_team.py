@@ -17,8 +17,8 @@ class _AgentActor:
     def __init__(self, name: str, gene_space: GeneSpace, run_seed: int) -> None:
         self.agent = make_agent(name, gene_space, run_seed)
 
-    def propose(self, parents, n: int, generation: int) -> list[Proposal]:
-        return self.agent.propose(parents, n, generation)
+    def propose(self, parents, n: int, generation: int, exclude: frozenset = frozenset()) -> list[Proposal]:
+        return self.agent.propose(parents, n, generation, exclude)
 
     def learn(self, outcomes: list[Outcome]) -> None:
         self.agent.learn(outcomes)
@@ -38,7 +38,7 @@ class RayTeam:
         self.actors = {name: actor.options(name=None).remote(name, gene_space, run_seed) for name in names}
 
     def propose(self, requests: list[Request], generation: int) -> list[list[Proposal]]:
-        refs = [self.actors[name].propose.remote(parents, n, generation) for name, parents, n in requests]
+        refs = [self.actors[name].propose.remote(parents, n, generation, known) for name, parents, n, known in requests]
         return ray.get(refs)
 
     def learn(self, outcomes: dict[str, list[Outcome]]) -> None:

@@ -16,8 +16,8 @@ AGENT_CLASSES: dict[str, type[Agent]] = {
     cls.name: cls for cls in (FusionAgent, SchedulingAgent, MemoryLayoutAgent, IntegrationAgent)
 }
 
-# (agent name, parents, number of proposals wanted)
-Request = tuple[str, list[Parent], int]
+# (agent name, parents, number of proposals wanted, hashes already known)
+Request = tuple[str, list[Parent], int, frozenset]
 
 
 def make_agent(name: str, gene_space: GeneSpace, run_seed: int) -> Agent:
@@ -33,7 +33,7 @@ class LocalTeam:
         self.agents = {name: make_agent(name, gene_space, run_seed) for name in names}
 
     def propose(self, requests: list[Request], generation: int) -> list[list[Proposal]]:
-        return [self.agents[name].propose(parents, n, generation) for name, parents, n in requests]
+        return [self.agents[name].propose(parents, n, generation, known) for name, parents, n, known in requests]
 
     def learn(self, outcomes: dict[str, list[Outcome]]) -> None:
         for name, items in outcomes.items():

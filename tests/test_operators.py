@@ -68,3 +68,12 @@ def test_integration_takes_whole_domains_from_two_parents():
         for domain in DOMAINS:
             assert child.genome.domain(domain) in (a.domain(domain), b.domain(domain))
         assert child.genome.hash not in by_hash
+
+
+def test_agents_skip_genomes_the_search_already_knows():
+    space = toy_space()
+    for cls in (FusionAgent, SchedulingAgent, IntegrationAgent):
+        first = cls(space, seed=3).propose(parents(3), 4, 1)
+        known = frozenset(p.hash for p in first)
+        second = cls(space, seed=3).propose(parents(3), 4, 1, exclude=known)
+        assert first and second and not known & {p.hash for p in second}
