@@ -7,7 +7,7 @@ from evo.config import ConfigError, load_config
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
-@pytest.mark.parametrize("name", ["kda_cpu.yaml", "kda_smoke.yaml"])
+@pytest.mark.parametrize("name", ["kda_cpu.yaml", "kda_smoke.yaml", "kda_h200.yaml"])
 def test_shipped_configs_load(name):
     config = load_config(CONFIGS / name)
     assert config.workload == "kda"
