@@ -111,12 +111,20 @@ def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout
         gene_space = workload.gene_space(preset, device)
         if config.genes:
             gene_space = gene_space.restrict(config.genes)
-        roofline = workload.roofline(preset, pool.measure_rates())
         available = list(workload.baselines(preset))
         names = list(config.baselines) if config.baselines is not None else available
         missing = [n for n in names if n not in available]
         if missing:
             raise ValueError(f"baselines {missing} are not available here; available: {available}")
+        # Start everything that costs CPU (agent processes, the MLflow store) before any timing.
+        team = RayTeam(list(config.search.agents), gene_space, config.search.seed)
+        if config.mlflow.enabled:
+            mlflow_sink = MlflowSink(tracking_uri(config.mlflow.tracking_uri), config.mlflow.experiment,
+                                     run_dir.name, config.to_dict(),
+                                     tags={"workload": config.workload, "preset": config.preset,
+                                           "run_dir": str(run_dir), "device": device.name})
+        team.state()  # waits until the agent actors are up
+        roofline = workload.roofline(preset, pool.measure_rates())
         print(f"timing baselines: {', '.join(names)}", file=out, flush=True)
         baselines = pool.run_baselines(names)
         write_baselines(run_dir, baselines)
@@ -129,14 +137,9 @@ def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout
 
         disk = DiskEvidence(run_dir)
         sinks = [disk, Progress(out, baseline_ms, config.search.max_evaluations)]
-        if config.mlflow.enabled:
-            mlflow_sink = MlflowSink(tracking_uri(config.mlflow.tracking_uri), config.mlflow.experiment,
-                                     run_dir.name, config.to_dict(),
-                                     tags={"workload": config.workload, "preset": config.preset,
-                                           "run_dir": str(run_dir), "device": device.name})
+        if mlflow_sink:
             mlflow_sink.log_baselines(baselines, roofline.floor_ms)
             sinks.append(_MlflowGeneration(mlflow_sink, disk))
-        team = RayTeam(list(config.search.agents), gene_space, config.search.seed)
         search = Search(gene_space, config.search, team)
         run_search(search, pool, sinks)
 

@@ -3,23 +3,13 @@ from __future__ import annotations
 
 import math
 
-import pytest
-
 from evaluators.evaluator import Evaluator
 from evaluators.settings import EvaluatorSettings
 from evo.records import OK
-
-
-def _kda():
-    try:
-        from evo.workloads.kda import WORKLOAD
-    except Exception as exc:  # the package is being written concurrently
-        pytest.skip(f"evo.workloads.kda not importable yet: {type(exc).__name__}: {exc}")
-    return WORKLOAD
+from evo.workloads.kda import WORKLOAD as workload
 
 
 def test_kda_default_genome_is_ok_on_cpu_small():
-    workload = _kda()
     ev = Evaluator("kda", "cpu_small", EvaluatorSettings(warmup=1, repeats=3, input_sets=2), seed=0, name="kda-test")
     space = workload.gene_space(workload.presets()["cpu_small"], ev.device_info())
     r = ev.evaluate(space.default().to_json())
