@@ -36,6 +36,8 @@ class MlflowSettings:
     tracking_uri: str | None = None  # default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db
     experiment: str = "engine-factory"
     enabled: bool = True
+    register_model: bool = True  # register the best engine as a pyfunc model, linked to the parent run
+    model_name: str | None = None  # default: <workload>-<preset>-engine
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,9 @@ from evo.config import RunConfig
 from evo.evidence import DiskEvidence, write_baselines, write_json
 from evo.loop import run_search
 from evo.mlflow_sink import MlflowSink, tracking_uri
+from evo.registry import register_engine
 from evo.search import GenerationReport, Search
+from evo.serving.source import record_from_summary
 from evo.summary import best_baseline, make_summary
 from evo.workloads import get_workload
 from operators.ray_team import RayTeam
@@ -146,6 +148,12 @@ def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout
         summary = make_summary(search, baselines, roofline, config.workload, config.preset,
                                time.monotonic() - started)
         summary["mlflow_run_id"] = mlflow_sink.run_id if mlflow_sink else None
+        summary["registered_model"] = None
+        if mlflow_sink and config.mlflow.register_model and summary["best_genome"]:
+            name = config.mlflow.model_name or f"{config.workload}-{config.preset}-engine"
+            record = record_from_summary(summary, str(run_dir))
+            version = register_engine(record, mlflow_sink.run_id, name, mlflow_sink.uri)
+            summary["registered_model"] = f"models:/{name}/{version}"
         write_json(run_dir / "summary.json", summary)
         status = "FINISHED"
         _print_summary(summary, run_dir, out)
@@ -179,4 +187,6 @@ def _print_summary(summary: dict, run_dir: Path, out: TextIO) -> None:
         print(f"  {100 * summary['roofline']['fraction_of_floor']:.1f}% of the roofline floor"
               f" ({summary['roofline']['floor_ms']:.3f} ms)", file=out)
     print(f"  evaluations {summary['evaluations']} {summary['status_counts']}", file=out)
+    if summary.get("registered_model"):
+        print(f"  registered  {summary['registered_model']} (MLflow run {summary['mlflow_run_id']})", file=out)
     print(f"run directory: {run_dir}", file=out, flush=True)

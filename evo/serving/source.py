@@ -1,0 +1,122 @@
+"""Where a served engine comes from: a run directory, an MLflow run id, a registered model, or a default.
+
+Every source resolves to an `EngineRecord`: the genome, the workload and preset it was searched for,
+and what the search measured (latency, speedups, device, MLflow lineage run id).
+
+Accepted forms:
+  runs/kda-cpu-20261130-094905     a run directory (holds summary.json and best_genome.json)
+  models:/kda-cpu-engine/3         a registered MLflow model version (or models:/NAME/latest)
+  runs:/<run_id>  or  <run_id>     an MLflow run whose artifacts hold the engine (the search's parent run)
+  default:kda/cpu                  the workload's default genome for that preset (no search needed)
+"""
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from evo.genome import Genome
+
+ENGINE_FILE = "engine.json"  # the model artifact: workload, preset, genome and the search's figures
+
+
+class SourceError(ValueError):
+    """An engine source that cannot be resolved; the message says what was given and what is accepted."""
+
+
+@dataclass(frozen=True)
+class EngineRecord:
+    workload: str
+    preset: str
+    genome: Genome
+    source: str
+    latency_ms: float | None = None
+    speedups: dict[str, float] = field(default_factory=dict)
+    device: str = ""
+    mlflow_run_id: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"workload": self.workload, "preset": self.preset, "genome": self.genome.to_dict(),
+                "hash": self.genome.hash, "source": self.source, "latency_ms": self.latency_ms,
+                "speedups": self.speedups, "device": self.device, "mlflow_run_id": self.mlflow_run_id}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str) -> EngineRecord:
+        return cls(workload=data["workload"], preset=data["preset"], genome=Genome.from_dict(data["genome"]),
+                   source=source, latency_ms=data.get("latency_ms"), speedups=data.get("speedups") or {},
+                   device=data.get("device", ""), mlflow_run_id=data.get("mlflow_run_id"))
+
+
+def record_from_summary(summary: dict[str, Any], source: str) -> EngineRecord:
+    if not summary.get("best_genome"):
+        raise SourceError(f"{source}: the run found no correct engine (summary.json has no best_genome)")
+    return EngineRecord(workload=summary["workload"], preset=summary["preset"],
+                        genome=Genome.from_dict(summary["best_genome"]), source=source,
+                        latency_ms=summary.get("best_latency_ms"), speedups=summary.get("speedups") or {},
+                        device=summary.get("device", ""), mlflow_run_id=summary.get("mlflow_run_id"))
+
+
+def resolve(source: str, tracking_uri: str | None = None) -> EngineRecord:
+    """The engine named by `source` (see the module docstring for the accepted forms)."""
+    if not isinstance(source, str) or not source.strip():
+        raise SourceError(f"engine source must be a non-empty string, got {source!r}")
+    source = source.strip()
+    if source.startswith("default:"):
+        return _default(source)
+    if source.startswith("models:/") or source.startswith("runs:/") or re.fullmatch(r"[0-9a-f]{32}", source):
+        return _from_mlflow(source, tracking_uri)
+    path = Path(source).expanduser()
+    if path.is_dir():
+        summary = path / "summary.json"
+        if not summary.is_file():
+            raise SourceError(f"run directory {str(path)!r} has no summary.json (did the search finish?)")
+        return record_from_summary(json.loads(summary.read_text()), str(path.resolve()))
+    raise SourceError(f"engine source {source!r} is not a run directory, 'models:/NAME/VERSION', 'runs:/RUN_ID', "
+                      f"an MLflow run id or 'default:WORKLOAD/PRESET'")
+
+
+def _default(source: str) -> EngineRecord:
+    from evo.workloads import get_workload
+    from evo.workloads.base import DeviceInfo
+
+    workload_name, _, preset_name = source.removeprefix("default:").partition("/")
+    try:
+        workload = get_workload(workload_name)
+    except ValueError as exc:
+        raise SourceError(f"{source}: {exc}") from exc
+    presets = workload.presets()
+    if preset_name not in presets:
+        raise SourceError(f"{source}: unknown preset {preset_name!r}; available: {sorted(presets)}")
+    preset = presets[preset_name]
+    genome = workload.gene_space(preset, DeviceInfo(preset.device, preset.device, 1)).default()
+    return EngineRecord(workload_name, preset_name, genome, source)
+
+
+def _from_mlflow(source: str, tracking_uri: str | None) -> EngineRecord:
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    from evo.mlflow_sink import tracking_uri as default_uri
+
+    uri = default_uri(tracking_uri)
+    if re.fullmatch(r"[0-9a-f]{32}", source):
+        source = f"runs:/{source}"
+    # A run holds summary.json; a registered model holds engine.json among its artifacts.
+    artifact = f"{source.rstrip('/')}/summary.json" if source.startswith("runs:/") else source
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            local = Path(mlflow.artifacts.download_artifacts(artifact_uri=artifact, dst_path=tmp, tracking_uri=uri))
+        except (MlflowException, OSError) as exc:
+            raise SourceError(f"could not load {artifact!r} from MLflow at {uri}: {exc}") from exc
+        if local.is_dir():
+            found = sorted(local.rglob(ENGINE_FILE))
+            if not found:
+                raise SourceError(f"{source} has no {ENGINE_FILE}: it is not a model registered by this project")
+            local = found[0]
+        data = json.loads(local.read_text())
+    if source.startswith("runs:/"):
+        return record_from_summary(data, source)
+    return EngineRecord.from_dict(data, source)
