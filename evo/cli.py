@@ -16,12 +16,25 @@ def main(argv: list[str] | None = None) -> int:
     run_cmd.add_argument("--out", help="run directory (default: <out_dir>/<name>-<timestamp>)")
     run_cmd.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                          help="override a config value, e.g. --set search.generations=3 (repeatable)")
+    serve_cmd = commands.add_parser("serve", help="serve a run's best engine over HTTP with Ray Serve")
+    serve_cmd.add_argument("engine", metavar="RUN",
+                           help="run directory, models:/NAME/VERSION, runs:/RUN_ID, an MLflow run id or default:WORKLOAD/PRESET")
+    serve_cmd.add_argument("--host", default="127.0.0.1")
+    serve_cmd.add_argument("--port", type=int, default=8000)
+    serve_cmd.add_argument("--name", default="engine", help="Serve application name")
+    serve_cmd.add_argument("--max-batch-size", type=int, default=8)
+    serve_cmd.add_argument("--tracking-uri", default=None, help="MLflow store for models:/ and runs:/ sources")
     genes_cmd = commands.add_parser("genes", help="print a workload preset's gene space")
     genes_cmd.add_argument("config")
     args = parser.parse_args(argv)
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.abspath(".inductor_cache"))
+    if args.command == "serve":
+        from evo.serving.serve_cli import serve_forever
+
+        return serve_forever(args.engine, host=args.host, port=args.port, name=args.name,
+                             max_batch_size=args.max_batch_size, tracking_uri=args.tracking_uri)
     try:
         config = load_config(args.config, getattr(args, "overrides", []))
     except ConfigError as exc:
