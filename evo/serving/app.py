@@ -88,8 +88,9 @@ def load_engine(source: str, tracking_uri: str | None = None) -> LoadedEngine:
                         report.max_rel_error, time.time())
 
 
-def _run_grouped(loaded: LoadedEngine, requests: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
-    """Requests with equal sequence length and tensor names become one engine call along axis 0."""
+def _run_grouped(loaded: LoadedEngine, requests: list[dict[str, torch.Tensor]]) -> tuple[list[dict], int]:
+    """Requests with equal sequence length and tensor names become one engine call along axis 0.
+    Returns each request's outputs and the number of engine calls made."""
     results: list[dict[str, torch.Tensor] | None] = [None] * len(requests)
     groups: dict[tuple, list[int]] = {}
     for i, inputs in enumerate(requests):
@@ -103,7 +104,7 @@ def _run_grouped(loaded: LoadedEngine, requests: list[dict[str, torch.Tensor]]) 
             split = {name: torch.split(t.cpu(), sizes) for name, t in outputs.items()}
             for j, i in enumerate(members):
                 results[i] = {name: parts[j].clone() for name, parts in split.items()}
-    return results
+    return results, len(groups)
 
 
 api = FastAPI(title="engine-factory", description="Serves the best engine a search found.")
@@ -116,6 +117,7 @@ class EngineServer:
         self.config = dict(USER_CONFIG_DEFAULTS)
         self.loaded: LoadedEngine | None = None
         self.last_swap: dict[str, Any] | None = None
+        self.stats = {"requests": 0, "batches": 0, "engine_calls": 0}
         if engine is not None:  # plain `serve.run(EngineServer.bind(engine=...))` without user_config
             self._apply_options(options)
             self.loaded = load_engine(engine, self.config["tracking_uri"])
@@ -181,6 +183,7 @@ class EngineServer:
             "batching": {"max_batch_size": self.config["max_batch_size"],
                          "batch_wait_timeout_s": self.config["batch_wait_timeout_s"]},
             "replica": os.getpid(),
+            "stats": dict(self.stats),
         })
 
     @api.post("/v1/infer")
@@ -203,7 +206,11 @@ class EngineServer:
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.005)
     async def _run_batch(self, requests: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
         loaded = self.loaded  # the engine this whole batch runs on, even if a swap lands meanwhile
-        return await asyncio.to_thread(_run_grouped, loaded, requests)
+        results, calls = await asyncio.to_thread(_run_grouped, loaded, requests)
+        self.stats["requests"] += len(requests)
+        self.stats["batches"] += 1
+        self.stats["engine_calls"] += calls
+        return results
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:

@@ -1,0 +1,318 @@
+"""The Serve app on a real `ray start --head` cluster on 127.0.0.1, deployed with `serve deploy`, over real HTTP.
+
+The cluster is started by this module (`ray start --head --block`) and stopped by terminating that
+process. Hot swaps are what a user does: `serve deploy` of a config whose user_config names another
+engine, which Serve applies in place through `reconfigure`.
+"""
+import base64
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from evo.genome import Genome
+from evo.serving.codec import decode_tensor, encode_tensor
+from evo.workloads import get_workload
+from evo.workloads.base import CheckCase, DeviceInfo
+
+BIN = Path(sys.executable).parent
+ROOT = Path(__file__).resolve().parents[1]
+WORKLOAD = get_workload("kda")
+PRESET = WORKLOAD.presets()["cpu_small"]
+ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+MAX_REQUEST_BYTES = 4 * 1024 * 1024
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_run(path: Path, **scheduling) -> Path:
+    """A run directory holding a best genome (as a search would leave it)."""
+    space = WORKLOAD.gene_space(PRESET, DeviceInfo("cpu", "cpu", 1))
+    genome = space.make(scheduling)
+    path.mkdir(parents=True)
+    (path / "summary.json").write_text(json.dumps({
+        "workload": "kda", "preset": PRESET.name, "best_genome": genome.to_dict(), "best_latency_ms": 1.0,
+        "speedups": {"eager_recurrent": 5.0}, "device": "cpu:test", "mlflow_run_id": None}))
+    return path
+
+
+class Server:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.gcs, self.dashboard, self.http = free_port(), free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.http}"
+        self.process = subprocess.Popen(
+            [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={self.gcs}",
+             "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard}", "--num-cpus=2",
+             "--include-dashboard=true", "--disable-usage-stats"],
+            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def deploy(self, engine: str, name: str) -> None:
+        config = yaml.safe_load((ROOT / "configs" / "serve.yaml").read_text())
+        config["http_options"]["port"] = self.http
+        config["applications"][0]["deployments"][0]["user_config"].update(
+            engine=engine, max_batch_size=8, batch_wait_timeout_s=0.02, max_request_bytes=MAX_REQUEST_BYTES)
+        path = self.tmp / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        deadline = time.monotonic() + 60
+        while True:  # the dashboard's REST API takes a few seconds to come up
+            done = subprocess.run([str(BIN / "serve"), "deploy", str(path), "--address",
+                                   f"http://127.0.0.1:{self.dashboard}"], env=ENV, capture_output=True, text=True)
+            if done.returncode == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(2)
+        assert done.returncode == 0, done.stderr[-2000:]
+
+    def stop(self) -> None:
+        os.killpg(self.process.pid, signal.SIGTERM)  # the process group this module started
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+def get(server: Server, path: str, timeout: float = 10):
+    with urllib.request.urlopen(server.url + path, timeout=timeout) as response:
+        return response.status, json.loads(response.read())
+
+
+def post(server: Server, body: bytes, timeout: float = 30):
+    request = urllib.request.Request(server.url + "/v1/infer", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def engine_hash(server: Server) -> str:
+    return get(server, "/v1/engine")[1]["hash"]
+
+
+def request_body(seed: int, T: int = 50, encoding: str = "data", state: bool = True, distribution="strong_decay"):
+    inputs = WORKLOAD.make_inputs(CheckCase("http", {**PRESET.shape, "T": T}, distribution, state), "float32", "cpu", seed)
+    body = {"inputs": {k: encode_tensor(v, encoding) for k, v in inputs.items() if v is not None}, "encoding": encoding}
+    return inputs, json.dumps(body).encode()
+
+
+def assert_matches_reference(inputs, response):
+    reference = WORKLOAD.reference(inputs)
+    for name, expected in reference.items():
+        got = decode_tensor(response["outputs"][name], name)
+        error = ((got.double() - expected).norm() / expected.norm()).item()
+        assert torch.isfinite(got).all() and error < 1e-5, (name, error)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve")
+    server = Server(tmp)
+    try:
+        server.deploy("default:kda/cpu_small", "initial")
+        wait_for(lambda: get(server, "/healthz")[0] == 200, 180, "the first engine to be verified and ready")
+        yield server
+    finally:
+        server.stop()
+
+
+def test_served_outputs_match_the_float64_reference(server):
+    for seed, encoding, state in ((1, "data", True), (2, "b64", False), (3, "b64", True)):
+        inputs, body = request_body(seed, T=37 + seed, encoding=encoding, state=state)
+        status, response = post(server, body)
+        assert status == 200, response
+        assert_matches_reference(inputs, response)
+    status, info = get(server, "/v1/engine")
+    assert info["workload"] == "kda" and info["preset"] == "cpu_small"
+    assert info["verification"]["max_rel_error"] < 1e-5
+    assert info["hash"] == Genome.from_dict(info["genome"]).hash
+    assert {"latency_ms", "speedups", "device", "mlflow_run_id", "last_swap"} <= set(info)
+
+
+def _mutate(body: bytes, change) -> bytes:
+    data = json.loads(body)
+    change(data)
+    return json.dumps(data).encode()
+
+
+def _set_first(data, key, value):
+    data["inputs"]["q"][key] = value
+
+
+BAD_REQUESTS = {
+    "unknown tensor": (lambda d: d["inputs"].update(z=d["inputs"]["q"]), 422, "inputs.z"),
+    "missing tensor": (lambda d: d["inputs"].pop("v"), 422, "inputs.v"),
+    "wrong shape": (lambda d: d["inputs"]["q"].update(shape=[1, 50, 2, 7]), 422, "inputs.q"),
+    "wrong dtype": (lambda d: d["inputs"]["q"].update(dtype="int8"), 422, "inputs.q.dtype"),
+    "nan": (lambda d: d["inputs"]["v"].update(b64=base64.b64encode(
+        torch.full((1, 50, 2, 32), float("nan")).numpy().tobytes()).decode()), 422, "inputs.v"),
+    "malformed base64": (lambda d: d["inputs"]["q"].update(b64="@@not base64@@"), 422, "inputs.q.b64"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_REQUESTS))
+def test_bad_requests_get_4xx_naming_the_field_and_the_replica_stays_healthy(server, kind):
+    change, status, field = BAD_REQUESTS[kind]
+    inputs, body = request_body(10, encoding="b64")
+    code, response = post(server, _mutate(body, change))
+    assert code == status, response
+    assert response["error"]["field"].startswith(field) and response["error"]["message"]
+    good_inputs, good = request_body(11)
+    code, response = post(server, good)
+    assert code == 200
+    assert_matches_reference(good_inputs, response)
+
+
+def test_malformed_json_and_oversized_payloads(server):
+    code, response = post(server, b'{"inputs": {"q": ')
+    assert code == 400 and response["error"]["field"] == "body"
+    code, response = post(server, b" " * (MAX_REQUEST_BYTES + 10))
+    assert code == 413 and response["error"]["field"] == "body", response
+    assert get(server, "/healthz")[0] == 200
+
+
+def test_concurrent_requests_are_batched(server):
+    before = get(server, "/v1/engine")[1]["stats"]
+    bodies = [request_body(100 + i, T=64) for i in range(16)]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        replies = list(pool.map(lambda ib: post(server, ib[1]), bodies))
+    for (inputs, _), (code, response) in zip(bodies, replies):
+        assert code == 200
+        assert_matches_reference(inputs, response)
+    after = get(server, "/v1/engine")[1]["stats"]
+    served = after["requests"] - before["requests"]
+    assert served == 16
+    assert after["engine_calls"] - before["engine_calls"] < served, "no two requests shared an engine call"
+
+
+class Clients:
+    """8 threads sending requests until stopped; every failure is kept."""
+
+    def __init__(self, server: Server, count: int = 8) -> None:
+        self.server, self.stop = server, threading.Event()
+        self.ok, self.failures, self.latencies = 0, [], []
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._loop, args=(i,)) for i in range(count)]
+
+    def _loop(self, index: int) -> None:
+        inputs, body = request_body(1000 + index, T=40)
+        reference = WORKLOAD.reference(inputs)["o"]
+        while not self.stop.is_set():
+            started = time.perf_counter()
+            try:
+                code, response = post(self.server, body)
+                error = None if code == 200 else f"HTTP {code}: {response}"
+                if error is None:
+                    got = decode_tensor(response["outputs"]["o"], "o").double()
+                    if not ((got - reference).norm() / reference.norm()).item() < 1e-5:
+                        error = "wrong answer"
+            except Exception as exc:  # connection errors count as failures too
+                error = repr(exc)
+            with self.lock:
+                self.latencies.append(time.perf_counter() - started)
+                if error:
+                    self.failures.append(error)
+                else:
+                    self.ok += 1
+
+    def __enter__(self):
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for thread in self.threads:
+            thread.join()
+
+
+def test_hot_swap_under_load_drops_nothing(server):
+    old = engine_hash(server)
+    run = write_run(server.tmp / "run-swap", chunk_size=32, sub_chunk_size=16, intra_algorithm="triangular_solve")
+    with Clients(server) as clients:
+        time.sleep(1.0)
+        server.deploy(str(run), "swap")
+        new = wait_for(lambda: (h := engine_hash(server)) != old and h, 120, "the swapped engine")
+        served_before = clients.ok
+        wait_for(lambda: clients.ok > served_before + 16, 60, "requests on the new engine")
+    assert clients.failures == []
+    assert clients.ok > 30
+    info = get(server, "/v1/engine")[1]
+    assert info["hash"] == new and info["last_swap"]["ok"] is True and info["last_swap"]["from"] == old
+
+
+def test_swap_to_a_broken_engine_is_refused_and_the_old_one_keeps_answering(server):
+    old = engine_hash(server)
+    # Factored exponents over a whole 128-token chunk overflow under strong decay: it fails verification.
+    broken = write_run(server.tmp / "run-broken", chunk_size=128, exponent_form="factored_chunk", sub_chunk_size=16)
+    with Clients(server, count=2) as clients:
+        server.deploy(str(broken), "broken")
+        swap = wait_for(lambda: (s := get(server, "/v1/engine")[1]["last_swap"]) and s["source"] == str(broken) and s,
+                        120, "the refused swap to be reported")
+    assert swap["ok"] is False and "failed its check" in swap["error"] and swap["kept"] == old
+    assert clients.failures == [] and clients.ok > 0
+    assert engine_hash(server) == old and get(server, "/healthz")[0] == 200
+    inputs, body = request_body(77)
+    code, response = post(server, body)
+    assert code == 200
+    assert_matches_reference(inputs, response)
+
+
+def test_load_run_reports_p50_p99_and_no_errors(server):
+    bodies = [request_body(5000 + i, T=64)[1] for i in range(8)]
+    latencies, errors = [], []
+
+    def client(index: int) -> None:
+        for _ in range(25):
+            started = time.perf_counter()
+            code, response = post(server, bodies[index])
+            latencies.append(time.perf_counter() - started)
+            if code != 200:
+                errors.append(response)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - started
+    quantiles = statistics.quantiles(latencies, n=100)
+    report = {"requests": len(latencies), "errors": len(errors), "p50_ms": 1e3 * quantiles[49],
+              "p99_ms": 1e3 * quantiles[98], "requests_per_s": len(latencies) / wall}
+    print("load run:", json.dumps(report))
+    (ROOT / ".pytest_cache").mkdir(exist_ok=True)
+    (ROOT / ".pytest_cache" / "serve_load.json").write_text(json.dumps(report))
+    assert len(latencies) == 200 and errors == []
+    assert 0 < report["p50_ms"] <= report["p99_ms"]
