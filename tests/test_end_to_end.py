@@ -110,3 +110,28 @@ def test_mlflow_holds_parent_and_generation_runs(outcome):
         assert [a.path for a in evidence] == [f"evidence/gen_{int(child.data.tags['generation']):04d}.parquet"]
         local = client.download_artifacts(child.info.run_id, evidence[0].path)
         assert pq.read_table(local).num_rows > 0
+
+
+def test_best_engine_is_registered_as_a_model_linked_to_the_search(outcome):
+    import mlflow
+
+    from evo.serving.source import resolve
+
+    result, config, uri, _ = outcome
+    registered = result.summary["registered_model"]
+    name, version = registered.removeprefix("models:/").split("/")
+    client = MlflowClient(tracking_uri=uri)
+    model_version = client.get_model_version(name, version)
+    assert model_version.run_id == result.mlflow_run_id
+    record = resolve(registered, uri)
+    assert record.genome.hash == result.summary["best_hash"] and record.preset == config.preset
+    mlflow.set_tracking_uri(uri)
+    model = mlflow.pyfunc.load_model(registered)
+    workload = get_workload("kda")
+    preset = workload.presets()[config.preset]
+    inputs = workload.make_inputs(CheckCase("pyfunc", preset.shape, "strong_decay", True), preset.dtype, "cpu", 4321)
+    outputs = model.predict({k: v.numpy() for k, v in inputs.items()})
+    reference = workload.reference(inputs)
+    for name in ("o", "final_state"):
+        got = torch.as_tensor(outputs[name]).double()
+        assert ((got - reference[name]).norm() / reference[name].norm()).item() < 1e-5

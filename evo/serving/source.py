@@ -39,7 +39,11 @@ class EngineRecord:
     mlflow_run_id: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        from evo.workloads import get_workload
+
+        preset = get_workload(self.workload).presets()[self.preset]
         return {"workload": self.workload, "preset": self.preset, "genome": self.genome.to_dict(),
+                "preset_spec": {"shape": dict(preset.shape), "dtype": preset.dtype, "device": preset.device},
                 "hash": self.genome.hash, "source": self.source, "latency_ms": self.latency_ms,
                 "speedups": self.speedups, "device": self.device, "mlflow_run_id": self.mlflow_run_id}
 
