@@ -26,6 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     serve_cmd.add_argument("--tracking-uri", default=None, help="MLflow store for models:/ and runs:/ sources")
     genes_cmd = commands.add_parser("genes", help="print a workload preset's gene space")
     genes_cmd.add_argument("config")
+    sync_cmd = commands.add_parser("mlflow-sync", help="replay the MLflow writes a run left pending (store was down)")
+    sync_cmd.add_argument("run_dir", metavar="RUN_DIR", help="run directory holding mlflow_outbox.jsonl")
+    sync_cmd.add_argument("--tracking-uri", default=None, help="MLflow store (default: the one the run used)")
+    sync_cmd.add_argument("--wait", type=float, default=30.0, help="seconds to keep retrying an unreachable store")
     args = parser.parse_args(argv)
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -35,6 +39,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve_forever(args.engine, host=args.host, port=args.port, name=args.name,
                              max_batch_size=args.max_batch_size, tracking_uri=args.tracking_uri)
+    if args.command == "mlflow-sync":
+        from evo.mlflow_sink import sync
+
+        left = sync(args.run_dir, args.tracking_uri, args.wait)
+        print(f"MLflow operations still pending: {left}" if left else "MLflow has every operation of this run")
+        return 1 if left else 0
     try:
         config = load_config(args.config, getattr(args, "overrides", []))
     except ConfigError as exc:

@@ -4,24 +4,31 @@ Only the driver writes (one writer per store). Parent run: the flattened config 
 baselines and roofline floor, per-generation metrics by step (best latency, median, fraction valid,
 evaluations per second, best speedup) and, at the end, the summary and best genome as artifacts.
 Child run per generation: its metrics, its Parquet evidence as an artifact, lineage tags.
+
+Every write goes through an `Outbox` in the run directory, so an unreachable tracking store never
+stops or slows the search: the evidence stays on disk, MLflow is backfilled when it answers again,
+and whatever is still pending at the end can be replayed with `python -m evo mlflow-sync RUN_DIR`.
 """
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
-from mlflow.entities import Metric, Param, RunTag
-from mlflow.tracking import MlflowClient
-
+from evo.mlflow_outbox import OUTBOX_FILE, Outbox
 from evo.records import EvalResult
 from evo.search import GenerationReport, Search
 from evo.summary import best_baseline
 
 MAX_BATCH = 100  # MLflow accepts at most 100 params/tags per log_batch
+MAX_METRICS = 1000  # and at most 1000 metrics
+log = logging.getLogger("evo.mlflow")
 
 
 def tracking_uri(configured: str | None) -> str:
@@ -38,37 +45,58 @@ def flatten(data: Any, prefix: str = "") -> dict[str, str]:
 
 
 class MlflowSink:
-    def __init__(self, uri: str, experiment: str, run_name: str, config: dict, tags: dict[str, str]) -> None:
-        self.client = MlflowClient(tracking_uri=uri)
+    """Search sink that logs to MLflow through a durable outbox; no method raises because of MLflow.
+
+    `run_dir` holds the outbox and the run ids (default: `tags["run_dir"]`; without either, a temporary
+    directory, and nothing survives the process). `finish_wait_s` bounds how long `finish` retries a
+    store that is down. Each sink names its runs under its own session, so a resumed search gets a new
+    parent run while what the interrupted one left in the outbox is still replayed to the old one.
+    """
+
+    def __init__(self, uri: str, experiment: str, run_name: str, config: dict, tags: dict[str, str],
+                 run_dir: Path | None = None, finish_wait_s: float = 30.0, request_timeout_s: float = 5.0) -> None:
         self.uri = uri
-        found = self.client.get_experiment_by_name(experiment)
-        self.experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
-        run = self.client.create_run(self.experiment_id, run_name=run_name, tags=tags)
-        self.run_id = run.info.run_id
-        params = [Param(k, v[:6000]) for k, v in flatten(config).items()]
-        for i in range(0, len(params), MAX_BATCH):
-            self.client.log_batch(self.run_id, params=params[i:i + MAX_BATCH])
+        run_dir = run_dir or tags.get("run_dir")
+        self.run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="mlflow-outbox-"))
+        self.outbox = Outbox(self.run_dir, uri, experiment, request_timeout_s)
+        self.finish_wait_s = finish_wait_s
         self.baseline_ms = math.nan
-        self.child_runs: list[str] = []
+        self.session = uuid.uuid4().hex[:8]
+        self.parent = f"{self.session}/parent"
+        now = _now()
+        self.outbox.add({"op": "run", "ref": self.parent, "run_name": run_name, "tags": dict(tags), "start_time": now})
+        params = {k: v[:6000] for k, v in flatten(config).items()}
+        self._batch(self.parent, params=params)
+        self.outbox.pump()
+
+    @property
+    def run_id(self) -> str | None:
+        """The parent run's id, or None while MLflow has not yet been reached."""
+        return self.outbox.run_id(self.parent)
+
+    @property
+    def pending(self) -> int:
+        return len(self.outbox.ops)
 
     def log_baselines(self, baselines: dict[str, EvalResult], floor_ms: float | None) -> None:
         now = _now()
-        metrics = [Metric(f"baseline_{name}_ms", r.latency_ms, now, 0) for name, r in baselines.items() if r.ok]
+        metrics = [(f"baseline_{name}_ms", r.latency_ms, now, 0) for name, r in baselines.items() if r.ok]
         if floor_ms is not None:
-            metrics.append(Metric("roofline_floor_ms", floor_ms, now, 0))
-        tags = [RunTag(f"baseline.{name}.status", r.status) for name, r in baselines.items()]
+            metrics.append(("roofline_floor_ms", floor_ms, now, 0))
+        tags = {f"baseline.{name}.status": r.status for name, r in baselines.items()}
         top = best_baseline(baselines)
         if top:
             self.baseline_ms = top[1].latency_ms
-            metrics.append(Metric("best_baseline_ms", self.baseline_ms, now, 0))
-            tags.append(RunTag("best_baseline", top[0]))
-        self.client.log_batch(self.run_id, metrics=metrics, tags=tags)
+            metrics.append(("best_baseline_ms", self.baseline_ms, now, 0))
+            tags["best_baseline"] = top[0]
+        self._batch(self.parent, metrics=metrics, tags=tags)
+        self.outbox.pump()
 
     def on_result(self, evaluated) -> None:
         pass  # results reach MLflow per generation, after the Parquet file is on disk
 
     def on_generation(self, report: GenerationReport, search: Search, parquet: Path | None = None) -> None:
-        step, now = report.generation, _now()
+        step, now, ref = report.generation, _now(), f"{self.session}/gen:{report.generation}"
         values = {
             "best_latency_ms": report.best_latency_ms,
             "median_latency_ms": report.median_latency_ms,
@@ -77,39 +105,75 @@ class MlflowSink:
             "evals_per_s": report.evals_per_s,
             "best_speedup": self.baseline_ms / report.best_latency_ms,
         }
-        metrics = [Metric(k, v, now, step) for k, v in values.items() if math.isfinite(v)]
-        metrics += [Metric(f"count_{s}", float(n), now, step) for s, n in report.status_counts.items()]
-        self.client.log_batch(self.run_id, metrics=metrics)
-        child = self.client.create_run(self.experiment_id, run_name=f"generation-{step:03d}", tags={
-            "mlflow.parentRunId": self.run_id,
-            "generation": str(step),
-            "best_hash": report.best.proposal.hash if report.best else "",
-            "best_parents": ",".join(report.best.proposal.parents) if report.best else "",
-            "best_agent": report.best.proposal.agent if report.best else "",
-            "agents": json.dumps(sorted({e.proposal.agent for e in report.evaluated})),
-        })
-        child_id = child.info.run_id
-        self.client.log_batch(child_id, metrics=[Metric(k, v, now, step) for k, v in values.items() if math.isfinite(v)],
-                              params=[Param("generation", str(step)), Param("candidates", str(len(report.evaluated)))])
+        metrics = [(k, v, now, step) for k, v in values.items() if math.isfinite(v)]
+        counts = [(f"count_{s}", float(n), now, step) for s, n in report.status_counts.items()]
+        self._batch(self.parent, metrics=metrics + counts)
+        best = report.best
+        self.outbox.add({"op": "run", "ref": ref, "parent": self.parent, "run_name": f"generation-{step:03d}",
+                         "start_time": now, "tags": {
+                             "generation": str(step),
+                             "best_hash": best.proposal.hash if best else "",
+                             "best_parents": ",".join(best.proposal.parents) if best else "",
+                             "best_agent": best.proposal.agent if best else "",
+                             "agents": json.dumps(sorted({e.proposal.agent for e in report.evaluated})),
+                         }})
+        self._batch(ref, metrics=metrics,
+                    params={"generation": str(step), "candidates": str(len(report.evaluated))})
         if parquet is not None:
-            self.client.log_artifact(child_id, str(parquet), artifact_path="evidence")
-        self.client.set_terminated(child_id, "FINISHED")
-        self.child_runs.append(child_id)
+            self._artifact(ref, Path(parquet), "evidence")
+        self.outbox.add({"op": "terminate", "run": ref, "status": "FINISHED", "end_time": _now()})
+        self.outbox.pump()
 
-    def finish(self, summary: dict, run_dir: Path, status: str = "FINISHED") -> None:
+    def finish(self, summary: dict, run_dir: Path, status: str = "FINISHED") -> bool:
+        """Log the summary, end the parent run and wait up to `finish_wait_s` for MLflow to have it all.
+
+        Returns whether MLflow has everything; if not, the outbox stays in the run directory.
+        """
         now = _now()
         final = {"final_best_latency_ms": summary.get("best_latency_ms"),
                  "speedup_vs_best_baseline": summary.get("speedup_vs_best_baseline")}
         final.update({f"speedup_vs_{name}": v for name, v in summary.get("speedups", {}).items()})
         roofline = summary.get("roofline") or {}
         final["fraction_of_roofline"] = roofline.get("fraction_of_floor")
-        metrics = [Metric(k, float(v), now, 0) for k, v in final.items() if v is not None and math.isfinite(v)]
-        tags = [RunTag("best_hash", str(summary.get("best_hash"))), RunTag("run_dir", str(run_dir))]
-        self.client.log_batch(self.run_id, metrics=metrics, tags=tags)
+        metrics = [(k, float(v), now, 0) for k, v in final.items() if v is not None and math.isfinite(v)]
+        self._batch(self.parent, metrics=metrics, tags={"best_hash": str(summary.get("best_hash")), "run_dir": str(run_dir)})
         for name in ("summary.json", "best_genome.json", "baselines.json", "config.yaml"):
-            if (run_dir / name).exists():
-                self.client.log_artifact(self.run_id, str(run_dir / name))
-        self.client.set_terminated(self.run_id, status)
+            if (Path(run_dir) / name).exists():
+                self._artifact(self.parent, Path(run_dir) / name, None)
+        self.outbox.add({"op": "terminate", "run": self.parent, "status": status, "end_time": _now()})
+        if self.outbox.drain(self.finish_wait_s):
+            return True
+        log.warning("MLflow is still behind after %.0f s: %d operations left in %s; replay them with"
+                    " `python -m evo mlflow-sync %s` once %s answers", self.finish_wait_s, self.pending,
+                    self.run_dir / OUTBOX_FILE, self.run_dir, self.uri)
+        return False
+
+    def _batch(self, ref: str, metrics: list[tuple] = (), params: dict[str, str] | None = None,
+               tags: dict[str, str] | None = None) -> None:
+        """Queue log_batch operations within MLflow's limits (1000 metrics, 100 params and tags each)."""
+        metrics, params, tags = list(metrics), list((params or {}).items()), list((tags or {}).items())
+        chunks = max(math.ceil(len(metrics) / MAX_METRICS), math.ceil(len(params) / MAX_BATCH),
+                     math.ceil(len(tags) / MAX_BATCH))
+        for i in range(chunks):
+            op = {"op": "batch", "run": ref,
+                  "metrics": [list(m) for m in metrics[i * MAX_METRICS:(i + 1) * MAX_METRICS]],
+                  "params": dict(params[i * MAX_BATCH:(i + 1) * MAX_BATCH]),
+                  "tags": dict(tags[i * MAX_BATCH:(i + 1) * MAX_BATCH])}
+            self.outbox.add({k: v for k, v in op.items() if v})
+
+    def _artifact(self, ref: str, path: Path, artifact_path: str | None) -> None:
+        path = path.resolve()
+        stored = path.relative_to(self.run_dir.resolve()) if path.is_relative_to(self.run_dir.resolve()) else path
+        self.outbox.add({"op": "artifact", "run": ref, "path": str(stored), "artifact_path": artifact_path})
+
+
+def sync(run_dir: Path, uri: str | None = None, wait_s: float = 30.0) -> int:
+    """Replay a run directory's leftover outbox (`python -m evo mlflow-sync`); returns how many operations are left."""
+    outbox = Outbox(Path(run_dir), uri)
+    before = len(outbox.ops)
+    outbox.drain(wait_s)
+    log.info("replayed %d of %d MLflow operations from %s", before - len(outbox.ops), before, run_dir)
+    return len(outbox.ops)
 
 
 def _now() -> int:
