@@ -16,6 +16,8 @@ def main(argv: list[str] | None = None) -> int:
     run_cmd.add_argument("--out", help="run directory (default: <out_dir>/<name>-<timestamp>)")
     run_cmd.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                          help="override a config value, e.g. --set search.generations=3 (repeatable)")
+    resume_cmd = commands.add_parser("resume", help="continue a search from its run directory")
+    resume_cmd.add_argument("run_dir", help="the run directory of an interrupted search")
     serve_cmd = commands.add_parser("serve", help="serve a run's best engine over HTTP with Ray Serve")
     serve_cmd.add_argument("engine", metavar="RUN",
                            help="run directory, models:/NAME/VERSION, runs:/RUN_ID, an MLflow run id or default:WORKLOAD/PRESET")
@@ -39,6 +41,18 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve_forever(args.engine, host=args.host, port=args.port, name=args.name,
                              max_batch_size=args.max_batch_size, tracking_uri=args.tracking_uri)
+    if args.command == "resume":
+        from evo.resume import RunDirError, load_run
+
+        try:
+            saved = load_run(args.run_dir)
+        except RunDirError as exc:
+            print(f"error: cannot resume: {exc}", file=sys.stderr)
+            return 2
+        from evo.run import run
+
+        outcome = run(saved.config, resume=saved)
+        return 0 if outcome.summary.get("best_hash") else 1
     if args.command == "mlflow-sync":
         from evo.mlflow_sink import sync
 

@@ -11,6 +11,7 @@ Run directory layout:
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -20,7 +21,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from evo.records import EvalResult, Evaluated
+from evo.faults import crash_point
+from evo.records import EvalResult, Evaluated, Proposal
+from evo.genome import Genome
 from evo.search import GenerationReport, Search
 
 SCHEMA = pa.schema([
@@ -29,7 +32,7 @@ SCHEMA = pa.schema([
     ("status", pa.string()), ("message", pa.string()), ("error", pa.string()),
     ("latency_ms", pa.float64()), ("latency_spread_ms", pa.float64()), ("max_rel_error", pa.float64()),
     ("build_s", pa.float64()), ("eval_s", pa.float64()), ("device", pa.string()), ("threads", pa.int32()),
-    ("evaluator", pa.string()), ("versions", pa.string()),
+    ("evaluator", pa.string()), ("versions", pa.string()), ("roofline_floor_ms", pa.float64()),
 ])
 
 
@@ -41,7 +44,7 @@ def evidence_row(item: Evaluated) -> dict[str, Any]:
         "status": r.status, "message": r.message, "error": r.error, "latency_ms": r.latency_ms,
         "latency_spread_ms": r.latency_spread_ms, "max_rel_error": r.max_rel_error, "build_s": r.build_s,
         "eval_s": r.eval_s, "device": r.device, "threads": r.threads, "evaluator": r.evaluator,
-        "versions": json.dumps(r.versions, sort_keys=True),
+        "versions": json.dumps(r.versions, sort_keys=True), "roofline_floor_ms": r.roofline_floor_ms,
     }
 
 
@@ -69,12 +72,16 @@ def _finite(data: Any) -> Any:
 class DiskEvidence:
     """Sink writing the journal per result and the Parquet file and checkpoint per generation."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, journaled: set[str] = frozenset()) -> None:
         self.run_dir = Path(run_dir)
         (self.run_dir / "generations").mkdir(parents=True, exist_ok=True)
         self._journal = open(self.run_dir / "evidence.jsonl", "a")
+        self._journaled = set(journaled)  # results already in the journal (a resumed run replays them)
 
     def on_result(self, evaluated: Evaluated) -> None:
+        if evaluated.proposal.hash in self._journaled:
+            return
+        self._journaled.add(evaluated.proposal.hash)
         self._journal.write(json.dumps(_finite(evidence_row(evaluated)), sort_keys=True) + "\n")
         self._journal.flush()
         os.fsync(self._journal.fileno())
@@ -85,6 +92,7 @@ class DiskEvidence:
         tmp = path.with_suffix(".parquet.tmp")
         pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), tmp)
         os.replace(tmp, path)
+        crash_point("evidence")
         write_json(self.run_dir / "state.json", search.state())
         if report.best is not None:
             write_json(self.run_dir / "best_genome.json", report.best.proposal.genome.to_dict())
@@ -94,6 +102,23 @@ class DiskEvidence:
 
     def close(self) -> None:
         self._journal.close()
+
+
+def evaluated_from_row(row: dict[str, Any]) -> Evaluated:
+    """The inverse of `evidence_row`: every EvalResult field the row has (JSON nulls back to NaN)."""
+    proposal = Proposal(genome=Genome.from_json(row["genome"]), parents=tuple(row["parents"]), agent=row["agent"],
+                        move=row["move"], generation=row["generation"], move_kind=row["move_kind"], index=row["index"])
+    values = {}
+    for f in dataclasses.fields(EvalResult):
+        if f.name not in row:
+            continue
+        value = row[f.name]
+        if f.name == "versions":
+            value = json.loads(value or "{}")
+        elif value is None and f.default is not dataclasses.MISSING and isinstance(f.default, float):
+            value = math.nan
+        values[f.name] = value
+    return Evaluated(proposal, EvalResult(**values))
 
 
 def write_baselines(run_dir: Path, baselines: dict[str, EvalResult]) -> None:

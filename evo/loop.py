@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator, Protocol
 
+from evo.faults import crash_point
 from evo.records import EvalResult, Evaluated, Proposal
 from evo.search import GenerationReport, Search
 
@@ -41,10 +42,12 @@ def run_search(search: Search, executor: Executor, sinks: Iterable[Sink] = (),
         proposals = search.ask()
         if not proposals:
             break
+        crash_point("propose")
         for proposal, result in executor.run(proposals):
             evaluated = search.tell(proposal, result)
             for sink in sinks:
                 sink.on_result(evaluated)
+            crash_point("evaluate")
         report = search.end_generation()
         for sink in sinks:
             sink.on_generation(report, search)

@@ -13,11 +13,12 @@ from evo.genome import Genome
 
 # Result statuses. Only OK results may become parents or the best.
 OK = "ok"
+SUSPECT = "suspect"  # passed the check but timed below the roofline floor: a timing cheat or a broken timer
 INCORRECT = "incorrect"
 BUILD_ERROR = "build_error"
 RUNTIME_ERROR = "runtime_error"
 TIMEOUT = "timeout"
-STATUSES: tuple[str, ...] = (OK, INCORRECT, BUILD_ERROR, RUNTIME_ERROR, TIMEOUT)
+STATUSES: tuple[str, ...] = (OK, INCORRECT, BUILD_ERROR, RUNTIME_ERROR, TIMEOUT, SUSPECT)
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class EvalResult:
     threads: int = 0
     versions: dict[str, str] = field(default_factory=dict)
     evaluator: str = ""
+    roofline_floor_ms: float = math.nan  # the preset's roofline floor on this evaluator's machine
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:

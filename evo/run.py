@@ -22,7 +22,9 @@ from evo.config import RunConfig
 from evo.evidence import DiskEvidence, write_baselines, write_json
 from evo.loop import run_search
 from evo.mlflow_sink import MlflowSink, tracking_uri
+from evo.records import EvalResult
 from evo.registry import register_engine
+from evo.resume import ReplayExecutor, SavedRun, restore, write_marker
 from evo.search import GenerationReport, Search
 from evo.serving.source import record_from_summary
 from evo.summary import best_baseline, make_summary
@@ -91,11 +93,15 @@ class _MlflowGeneration:
         self.sink.on_generation(report, search, self.disk.generation_path(report.generation))
 
 
-def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout) -> RunOutcome:
+def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout,
+        resume: SavedRun | None = None) -> RunOutcome:
+    """Run a search; with `resume` (from `evo.resume.load_run`), continue the one in its run directory."""
     started = time.monotonic()
-    run_dir = Path(run_dir or new_run_dir(config)).resolve()
+    run_dir = Path(resume.run_dir if resume else run_dir or new_run_dir(config)).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    if not resume:
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+        write_marker(run_dir, config)
     workload = get_workload(config.workload)
     presets = workload.presets()
     if config.preset not in presets:
@@ -121,15 +127,22 @@ def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout
         # Start everything that costs CPU (agent processes, the MLflow store) before any timing.
         team = RayTeam(list(config.search.agents), gene_space, config.search.seed)
         if config.mlflow.enabled:
-            mlflow_sink = MlflowSink(tracking_uri(config.mlflow.tracking_uri), config.mlflow.experiment,
-                                     run_dir.name, config.to_dict(),
-                                     tags={"workload": config.workload, "preset": config.preset,
-                                           "run_dir": str(run_dir), "device": device.name})
+            uri = tracking_uri(config.mlflow.tracking_uri)
+            tags = {"workload": config.workload, "preset": config.preset, "run_dir": str(run_dir), "device": device.name}
+            if resume:  # a linked continuation run: the interrupted one stays as it was left
+                tags["continues_run_id"] = _previous_parent_run(uri, config.mlflow.experiment, run_dir) or ""
+            mlflow_sink = MlflowSink(uri, config.mlflow.experiment, run_dir.name + (" (resumed)" if resume else ""),
+                                     config.to_dict(), tags=tags, run_dir=run_dir)
         team.state()  # waits until the agent actors are up
         roofline = workload.roofline(preset, pool.measure_rates())
-        print(f"timing baselines: {', '.join(names)}", file=out, flush=True)
-        baselines = pool.run_baselines(names)
-        write_baselines(run_dir, baselines)
+        if resume and (run_dir / "baselines.json").exists():
+            saved = json.loads((run_dir / "baselines.json").read_text())
+            baselines = {name: EvalResult.from_dict(_nan_for_null(r)) for name, r in saved.items()}
+            print("baselines: as timed before the interruption", file=out, flush=True)
+        else:
+            print(f"timing baselines: {', '.join(names)}", file=out, flush=True)
+            baselines = pool.run_baselines(names)
+            write_baselines(run_dir, baselines)
         for name, result in baselines.items():
             print(f"  baseline {name:32s} {result.status:10s} {result.latency_ms:9.2f} ms  {result.message[:80]}",
                   file=out, flush=True)
@@ -137,23 +150,25 @@ def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout
         baseline_ms = top[1].latency_ms if top else math.nan
         print(f"roofline floor: {roofline.floor_ms:.3f} ms", file=out, flush=True)
 
-        disk = DiskEvidence(run_dir)
+        disk = DiskEvidence(run_dir, journaled={e.proposal.hash for e in resume.journal} if resume else set())
         sinks = [disk, Progress(out, baseline_ms, config.search.max_evaluations)]
         if mlflow_sink:
             mlflow_sink.log_baselines(baselines, roofline.floor_ms)
             sinks.append(_MlflowGeneration(mlflow_sink, disk))
         search = Search(gene_space, config.search, team)
-        run_search(search, pool, sinks)
+        executor = pool
+        if resume:
+            executor = ReplayExecutor(pool, search, restore(search, resume))
+            print(f"resuming at generation {search.generation}: {search.evaluations} results restored, "
+                  f"{len(executor.replay)} of the interrupted generation to replay", file=out, flush=True)
+        run_search(search, executor, sinks)
 
         summary = make_summary(search, baselines, roofline, config.workload, config.preset,
                                time.monotonic() - started)
         summary["mlflow_run_id"] = mlflow_sink.run_id if mlflow_sink else None
         summary["registered_model"] = None
         if mlflow_sink and config.mlflow.register_model and summary["best_genome"]:
-            name = config.mlflow.model_name or f"{config.workload}-{config.preset}-engine"
-            record = record_from_summary(summary, str(run_dir))
-            version = register_engine(record, mlflow_sink.run_id, name, mlflow_sink.uri)
-            summary["registered_model"] = f"models:/{name}/{version}"
+            summary["registered_model"] = _register(mlflow_sink, summary, run_dir, config, out)
         write_json(run_dir / "summary.json", summary)
         status = "FINISHED"
         _print_summary(summary, run_dir, out)
@@ -169,6 +184,41 @@ def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout
                 part.close()
         if own_ray:
             ray.shutdown()
+
+
+def _register(sink: MlflowSink, summary: dict, run_dir: Path, config: RunConfig, out: TextIO) -> str | None:
+    """Register the best engine, if MLflow has caught up; a store that is down only costs the registration."""
+    name = config.mlflow.model_name or f"{config.workload}-{config.preset}-engine"
+    if not sink.run_id or sink.pending:
+        print(f"warning: MLflow is behind, the best engine was not registered as {name!r}; "
+              f"serve the run directory {run_dir} instead", file=out, flush=True)
+        return None
+    try:
+        version = register_engine(record_from_summary(summary, str(run_dir)), sink.run_id, name, sink.uri)
+    except Exception as exc:  # the evidence is on disk; a failed registration must not lose the summary
+        print(f"warning: registering {name!r} in MLflow failed: {type(exc).__name__}: {exc}", file=out, flush=True)
+        return None
+    return f"models:/{name}/{version}"
+
+
+def _previous_parent_run(uri: str, experiment: str, run_dir: Path) -> str | None:
+    """The newest parent run logged for this run directory, if MLflow can tell."""
+    from mlflow.tracking import MlflowClient
+
+    try:
+        client = MlflowClient(tracking_uri=uri)
+        found = client.get_experiment_by_name(experiment)
+        if found is None:
+            return None
+        runs = client.search_runs([found.experiment_id], filter_string=f"tags.run_dir = '{run_dir}'",
+                                  order_by=["attributes.start_time DESC"], max_results=1)
+        return runs[0].info.run_id if runs else None
+    except Exception:  # MLflow being down must not stop a resume
+        return None
+
+
+def _nan_for_null(data: dict) -> dict:
+    return {k: (math.nan if v is None and k.endswith(("_ms", "_s", "_error")) else v) for k, v in data.items()}
 
 
 def _print_summary(summary: dict, run_dir: Path, out: TextIO) -> None:

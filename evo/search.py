@@ -220,6 +220,17 @@ class Search:
         return report
 
     # -- saved state ----------------------------------------------------------------------------
+    def restore(self, evaluated: list[Evaluated], generation: int) -> None:
+        """Adopt results recorded by an earlier session, as if told, and continue at `generation`."""
+        self.adopt(evaluated)
+        self.generation = generation
+
+    def adopt(self, evaluated: list[Evaluated]) -> None:
+        """Record results that were evaluated but not asked in this session (never evaluated again)."""
+        for item in evaluated:
+            self.known[item.proposal.hash] = item
+            self.population.offer(item)
+
     def state(self) -> dict[str, Any]:
         return {
             "generation": self.generation,

@@ -39,12 +39,18 @@ class FusionAgent(Agent):
         return groups
 
     def move_kinds(self, parent: Genome) -> list[str]:
+        if not self._stages():  # a workload without the stage convention: only plain gene mutations
+            return ["gene"]
         return ["fuse", "split", "backend"]
 
     def apply(self, kind: str, parent: Genome, rng: np.random.Generator) -> Move | None:
         genes = parent.domain("fusion")
         options = []
-        if kind in ("fuse", "split"):
+        if kind == "gene":
+            for gene in self.gene_space.in_domain("fusion"):
+                options += [(f"{gene.name}: {genes[gene.name]} -> {v}", {**genes, gene.name: v})
+                            for v in gene.values if v != genes[gene.name]]
+        elif kind in ("fuse", "split"):
             want = kind == "fuse"
             for gene, a, b in self._boundaries():
                 if genes[gene] != want:

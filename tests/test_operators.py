@@ -77,3 +77,13 @@ def test_agents_skip_genomes_the_search_already_knows():
         known = frozenset(p.hash for p in first)
         second = cls(space, seed=3).propose(parents(3), 4, 1, exclude=known)
         assert first and second and not known & {p.hash for p in second}
+
+
+def test_fusion_agent_works_on_a_space_without_stage_genes():
+    from evo.genome import Gene, GeneSpace
+
+    space = GeneSpace("plain", (Gene("impl", "fusion", ("a", "b", "c"), "a", "x"),
+                                Gene("size", "scheduling", (1, 2), 1, "y")))
+    proposals = FusionAgent(space, seed=0).propose([Parent(space.default(), 1.0)], 2, 1)
+    assert {p.genome["impl"] for p in proposals} == {"b", "c"}
+    assert all(p.genome["size"] == 1 for p in proposals)

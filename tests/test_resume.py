@@ -1,0 +1,109 @@
+"""kill -9 of the driver at several points, then `python -m evo resume`: nothing is evaluated twice,
+nothing recorded is lost, the run completes its budget. Plus clear errors for unusable run directories."""
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from evo.resume import RunDirError, load_run
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = {
+    "workload": "tests.fake_workload", "preset": "cpu", "name": "crash", "baselines": ["torch_cumsum"],
+    "genes": {"impl": ["cumsum", "loop", "zeros", "nan", "noisy", "slow_build"]},
+    "search": {"seed": 3, "generations": 4, "offspring": 4, "max_evaluations": 16,
+               "population": {"size": 4, "elite": 1, "tournament": 2}},
+    "evaluators": {"count": 2, "threads": 1},
+    "evaluator": {"warmup": 1, "repeats": 3, "input_sets": 2, "eval_timeout_s": 60},
+}
+
+
+def evo(tmp: Path, *args: str, crash_at: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env.pop("EVO_CRASH_AT", None)
+    if crash_at:
+        env["EVO_CRASH_AT"] = crash_at
+    process = subprocess.Popen([sys.executable, "-m", "evo", *args], cwd=ROOT, env=env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=240)
+    finally:
+        try:  # Ray's helper processes share the driver's process group: stop them by that group id
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(process.args, process.returncode, output)
+
+
+def journal(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "evidence.jsonl").read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("crash_at, with_mlflow", [("propose:2", False), ("evaluate:6", True), ("evidence:2", False)])
+def test_resume_after_kill_9_evaluates_nothing_twice(tmp_path, crash_at, with_mlflow):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    config = {**CONFIG, "mlflow": {"tracking_uri": uri, "experiment": "crash", "enabled": with_mlflow}}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    run_dir = tmp_path / "run"
+    killed = evo(tmp_path, "run", str(tmp_path / "config.yaml"), "--out", str(run_dir), crash_at=crash_at)
+    assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:]
+    before = {row["genome_hash"]: row for row in journal(run_dir)}
+    assert 0 < len(before) < 16 and not (run_dir / "summary.json").exists()
+
+    resumed = evo(tmp_path, "resume", str(run_dir))
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert "resuming at generation" in resumed.stdout
+    after = journal(run_dir)
+    hashes = [row["genome_hash"] for row in after]
+    assert len(hashes) == len(set(hashes)) == 16, "a genome was evaluated twice or the budget was not kept"
+    for row in after:  # what was recorded before the kill is kept as it was, not re-measured
+        if row["genome_hash"] in before:
+            assert row == before[row["genome_hash"]]
+    parquet = [pq.read_table(run_dir / "generations" / f"gen_{g:04d}.parquet").to_pylist() for g in range(4)]
+    assert sorted(r["genome_hash"] for gen in parquet for r in gen) == sorted(hashes)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["evaluations"] == 16 and summary["generations"] == 4
+    state = json.loads((run_dir / "state.json").read_text())
+    assert state["generation"] == 4 and sorted(state["evaluated"]) == sorted(hashes)
+    agent_tries = sum(t for agent in state["agents"].values() for t, _ in agent["stats"].values())
+    assert agent_tries == sum(1 for row in after if row["agent"] != "seed")
+    if with_mlflow:  # the interrupted parent run stays; a linked continuation run finishes the search
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=uri)
+        experiment = client.get_experiment_by_name("crash")
+        parents = client.search_runs([experiment.experiment_id], filter_string="tags.run_dir != ''",
+                                     order_by=["attributes.start_time ASC"])
+        parents = [r for r in parents if "mlflow.parentRunId" not in r.data.tags]
+        assert len(parents) == 2
+        assert parents[1].data.tags["continues_run_id"] == parents[0].info.run_id
+        assert parents[1].info.status == "FINISHED" and summary["mlflow_run_id"] == parents[1].info.run_id
+
+
+def test_unusable_run_directories_get_clear_errors(tmp_path):
+    with pytest.raises(RunDirError, match="not a directory"):
+        load_run(tmp_path / "missing")
+    with pytest.raises(RunDirError, match="run.json .*missing"):
+        load_run(tmp_path)
+    (tmp_path / "run.json").write_text(json.dumps({"format": 99}))
+    with pytest.raises(RunDirError, match="run format 99"):
+        load_run(tmp_path)
+    (tmp_path / "run.json").write_text("{not json")
+    with pytest.raises(RunDirError, match="corrupt"):
+        load_run(tmp_path)
+    (tmp_path / "run.json").write_text(json.dumps({"format": 1}))
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"search": {"generatoins": 2}}))
+    with pytest.raises(RunDirError, match="config.yaml is corrupt.*generatoins"):
+        load_run(tmp_path)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(CONFIG))
+    (tmp_path / "evidence.jsonl").write_text('{"broken": \n{"also": "broken"}\n')
+    with pytest.raises(RunDirError, match="evidence.jsonl:1 is corrupt"):
+        load_run(tmp_path)
+    result = evo(tmp_path, "resume", str(tmp_path))
+    assert result.returncode == 2 and "cannot resume" in result.stdout
