@@ -4,24 +4,38 @@ For each case of each cascade stage (cheap stages first, stop at the first faili
 draws fresh inputs, snapshots them, runs the engine and verifies, in order:
 
 1. the inputs are unchanged after the call (engines must not write into their inputs);
-2. every declared output is present, a tensor, with the reference's shape and the expected dtype;
-3. every output is finite (NaN/inf never pass) and not all zeros (unless the reference is);
-4. norm-wise relative error <= tol and max abs error <= factor * tol * max|ref| (see settings.py).
+2. the outputs read right after the call equal the outputs re-read after `settle_s` (no work deferred
+   past return, e.g. a background thread still writing);
+3. every declared output is present, a tensor, with the reference's shape and the expected dtype;
+4. every output is finite (NaN/inf never pass) and not all zeros (unless the reference is);
+5. norm-wise relative error <= tol and max abs error <= factor * tol * max|ref| (see settings.py).
 
-Seeds come from a `SeedStream`: a per-evaluator counter mixed with a base seed, so no seed repeats
-within one evaluator and an engine can never be tuned to a fixed input.
+Cheats are caught by construction, for every engine:
+
+* seeds come from a `SeedStream` (a per-evaluator counter mixed with a base seed), so no seed repeats
+  within one evaluator and an engine can never be tuned to a fixed input;
+* each stage ends with a second call of its first case on a fresh input set, so an engine that
+  returns a cached answer fails (and is told so when its output equals the previous call's);
+* with `poison=True` each call runs with freed memory NaN-filled and with torch's
+  `fill_uninitialized_memory` on (torch.empty & co. return NaN), so outputs left unwritten fail;
+* `GuardedEngine` replaces the workload's reference and baselines (`forbidden_targets`) with guards
+  for the duration of each engine call; an engine that calls one fails even if it catches the error.
 """
 from __future__ import annotations
 
 import math
+import time
+import warnings
 import zlib
-from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from evo.workloads.base import CheckCase, Engine, Preset, Workload
+from evaluators.timing import sync
 
 
 class SeedStream:
@@ -86,29 +100,146 @@ def check_engine(
     device: str,
     tolerance: float,
     elementwise_factor: float,
+    settle_s: float = 0.0,
+    poison: bool = False,
 ) -> CheckReport:
-    """Run the cascade; stop at the first failing stage. Raises EngineCallError if the engine raises."""
+    """Run the cascade; stop at the first failing stage. Raises EngineCallError if the engine raises
+    (a `ForbiddenCall` is a failed check instead)."""
     dtypes = expected_dtypes(workload, preset)
     worst, run = math.nan, 0  # nan until a case has been compared
     for stage_index, stage in enumerate(stages):
-        for case in stage:
+        previous: Mapping[str, object] | None = None  # outputs of the previous call, as first read
+        for case in _with_repeat(stage):
+            where = f"stage {stage_index} case {case.name!r}"
             inputs = workload.make_inputs(case, preset.dtype, device, seeds.next())
             snapshot = _clone(inputs)
             try:
-                outputs = engine(**inputs)
+                with poisoned_memory(inputs, poison):
+                    outputs = engine(**inputs)
+                    sync(device)
+            except ForbiddenCall as exc:
+                return CheckReport(False, worst, f"{where}: {exc}", run + 1)
             except Exception as exc:
                 raise EngineCallError(case.name, exc) from exc
             run += 1
-            where = f"stage {stage_index} case {case.name!r}"
+            first = _clone_outputs(outputs)  # what a caller reads right after the call returned
             changed = _changed_inputs(inputs, snapshot)
             if changed:
                 return CheckReport(False, worst, f"{where}: engine modified its inputs in place: {changed}", run)
             reference = workload.reference(snapshot)
-            problem, rel = compare_outputs(outputs, reference, dtypes, tolerance, elementwise_factor)
+            time.sleep(settle_s)
+            sync(device)
+            late = _changed_outputs(outputs, first)
+            if late:
+                return CheckReport(False, worst, f"{where}: outputs {late} changed after the engine returned"
+                                   f" (work deferred past return, e.g. a background thread still writing)", run)
+            problem, rel = compare_outputs(first, reference, dtypes, tolerance, elementwise_factor)
             worst = _worse(worst, rel)
             if problem:
+                if previous is not None and not _changed_outputs(first, previous):
+                    problem = ("returned exactly the outputs of the previous call on different inputs"
+                               f" (cached or stale result): {problem}")
                 return CheckReport(False, worst, f"{where}: {problem}", run)
+            previous = first
     return CheckReport(True, worst, f"passed {run} cases in {len(stages)} stages (tol {tolerance:.1e})", run)
+
+
+def _with_repeat(stage: Sequence[CheckCase]) -> list[CheckCase]:
+    """The stage's cases plus its first case again (a fresh input set): two calls of one shape, so a
+    cached answer cannot pass."""
+    cases = list(stage)
+    return cases + [replace(cases[0], name=f"{cases[0].name}#2")] if cases else cases
+
+
+@contextmanager
+def poisoned_memory(inputs: Mapping[str, object], enabled: bool = True) -> Iterator[None]:
+    """While active: memory the engine allocates without writing reads as NaN.
+
+    torch.empty & co. fill new memory with NaN (torch's deterministic mode, warn-only, with
+    `fill_uninitialized_memory`), and blocks of the inputs' sizes are NaN-filled and freed just
+    before the call, so a caching allocator (or malloc) that hands them back hands back NaN.
+    """
+    if not enabled:
+        yield
+        return
+    bait = [torch.full_like(v, math.nan) for v in inputs.values()
+            if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    del bait
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.utils.deterministic.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # warn-only notes about nondeterministic ops: not the engine's fault
+            yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.utils.deterministic.fill_uninitialized_memory = saved[2]
+
+
+class ForbiddenCall(RuntimeError):
+    """The engine called the workload's reference or a baseline instead of computing its answer."""
+
+
+def forbidden_targets(workload: Workload) -> list[tuple[object, str]]:
+    """(owner, attribute) pairs an engine must not call: the workload's `reference` method, plus
+    whatever the workload declares through an optional `forbidden_callables()`."""
+    targets: list[tuple[object, str]] = [(workload, "reference")]
+    declared = getattr(workload, "forbidden_callables", None)
+    if callable(declared):
+        targets += [(owner, attr) for owner, attr in declared()]
+    return targets
+
+
+@contextmanager
+def forbid_calls(targets: Sequence[tuple[object, str]]) -> Iterator[list[str]]:
+    """Replace each `owner.attr` by a guard that records the call and raises `ForbiddenCall`;
+    restore every attribute in `finally`. Yields the list of forbidden calls made."""
+    calls: list[str] = []
+    saved: list[tuple[object, str, bool, object]] = []
+    try:
+        for owner, attr in targets:
+            label = f"{getattr(owner, '__name__', type(owner).__name__)}.{attr}"
+            saved.append((owner, attr, attr in vars(owner), getattr(owner, attr)))
+            setattr(owner, attr, _guard(label, calls))
+        yield calls
+    finally:
+        for owner, attr, own, original in reversed(saved):
+            if own:
+                setattr(owner, attr, original)
+            else:
+                delattr(owner, attr)  # it was a class attribute (a method): unshadow it
+
+
+def _guard(label: str, calls: list[str]):
+    def forbidden(*args: object, **kwargs: object) -> None:
+        calls.append(label)
+        raise ForbiddenCall(f"engine called {label}")
+    return forbidden
+
+
+class GuardedEngine:
+    """An engine whose every call runs under `forbid_calls(targets)`. A forbidden call raises
+    `ForbiddenCall` after the engine returns or raises, even if the engine swallowed the guard's error."""
+
+    def __init__(self, engine: Engine, targets: Sequence[tuple[object, str]]) -> None:
+        self.engine = engine
+        self.targets = list(targets)
+        self.num_threads = getattr(engine, "num_threads", None)
+
+    def __call__(self, **inputs: object) -> object:
+        with forbid_calls(self.targets) as calls:
+            try:
+                outputs = self.engine(**inputs)
+            except Exception:
+                if not calls:
+                    raise
+                outputs = None
+        if calls:
+            raise ForbiddenCall(f"engine called {', '.join(sorted(set(calls)))}: engines must compute their"
+                                " answer, not call the workload's reference or a baseline")
+        return outputs
 
 
 def compare_outputs(
@@ -166,6 +297,19 @@ def _worse(a: float, b: float) -> float:
 
 def _clone(inputs: Mapping[str, object]) -> dict[str, object]:
     return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+def _clone_outputs(outputs: object) -> object:
+    if not isinstance(outputs, Mapping):
+        return outputs
+    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in outputs.items()}
+
+
+def _changed_outputs(outputs: object, first: object) -> list[str]:
+    """Names of tensor outputs whose values differ from `first` (a clone taken earlier)."""
+    if not isinstance(outputs, Mapping) or not isinstance(first, Mapping):
+        return []
+    return [k for k in _tensor_keys(first) if not _same(outputs.get(k), first[k])]
 
 
 def _changed_inputs(inputs: Mapping[str, object], snapshot: Mapping[str, object]) -> list[str]:

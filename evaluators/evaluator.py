@@ -5,11 +5,17 @@ One evaluation: parse and validate the genome, build the engine and make one war
 preset shape (`build_s` covers both, since torch.compile compiles lazily), run the correctness
 cascade on fresh inputs, then time it on rotated input sets. Engine faults become statuses with a
 message; only configuration and programming errors raise.
+
+A genome's engine is built and called under `forbid_calls` (it may not call the workload's reference
+or baselines; see check.py for the other cheat checks). A result whose median latency is below the
+preset's roofline floor (x `roofline_margin`) is 'suspect', never 'ok': faster than the machine allows
+means a timing cheat, work deferred past the timer or a wrong roofline. Every result carries the floor.
 """
 from __future__ import annotations
 
 import gc
 import hashlib
+import math
 import time
 import traceback
 from typing import Callable
@@ -17,11 +23,12 @@ from typing import Callable
 import torch
 
 from evo.genome import Genome, GenomeError
-from evo.records import BUILD_ERROR, INCORRECT, OK, RUNTIME_ERROR, TIMEOUT, EvalResult
+from evo.records import BUILD_ERROR, INCORRECT, OK, RUNTIME_ERROR, SUSPECT, TIMEOUT, EvalResult
 from evo.workloads import get_workload
 from evo.workloads.base import CheckCase, DeviceInfo, Engine, MachineRates, Preset, Workload
 from evaluators import device as devices
-from evaluators.check import EngineCallError, SeedStream, check_engine
+from evaluators.check import (EngineCallError, ForbiddenCall, GuardedEngine, SeedStream, check_engine,
+                               forbid_calls, forbidden_targets)
 from evaluators.settings import EvaluatorSettings
 from evaluators.timing import measure_rates, num_threads, sync, time_engine
 
@@ -57,6 +64,9 @@ class Evaluator:
         self._tolerance = settings.tolerance(self.preset.dtype)  # a missing dtype is a config error: fail now
         self._seeds = SeedStream(seed, name)
         self._timing_case = _timing_case(self.workload, self.preset)
+        self._forbidden = forbidden_targets(self.workload)
+        self._rates: MachineRates | None = None  # measured on first need, then cached
+        self._floor_ms: float | None = None
 
     # ----------------------------------------------------------------- public API
     def device_info(self) -> DeviceInfo:
@@ -84,9 +94,14 @@ class Evaluator:
 
         def build() -> Engine:
             space = self.workload.gene_space(self.preset, self._info)
-            return self.workload.build(space.validate(genome), self.preset, self._info)
+            with forbid_calls(self._forbidden) as calls:
+                engine = self.workload.build(space.validate(genome), self.preset, self._info)
+            if calls:
+                raise ForbiddenCall(f"build called {', '.join(sorted(set(calls)))}: engines must compute their"
+                                    " answer, not call the workload's reference or a baseline")
+            return engine
 
-        return self._evaluate(genome.hash, build, start)
+        return self._evaluate(genome.hash, build, start, guarded=True)
 
     def evaluate_baseline(self, baseline: str) -> EvalResult:
         """Build, check and time a named baseline exactly like a genome's engine."""
@@ -98,17 +113,41 @@ class Evaluator:
             )
         return self._evaluate(f"baseline:{baseline}", lambda: builders[baseline](self._info), start)
 
-    def measure_rates(self) -> MachineRates:
-        return measure_rates(self.device, self._info.threads if self.device == "cpu" else None)
+    def measure_rates(self, again: bool = False) -> MachineRates:
+        """The machine's ceilings (fp32 FLOP/s, copy bandwidth), measured on first need and cached.
+        `again` measures once more and keeps the higher of each rate: ceilings read low when another
+        process disturbs a measurement, and a low ceiling would make an honest engine look too fast."""
+        if self._rates is None or again:
+            rates = measure_rates(self.device, self._info.threads if self.device == "cpu" else None)
+            if self._rates is not None:
+                rates = MachineRates(max(rates.flops_per_s, self._rates.flops_per_s),
+                                     max(rates.bytes_per_s, self._rates.bytes_per_s))
+            self._rates, self._floor_ms = rates, None
+        return self._rates
+
+    def roofline_floor_ms(self) -> float:
+        """The preset's roofline floor on this machine (nan if the workload cannot say), cached."""
+        if self._floor_ms is None:
+            try:
+                self._floor_ms = float(self.workload.roofline(self.preset, self.measure_rates()).floor_ms)
+            except Exception:  # a workload without a usable roofline: nothing is suspect
+                self._floor_ms = math.nan
+        return self._floor_ms
 
     # ----------------------------------------------------------------- one evaluation
-    def _evaluate(self, genome_hash: str, build: Callable[[], Engine], start: float) -> EvalResult:
+    def _evaluate(self, genome_hash: str, build: Callable[[], Engine], start: float,
+                  guarded: bool = False) -> EvalResult:
         engine = None
         try:
             with torch.no_grad():
                 try:
                     engine = build()
                     threads = _engine_threads(engine)
+                    if guarded:  # baselines may call what they like; genomes' engines may not
+                        engine = GuardedEngine(engine, self._forbidden)
+                except ForbiddenCall as exc:
+                    return self._result(genome_hash, INCORRECT, start, message=str(exc),
+                                        build_s=time.perf_counter() - start)
                 except Exception as exc:
                     return self._result(genome_hash, BUILD_ERROR, start, message=_summary("build failed", exc),
                                         error=_describe(exc), build_s=time.perf_counter() - start)
@@ -126,6 +165,8 @@ class Evaluator:
         try:
             engine(**timing_sets[0])  # first call at the preset shape: where lazy compilers compile
             sync(self.device)
+        except ForbiddenCall as exc:
+            return self._result(genome_hash, INCORRECT, start, message=f"first call: {exc}", **stamp)
         except Exception as exc:
             status = BUILD_ERROR if _is_compile_error(exc) else RUNTIME_ERROR
             return self._result(genome_hash, status, start, message=_summary("first call failed", exc),
@@ -138,7 +179,8 @@ class Evaluator:
         try:
             report = check_engine(engine, self.workload, self.preset, self.workload.check_cases(self.preset),
                                   self._seeds, device=self.device, tolerance=self._tolerance,
-                                  elementwise_factor=self.settings.elementwise_factor)
+                                  elementwise_factor=self.settings.elementwise_factor,
+                                  settle_s=self.settings.settle_s, poison=self.settings.poison_memory)
         except EngineCallError as exc:
             cause = exc.__cause__ or exc
             return self._result(genome_hash, RUNTIME_ERROR, start, message=str(exc), error=_describe(cause), **stamp)
@@ -152,17 +194,34 @@ class Evaluator:
         try:
             timing = time_engine(engine, timing_sets, device=self.device, warmup=self.settings.warmup,
                                  repeats=self.settings.repeats, min_timing_s=self.settings.min_timing_s)
+        except ForbiddenCall as exc:
+            return self._result(genome_hash, INCORRECT, start, message=f"while timing: {exc}", **stamp)
         except Exception as exc:
             return self._result(genome_hash, RUNTIME_ERROR, start, message=_summary("failed while timing", exc),
                                 error=_describe(exc), **stamp)
+        if self._below_floor(timing.median_ms):
+            return self._result(genome_hash, SUSPECT, start, latency_ms=timing.median_ms,
+                                latency_spread_ms=timing.spread_ms, **stamp,
+                                message=f"median latency {timing.median_ms:.4g} ms is below the roofline floor"
+                                        f" {self.roofline_floor_ms():.4g} ms x margin {self.settings.roofline_margin:g}:"
+                                        " faster than this machine allows (work deferred past the timer, a broken"
+                                        " timer or a wrong roofline); never ranked")
         return self._result(genome_hash, OK, start, latency_ms=timing.median_ms, latency_spread_ms=timing.spread_ms,
                             message=f"{report.message}; {len(timing.samples_ms)} timed calls", **stamp)
+
+    def _below_floor(self, latency_ms: float) -> bool:
+        """Faster than margin x the floor, even after re-measuring the machine's rates (False for nan)."""
+        if not latency_ms < self.roofline_floor_ms() * self.settings.roofline_margin:
+            return False
+        self.measure_rates(again=True)
+        return latency_ms < self.roofline_floor_ms() * self.settings.roofline_margin
 
     def _draw(self, case: CheckCase) -> dict:
         return self.workload.make_inputs(case, self.preset.dtype, self.device, self._seeds.next())
 
     def _result(self, genome_hash: str, status: str, start: float, **fields) -> EvalResult:
         fields.setdefault("threads", self._info.threads)
+        fields.setdefault("roofline_floor_ms", self.roofline_floor_ms())
         return EvalResult(
             genome_hash=genome_hash,
             status=status,

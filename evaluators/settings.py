@@ -70,6 +70,21 @@ class EvaluatorSettings:
     eval_timeout_s: float = _option(
         300.0, "whole evaluation budget; the pool kills an evaluator that exceeds it (hangs)", _positive
     )
+    roofline_margin: float = _option(
+        1.0, "a median latency below margin x the roofline floor gives status 'suspect' (never ok)", _positive
+    )
+    settle_s: float = _option(
+        0.005,
+        "seconds to wait before re-reading a check call's outputs; outputs that change after the engine"
+        " returned (work deferred past return) make it 'incorrect'",
+        lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= 10,
+    )
+    poison_memory: bool = _option(
+        True,
+        "during check calls torch.empty & co. return NaN-filled memory (and freed memory is NaN-filled),"
+        " so outputs the engine leaves unwritten fail; costs one recompile for torch.compile'd engines",
+        lambda x: isinstance(x, bool),
+    )
     min_timing_s: float | None = _option(
         None,
         "if set, keep timing past `repeats` until the timed calls add up to this many seconds",

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from evo.records import STATUSES, EvalResult
+from evo.records import STATUSES, SUSPECT, EvalResult
 from evo.search import Search
 from evo.workloads.base import Roofline
 
@@ -32,6 +32,13 @@ def lineage(search: Search, genome_hash: str) -> list[dict[str, Any]]:
             break
         genome_hash = item.proposal.parents[0]
     return chain
+
+
+def suspects(search: Search) -> list[dict[str, Any]]:
+    """Results that timed below the roofline floor: never ranked, listed so a person can look."""
+    return [{"hash": h, "latency_ms": item.result.latency_ms, "roofline_floor_ms": item.result.roofline_floor_ms,
+             "message": item.result.message}
+            for h, item in sorted(search.known.items()) if item.result.status == SUSPECT]
 
 
 def make_summary(search: Search, baselines: dict[str, EvalResult], roofline: Roofline | None,
@@ -67,5 +74,6 @@ def make_summary(search: Search, baselines: dict[str, EvalResult], roofline: Roo
         "evaluations": search.evaluations,
         "generations": search.generation,
         "status_counts": counts,
+        "suspects": suspects(search),
         "wall_s": wall_s,
     }

@@ -42,6 +42,14 @@ class KdaWorkload:
     def reference(self, inputs: dict) -> dict:
         return _reference.reference(inputs)
 
+    def forbidden_callables(self) -> list[tuple[object, str]]:
+        """What an engine must not call (the evaluator guards these while engines build and run):
+        the float64 oracle and every baseline, whose answers would pass the check for free."""
+        return [(_reference, "reference"), (_reference, "recurrent_kda"),
+                *((_baselines, name) for name in ("chunk_pairwise", "_pairwise_intra", "_chunk_step",
+                                                  "_compiled_chunk_pairwise", "_eager_recurrent",
+                                                  "_fla_naive_chunk", "recurrent_kda", "baselines"))]
+
     def build(self, genome: Genome, preset: Preset, device: DeviceInfo) -> Engine:
         return _engine.build(genome, preset, device)
 
