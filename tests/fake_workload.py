@@ -31,6 +31,7 @@ IMPLS = (
     "threads_probe",  # correct; records torch.get_num_threads() at each call
     "hang",  # every call sleeps for an hour (the pool must kill it)
     "exit",  # every call kills its process (the pool must replace it)
+    "oom",  # every call runs out of memory (as torch reports it)
 )
 
 SEEN_SEEDS: list[int] = []  # every seed make_inputs was given, in order
@@ -44,6 +45,8 @@ def _engine(impl: str, threads: int) -> Engine:
             time.sleep(3600)
         if impl == "exit":
             os._exit(3)
+        if impl == "oom":
+            raise torch.OutOfMemoryError("deliberate: tried to allocate 512.00 GiB")
         if impl == "raise_run":
             raise RuntimeError("deliberate failure at run time")
         if impl == "raise_small" and x.shape[1] < 16:

@@ -54,6 +54,7 @@ def test_correct_engine_is_ok_with_latency_and_spread(ev):
     ("raise_build", BUILD_ERROR, "deliberate failure at build time"),
     ("raise_run", RUNTIME_ERROR, "deliberate failure at run time"),
     ("raise_small", RUNTIME_ERROR, "case 'small'"),
+    ("oom", RUNTIME_ERROR, "out of memory"),
 ])
 def test_faults_become_statuses(ev, impl, status, words):
     r = ev.evaluate(fw.genome_json(impl))
