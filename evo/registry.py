@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import mlflow
 import mlflow.pyfunc
@@ -30,7 +29,8 @@ class EnginePyfunc(mlflow.pyfunc.PythonModel):
         self.engine = workload.build(record.genome, preset, DeviceInfo("cpu", "cpu", 1))
         self.dtype = preset.dtype
 
-    def predict(self, context, model_input: dict[str, Any], params=None) -> dict[str, Any]:
+    # No type hints on predict: MLflow would read them as a (list-of-rows) schema.
+    def predict(self, context, model_input, params=None):
         import torch
 
         inputs = {name: torch.as_tensor(value) for name, value in model_input.items() if value is not None}
