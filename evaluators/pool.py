@@ -47,6 +47,7 @@ class EvaluatorPool:
         self.workload, self.preset, self.settings, self.run_seed = workload, preset, settings, run_seed
         self.threads = threads
         self.accelerator_type = accelerator_type
+        self.should_stop = lambda: False  # polled at least once a second: stop dispatching when true
         self.slots = [_Slot(i, cores) for i, cores in enumerate(self._plan(count, threads))]
         for slot in self.slots:
             self._start(slot)
@@ -127,12 +128,15 @@ class EvaluatorPool:
         running: dict[Any, tuple[Any, _Slot, float]] = {}  # ref -> (key, slot, started)
         timeout = self.settings.eval_timeout_s
         while queue or running:
+            if self.should_stop():  # in-flight work is abandoned (its actors are killed at close)
+                return
             while queue and idle:
                 key, method, arg = queue.popleft()
                 slot = idle.popleft()
                 running[getattr(slot.actor, method).remote(arg)] = (key, slot, time.monotonic())
             nearest = min(started for _, _, started in running.values()) + timeout
-            ready, _ = ray.wait(list(running), num_returns=1, timeout=max(0.0, nearest - time.monotonic()))
+            wait_s = min(1.0, max(0.0, nearest - time.monotonic()))
+            ready, _ = ray.wait(list(running), num_returns=1, timeout=wait_s)
             for ref in ready:
                 key, slot, started = running.pop(ref)
                 yield key, self._collect(ref, hash_of(key), slot)

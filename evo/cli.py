@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         from evo.run import run
 
-        outcome = run(saved.config, resume=saved)
+        outcome = run(saved.config, resume=saved, handle_signals=True)
         return 0 if outcome.summary.get("best_hash") else 1
     if args.command == "mlflow-sync":
         from evo.mlflow_sink import sync
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         return _print_genes(config)
     from evo.run import run  # Ray and torch load only when needed
 
-    outcome = run(config, args.out)
+    outcome = run(config, args.out, handle_signals=True)
     return 0 if outcome.summary.get("best_hash") else 1
 
 

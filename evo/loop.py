@@ -48,6 +48,8 @@ def run_search(search: Search, executor: Executor, sinks: Iterable[Sink] = (),
             for sink in sinks:
                 sink.on_result(evaluated)
             crash_point("evaluate")
+        if search.pending:  # the executor stopped early: the generation stays open, resumable
+            break
         report = search.end_generation()
         for sink in sinks:
             sink.on_generation(report, search)

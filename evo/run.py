@@ -26,6 +26,7 @@ from evo.records import EvalResult
 from evo.registry import register_engine
 from evo.resume import ReplayExecutor, SavedRun, restore, write_marker
 from evo.search import GenerationReport, Search
+from evo.stop import STOP, install_handlers
 from evo.serving.source import record_from_summary
 from evo.summary import best_baseline, make_summary
 from evo.workloads import get_workload
@@ -94,8 +95,9 @@ class _MlflowGeneration:
 
 
 def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout,
-        resume: SavedRun | None = None) -> RunOutcome:
-    """Run a search; with `resume` (from `evo.resume.load_run`), continue the one in its run directory."""
+        resume: SavedRun | None = None, handle_signals: bool = False) -> RunOutcome:
+    """Run a search; with `resume` (from `evo.resume.load_run`), continue the one in its run directory.
+    With `handle_signals` (the CLI), SIGTERM and Ctrl-C stop it cleanly (see evo.stop)."""
     started = time.monotonic()
     run_dir = Path(resume.run_dir if resume else run_dir or new_run_dir(config)).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -109,6 +111,8 @@ def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout
     preset = presets[config.preset]
     print(f"run directory: {run_dir}", file=out, flush=True)
     own_ray = start_ray(config)
+    if handle_signals:
+        install_handlers()  # after ray.init, which installs its own SIGTERM handler
     pool = team = mlflow_sink = disk = None
     status = "FAILED"
     try:
@@ -161,16 +165,22 @@ def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout
             executor = ReplayExecutor(pool, search, restore(search, resume))
             print(f"resuming at generation {search.generation}: {search.evaluations} results restored, "
                   f"{len(executor.replay)} of the interrupted generation to replay", file=out, flush=True)
-        run_search(search, executor, sinks)
+        pool.should_stop = STOP.is_set
+        run_search(search, executor, sinks, should_stop=STOP.is_set)
+        stopped = STOP.is_set()
+        if stopped:
+            print(f"stopped: {search.evaluations} results are recorded; continue with "
+                  f"python -m evo resume {run_dir}", file=out, flush=True)
 
         summary = make_summary(search, baselines, roofline, config.workload, config.preset,
                                time.monotonic() - started)
         summary["mlflow_run_id"] = mlflow_sink.run_id if mlflow_sink else None
         summary["registered_model"] = None
-        if mlflow_sink and config.mlflow.register_model and summary["best_genome"]:
+        summary["stopped"] = stopped
+        if mlflow_sink and config.mlflow.register_model and summary["best_genome"] and not stopped:
             summary["registered_model"] = _register(mlflow_sink, summary, run_dir, config, out)
         write_json(run_dir / "summary.json", summary)
-        status = "FINISHED"
+        status = "KILLED" if stopped else "FINISHED"
         _print_summary(summary, run_dir, out)
         return RunOutcome(run_dir, summary, mlflow_sink.run_id if mlflow_sink else None)
     finally:
