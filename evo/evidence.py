@@ -108,17 +108,9 @@ def evaluated_from_row(row: dict[str, Any]) -> Evaluated:
     """The inverse of `evidence_row`: every EvalResult field the row has (JSON nulls back to NaN)."""
     proposal = Proposal(genome=Genome.from_json(row["genome"]), parents=tuple(row["parents"]), agent=row["agent"],
                         move=row["move"], generation=row["generation"], move_kind=row["move_kind"], index=row["index"])
-    values = {}
-    for f in dataclasses.fields(EvalResult):
-        if f.name not in row:
-            continue
-        value = row[f.name]
-        if f.name == "versions":
-            value = json.loads(value or "{}")
-        elif value is None and f.default is not dataclasses.MISSING and isinstance(f.default, float):
-            value = math.nan
-        values[f.name] = value
-    return Evaluated(proposal, EvalResult(**values))
+    values = {f.name: row[f.name] for f in dataclasses.fields(EvalResult) if f.name in row}
+    values["versions"] = json.loads(values.get("versions") or "{}")
+    return Evaluated(proposal, EvalResult.from_dict(values))
 
 
 def write_baselines(run_dir: Path, baselines: dict[str, EvalResult]) -> None:

@@ -6,7 +6,7 @@ the search pairs them into `Evaluated` entries. No Ray, no MLflow, no torch here
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from evo.genome import Genome
@@ -70,7 +70,9 @@ class EvalResult:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EvalResult:
-        return cls(**data)
+        """From `to_dict` output, also after a JSON round trip (which writes NaN as null)."""
+        floats = {f.name for f in fields(cls) if isinstance(f.default, float)}
+        return cls(**{k: (math.nan if v is None and k in floats else v) for k, v in data.items()})
 
     def with_evaluator(self, evaluator: str) -> EvalResult:
         return replace(self, evaluator=evaluator)

@@ -141,7 +141,7 @@ def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout
         roofline = workload.roofline(preset, pool.measure_rates())
         if resume and (run_dir / "baselines.json").exists():
             saved = json.loads((run_dir / "baselines.json").read_text())
-            baselines = {name: EvalResult.from_dict(_nan_for_null(r)) for name, r in saved.items()}
+            baselines = {name: EvalResult.from_dict(r) for name, r in saved.items()}
             print("baselines: as timed before the interruption", file=out, flush=True)
         else:
             print(f"timing baselines: {', '.join(names)}", file=out, flush=True)
@@ -225,10 +225,6 @@ def _previous_parent_run(uri: str, experiment: str, run_dir: Path) -> str | None
         return runs[0].info.run_id if runs else None
     except Exception:  # MLflow being down must not stop a resume
         return None
-
-
-def _nan_for_null(data: dict) -> dict:
-    return {k: (math.nan if v is None and k.endswith(("_ms", "_s", "_error")) else v) for k, v in data.items()}
 
 
 def _print_summary(summary: dict, run_dir: Path, out: TextIO) -> None:

@@ -167,10 +167,6 @@ def _mutate(body: bytes, change) -> bytes:
     return json.dumps(data).encode()
 
 
-def _set_first(data, key, value):
-    data["inputs"]["q"][key] = value
-
-
 BAD_REQUESTS = {
     "unknown tensor": (lambda d: d["inputs"].update(z=d["inputs"]["q"]), 422, "inputs.z"),
     "missing tensor": (lambda d: d["inputs"].pop("v"), 422, "inputs.v"),
