@@ -1,117 +1,204 @@
-"""Evaluator actors on Ray: placement, asynchronous dispatch, hard timeouts, replacement.
+"""Evaluator actors on a Ray cluster: placement, asynchronous dispatch, hard timeouts, elasticity.
 
 This is the one module of `evaluators/` that imports Ray. Each actor wraps the plain `Evaluator`.
-- GPU presets: one actor per GPU (`num_gpus=1`), optionally constrained to an accelerator type.
-- CPU presets: `count` actors, each pinned to its own disjoint set of `threads` cores, so two
-  timings never share a core. (Ray's `num_cpus` reservation keeps other work off those slots.)
-Dispatch keeps every actor busy while proposals remain. An evaluation that outlives
-`eval_timeout_s` is a hang: the actor is killed (a thread wait cannot stop it) and replaced; an actor
-that dies is replaced too. Either way the proposal gets exactly one recorded result.
+Placement (see `evaluators.placement`): one actor per GPU (`num_gpus=1`) on every node of the run's
+accelerator type, or CPU actors pinned to disjoint cores of their node. Every actor is pinned to its
+node and declares its resources (`num_cpus`, `num_gpus`) explicitly.
+
+Dispatch keeps every ready actor busy while proposals remain; each proposal gets exactly one result:
+- an evaluation that outlives `eval_timeout_s` is a hang: the actor is killed and replaced;
+- an actor whose process dies is replaced and the death is the proposal's recorded result;
+- an actor whose *node* leaves the cluster is retired and its proposal re-queued to another actor
+  (the candidate did nothing wrong, and no result of the dead actor can arrive later);
+- nodes that join are watched for and get new actors, which take work once they report ready.
+A run targets one device type: an actor reporting another device than the first one is retired.
 """
 from __future__ import annotations
 
 import collections
 import os
+import socket
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from evaluators.evaluator import Evaluator
+from evaluators.placement import NodeView, PlacementError, SlotPlan, initial_plan, placement_kind, plan_slots
 from evaluators.settings import EvaluatorSettings
 from evo.records import RUNTIME_ERROR, TIMEOUT, EvalResult, Proposal
 from evo.seeds import derive_seed
 from evo.workloads.base import DeviceInfo, MachineRates, Preset
 
+__all__ = ["EvaluatorPool", "PlacementError"]
 
-class PlacementError(RuntimeError):
-    """The cluster lacks the resources the evaluators need; the message names the resource."""
+_MAX_FAILED_STARTS = 3  # per node: after this many actors failed to start there, the node is skipped
 
 
-@dataclass
+class PlacedEvaluator(Evaluator):
+    """The evaluator inside a Ray actor: takes its cores by position on its own node and reports
+    where it runs (node, GPU ids, CUDA_VISIBLE_DEVICES)."""
+
+    def __init__(self, workload: str, preset: str, settings: EvaluatorSettings, seed: int, name: str,
+                 core_positions: tuple[int, ...] | None) -> None:
+        cores = None
+        if core_positions is not None:
+            available = sorted(os.sched_getaffinity(0))
+            if max(core_positions) >= len(available):
+                raise PlacementError(f"{name}: core positions {list(core_positions)} exceed the {len(available)} "
+                                     f"cores this node lets the evaluator use")
+            cores = tuple(available[p] for p in core_positions)
+        super().__init__(workload, preset, settings, seed, name, cores)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "node_id": ray.get_runtime_context().get_node_id(),
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "host": socket.gethostname(), "pid": os.getpid(),
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+@dataclass(eq=False)  # identity: a slot is one actor's place in the pool
 class _Slot:
-    """One evaluator position: its cores, its current actor and how many actors it has had."""
+    """One evaluator actor: where it runs, and whether it has reported ready."""
 
     index: int
-    cores: tuple[int, ...] | None
-    actor: Any = None
-    generation: int = 0
+    plan: SlotPlan
+    actor: Any
+    starting: Any  # the describe() call while the actor starts; None once ready
+    info: dict | None = None
+
+    @property
+    def name(self) -> str:
+        return f"evaluator-{self.index}"
 
 
 class EvaluatorPool:
     def __init__(self, workload: str, preset: Preset, settings: EvaluatorSettings, run_seed: int,
-                 count: int = 0, threads: int = 1, accelerator_type: str | None = None) -> None:
+                 count: int = 0, threads: int = 1, accelerator_type: str | None = None, placement: str = "auto",
+                 on_event: Callable[[str], None] = lambda message: None, watch_interval_s: float = 2.0,
+                 start_timeout_s: float = 300.0, node_wait_s: float = 120.0) -> None:
         self.workload, self.preset, self.settings, self.run_seed = workload, preset, settings, run_seed
-        self.threads = threads
-        self.accelerator_type = accelerator_type
+        self.count, self.threads = count, threads
+        self.kind = placement_kind(placement, preset.name, preset.device)
+        self.on_event = on_event
         self.should_stop = lambda: False  # polled at least once a second: stop dispatching when true
-        self.slots = [_Slot(i, cores) for i, cores in enumerate(self._plan(count, threads))]
-        for slot in self.slots:
-            self._start(slot)
-        # Fail fast with a clear message if an actor cannot start (bad preset, missing device).
-        self._infos = [self._get(slot.actor.describe.remote(), what="start evaluator") for slot in self.slots]
+        self.watch_interval_s, self.node_wait_s = watch_interval_s, node_wait_s
+        self.slots: list[_Slot] = []
+        self.device_type: str | None = None  # the device every timing of this run comes from
+        self.requeued = 0  # evaluations handed to another actor because their node left
+        self._next_index = 0
+        self._failed_starts: collections.Counter[str] = collections.Counter()
+        self._last_watch = time.monotonic()
+        plans, self.accelerator = initial_plan(self._nodes(), self.kind, threads, count, accelerator_type, preset.name)
+        for plan in plans:
+            self._start(plan)
+        self._await_first(start_timeout_s)
 
     # -- placement ------------------------------------------------------------------------------
-    def _plan(self, count: int, threads: int) -> list[tuple[int, ...] | None]:
-        resources = ray.cluster_resources()
-        if self.preset.device == "cuda":
-            gpus = int(resources.get("GPU", 0))
-            if gpus < 1:
-                raise PlacementError(f"preset {self.preset.name!r} needs GPUs but the Ray cluster has none "
-                                     f"(resources: {sorted(resources)}); start Ray on a GPU node or use a CPU preset")
-            return [None] * (count or gpus)
-        if threads < 1:
-            raise PlacementError(f"evaluators.threads must be >= 1, got {threads}")
-        cores = sorted(os.sched_getaffinity(0))
-        cpus = int(resources.get("CPU", 0))
-        fit = min(len(cores), cpus) // threads
-        if fit < 1:
-            raise PlacementError(f"a CPU evaluator needs {threads} CPU(s) but the cluster offers {cpus} "
-                                 f"and this node has {len(cores)} cores; lower evaluators.threads")
-        count = count or fit
-        if count > fit:
-            raise PlacementError(f"{count} evaluators x {threads} threads need {count * threads} CPUs; "
-                                 f"only {min(len(cores), cpus)} available. Lower evaluators.count or threads")
-        return [tuple(cores[i * threads:(i + 1) * threads]) for i in range(count)]
+    def _nodes(self) -> list[NodeView]:
+        driver = ray.get_runtime_context().get_node_id()
+        cores = len(os.sched_getaffinity(0))
+        return [NodeView.from_ray(n, driver, cores) for n in ray.nodes() if n.get("Alive")]
 
-    def _start(self, slot: _Slot) -> None:
-        options: dict[str, Any] = {"num_cpus": self.threads, "max_restarts": 0}
-        if self.preset.device == "cuda":
-            options = {"num_cpus": 1, "num_gpus": 1, "max_restarts": 0}
-            if self.accelerator_type:
-                options["accelerator_type"] = self.accelerator_type
-        name = f"evaluator-{slot.index}" + (f".{slot.generation}" if slot.generation else "")
-        seed = derive_seed(self.run_seed, name)
-        slot.actor = ray.remote(Evaluator).options(**options).remote(
-            self.workload, self.preset.name, self.settings, seed, name, slot.cores)
-        slot.generation += 1
+    def _start(self, plan: SlotPlan) -> _Slot:
+        options: dict[str, Any] = {
+            "num_cpus": self.threads, "num_gpus": 1 if self.kind == "gpu" else 0, "max_restarts": 0,
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(plan.node_id, soft=False)}
+        slot = _Slot(self._next_index, plan, None, None)
+        self._next_index += 1
+        seed = derive_seed(self.run_seed, slot.name)
+        positions = plan.cores(self.threads) if self.kind == "cpu" else None
+        slot.actor = ray.remote(PlacedEvaluator).options(**options).remote(
+            self.workload, self.preset.name, self.settings, seed, slot.name, positions)
+        slot.starting = slot.actor.describe.remote()
+        self.slots.append(slot)
+        return slot
+
+    def _await_first(self, timeout: float) -> None:
+        """Wait for the first actors; any failure here is a configuration problem: fail fast."""
+        try:
+            infos = ray.get([slot.starting for slot in self.slots], timeout=timeout)
+        except GetTimeoutError as exc:
+            self.close()
+            need = "a free GPU" if self.kind == "gpu" else f"{self.threads} free CPU(s)"
+            raise PlacementError(f"evaluators did not start within {timeout:.0f} s: the cluster may lack {need} "
+                                 f"(other jobs may hold them)") from exc
+        except Exception as exc:
+            self.close()
+            raise PlacementError(f"an evaluator failed to start: {_cause(exc)}") from exc
+        for slot, info in zip(self.slots, infos):
+            slot.info, slot.starting = info, None
+        self.device_type = self.slots[0].info["device"]
+        for slot in list(self.slots):
+            if slot.info["device"] != self.device_type:
+                self._retire(slot, f"its device {slot.info['device']} is not the run's {self.device_type}")
+
+    def _ready(self, slot: _Slot) -> None:
+        """A started actor reported (or failed to)."""
+        try:
+            info = ray.get(slot.starting)
+        except Exception as exc:
+            self._failed_starts[slot.plan.node_id] += 1
+            self._retire(slot, f"it failed to start: {_cause(exc)}")
+            return
+        if info["device"] != self.device_type:
+            self._retire(slot, f"its device {info['device']} is not the run's {self.device_type}")
+            return
+        slot.info, slot.starting = info, None
+        self.on_event(f"evaluator {slot.name} ready on node {_short(slot.plan.node_id)}"
+                      f" ({len(self.ready_slots())} ready)")
+
+    def _retire(self, slot: _Slot, why: str) -> None:
+        self._kill(slot)
+        self.slots.remove(slot)
+        self.on_event(f"evaluator {slot.name} on node {_short(slot.plan.node_id)} retired: {why}")
 
     def _replace(self, slot: _Slot) -> None:
-        try:
-            ray.kill(slot.actor, no_restart=True)
-        except Exception:  # already dead
-            pass
-        self._start(slot)
+        """A new actor at the same place (its predecessor hung or died on a node that is still up)."""
+        self._kill(slot)
+        self.slots.remove(slot)
+        self._start(slot.plan)
 
-    def _get(self, ref, what: str, timeout: float = 600.0):
-        try:
-            return ray.get(ref, timeout=timeout)
-        except GetTimeoutError as exc:
-            raise PlacementError(f"could not {what} within {timeout:.0f} s: the cluster may lack "
-                                 f"{'a GPU' if self.preset.device == 'cuda' else f'{self.threads} free CPU(s)'}") from exc
+    def _watch(self, force: bool = False) -> None:
+        """Retire actors of nodes that left; start actors on nodes that joined (throttled)."""
+        if not force and time.monotonic() - self._last_watch < self.watch_interval_s:
+            return
+        self._last_watch = time.monotonic()
+        nodes = self._nodes()
+        alive = {n.node_id for n in nodes}
+        for slot in [s for s in self.slots if s.plan.node_id not in alive]:
+            self._retire(slot, "its node left the cluster")
+        usable = [n for n in nodes if self._failed_starts[n.node_id] < _MAX_FAILED_STARTS]
+        limit = max(0, self.count - len(self.slots)) if self.count else None
+        taken = {(s.plan.node_id, s.plan.position) for s in self.slots}
+        for plan in plan_slots(usable, self.kind, self.threads, self.accelerator, taken, limit):
+            slot = self._start(plan)
+            self.on_event(f"evaluator {slot.name} starting on node {_short(plan.node_id)}")
+
+    def _node_lost(self, slot: _Slot, exc: BaseException) -> bool:
+        if "node has died" in str(exc):
+            return True
+        return slot.plan.node_id not in {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
 
     # -- information ----------------------------------------------------------------------------
+    def ready_slots(self) -> list[_Slot]:
+        return [s for s in self.slots if s.starting is None]
+
     def describe(self) -> list[dict]:
-        return list(self._infos)
+        return [dict(s.info) for s in self.ready_slots()]
 
     def device_info(self) -> DeviceInfo:
-        return self._get(self.slots[0].actor.device_info.remote(), what="read device info")
+        return self._ask_one("device_info")
 
     def measure_rates(self) -> MachineRates:
-        return self._get(self.slots[0].actor.measure_rates.remote(), what="measure rates")
+        return self._ask_one("measure_rates")
+
+    def _ask_one(self, method: str):
+        slot = self.ready_slots()[0]
+        return ray.get(getattr(slot.actor, method).remote(), timeout=self.settings.eval_timeout_s)
 
     # -- evaluation -----------------------------------------------------------------------------
     def run_baselines(self, names: list[str]) -> dict[str, EvalResult]:
@@ -124,45 +211,88 @@ class EvaluatorPool:
 
     def _dispatch(self, jobs, hash_of) -> Iterator[tuple[Any, EvalResult]]:
         queue = collections.deque(jobs)
-        idle = collections.deque(self.slots)
-        running: dict[Any, tuple[Any, _Slot, float]] = {}  # ref -> (key, slot, started)
+        running: dict[Any, tuple[tuple, _Slot, float]] = {}  # ref -> (job, slot, started)
         timeout = self.settings.eval_timeout_s
+        lost_since: float | None = None
         while queue or running:
             if self.should_stop():  # in-flight work is abandoned (its actors are killed at close)
                 return
-            while queue and idle:
-                key, method, arg = queue.popleft()
-                slot = idle.popleft()
-                running[getattr(slot.actor, method).remote(arg)] = (key, slot, time.monotonic())
-            nearest = min(started for _, _, started in running.values()) + timeout
-            wait_s = min(1.0, max(0.0, nearest - time.monotonic()))
-            ready, _ = ray.wait(list(running), num_returns=1, timeout=wait_s)
+            self._watch()
+            for ref, (job, slot, _) in list(running.items()):
+                if slot not in self.slots:  # retired with its node: the job goes to another actor
+                    running.pop(ref)
+                    queue.appendleft(job)
+                    self.requeued += 1
+            busy = {id(slot) for _, slot, _ in running.values()}
+            for slot in self.ready_slots():
+                if not queue:
+                    break
+                if id(slot) not in busy:
+                    job = queue.popleft()
+                    running[getattr(slot.actor, job[1]).remote(job[2])] = (job, slot, time.monotonic())
+            if not self.slots:  # every evaluator is gone: wait a while for nodes to (re)join
+                lost_since = lost_since or time.monotonic()
+                if time.monotonic() - lost_since > self.node_wait_s:
+                    raise PlacementError(f"no evaluator left: every node that could run one left the cluster and "
+                                         f"none joined within {self.node_wait_s:.0f} s")
+                self._watch(force=True)
+                time.sleep(0.5)
+                continue
+            lost_since = None
+            starting = {slot.starting: slot for slot in self.slots if slot.starting is not None}
+            deadline = min((started for _, _, started in running.values()), default=time.monotonic()) + timeout
+            wait_s = min(1.0, max(0.0, deadline - time.monotonic()))
+            ready, _ = ray.wait(list(running) + list(starting), num_returns=1, timeout=wait_s)
             for ref in ready:
-                key, slot, started = running.pop(ref)
-                yield key, self._collect(ref, hash_of(key), slot)
-                idle.append(slot)
-            for ref, (key, slot, started) in list(running.items()):
+                if ref in starting:
+                    self._ready(starting[ref])
+                    continue
+                job, slot, _ = running.pop(ref)
+                result = self._collect(ref, hash_of(job[0]), slot)
+                if result is None:
+                    queue.appendleft(job)
+                    self.requeued += 1
+                else:
+                    yield job[0], result
+            for ref, (job, slot, started) in list(running.items()):
                 if time.monotonic() - started > timeout:
                     running.pop(ref)
                     self._replace(slot)
-                    yield key, EvalResult(hash_of(key), TIMEOUT, message=f"evaluation exceeded eval_timeout_s="
-                                          f"{timeout:g} s; evaluator killed and replaced", evaluator=f"evaluator-{slot.index}")
-                    idle.append(slot)
+                    yield job[0], EvalResult(hash_of(job[0]), TIMEOUT, message=f"evaluation exceeded eval_timeout_s="
+                                             f"{timeout:g} s; evaluator killed and replaced", evaluator=slot.name)
 
-    def _collect(self, ref, genome_hash: str, slot: _Slot) -> EvalResult:
+    def _collect(self, ref, genome_hash: str, slot: _Slot) -> EvalResult | None:
+        """The job's result, or None when the actor's node left (the job is to be re-queued)."""
         try:
             return ray.get(ref)
         except RayActorError as exc:
+            if self._node_lost(slot, exc):
+                self._retire(slot, "its node left the cluster; its evaluation is re-queued")
+                return None
             self._replace(slot)
             return EvalResult(genome_hash, RUNTIME_ERROR, message="evaluator process died during evaluation; replaced",
-                              error=str(exc)[:2000], evaluator=f"evaluator-{slot.index}")
+                              error=str(exc)[:2000], evaluator=slot.name)
         except Exception as exc:  # an error the evaluator failed to turn into a status
             return EvalResult(genome_hash, RUNTIME_ERROR, message=f"{type(exc).__name__}: {exc}"[:500],
-                              error=traceback.format_exc()[-2000:], evaluator=f"evaluator-{slot.index}")
+                              error=traceback.format_exc()[-2000:], evaluator=slot.name)
+
+    def _kill(self, slot: _Slot) -> None:
+        try:
+            ray.kill(slot.actor, no_restart=True)
+        except Exception:  # already dead
+            pass
 
     def close(self) -> None:
         for slot in self.slots:
-            try:
-                ray.kill(slot.actor, no_restart=True)
-            except Exception:
-                pass
+            self._kill(slot)
+
+
+def _short(node_id: str) -> str:
+    return node_id[:8]
+
+
+def _cause(exc: BaseException) -> str:
+    """The useful line of an actor's failure (Ray wraps the constructor's exception in its own text)."""
+    text = str(exc).strip()
+    lines = [line for line in text.splitlines() if line.strip()]
+    return (lines[-1] if lines else type(exc).__name__)[:500]

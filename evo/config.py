@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from evaluators.placement import PLACEMENTS
 from evaluators.settings import EvaluatorSettings
 from evo.population import PopulationSettings
 from evo.search import SearchSettings
@@ -26,9 +27,18 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class PoolSettings:
-    count: int = 0  # evaluator actors; 0 = one per GPU if the preset runs on cuda, else cores // threads
-    threads: int = 1  # CPU threads (pinned, disjoint cores) per CPU evaluator
-    accelerator_type: str | None = None  # optional Ray accelerator type constraint for GPU evaluators
+    count: int = 0  # evaluator actors; 0 = as many as the cluster holds, growing as nodes join
+    threads: int = 1  # CPUs per evaluator (a CPU evaluator owns that many disjoint cores)
+    accelerator_type: str | None = None  # GPU runs: the node type to use (Ray's accelerator_type:X resource);
+    # default: the type with the most GPUs. A run targets one device type; timings never mix types.
+    placement: str = "auto"  # auto: one evaluator per GPU for cuda presets, CPU evaluators otherwise;
+    # gpu: one per GPU even for a cpu preset (it holds the GPU, computes on the CPU); cpu: CPU evaluators
+
+    def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement {self.placement!r} is not one of {list(PLACEMENTS)}")
+        if self.count < 0 or self.threads < 1:
+            raise ValueError(f"count must be >= 0 and threads >= 1, got count={self.count}, threads={self.threads}")
 
 
 @dataclass(frozen=True)

@@ -117,8 +117,11 @@ def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout
     status = "FAILED"
     try:
         pool = EvaluatorPool(config.workload, preset, config.evaluator, config.search.seed,
-                             config.evaluators.count, config.evaluators.threads, config.evaluators.accelerator_type)
-        print(f"evaluators: {len(pool.slots)} on {pool.describe()[0]['device']}", file=out, flush=True)
+                             config.evaluators.count, config.evaluators.threads, config.evaluators.accelerator_type,
+                             config.evaluators.placement, on_event=lambda line: print(line, file=out, flush=True))
+        nodes = len({info["node_id"] for info in pool.describe()})
+        print(f"evaluators: {len(pool.slots)} on {nodes} node(s), all timing on {pool.device_type}"
+              + (f" ({pool.accelerator} GPUs)" if pool.kind == "gpu" else ""), file=out, flush=True)
         device = pool.device_info()
         gene_space = workload.gene_space(preset, device)
         if config.genes:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from evo.genome import GeneSpace
 from evo.records import Proposal
@@ -31,10 +32,12 @@ class _AgentActor:
 
 
 class RayTeam:
-    """One small actor per agent (num_cpus=0: agents are light and must not take evaluator cores)."""
+    """One small actor per agent. Agents are light (num_cpus=0, so they never take evaluator cores)
+    and live on the driver's node, so a worker node leaving the cluster cannot take them along."""
 
     def __init__(self, names: list[str], gene_space: GeneSpace, run_seed: int) -> None:
-        actor = ray.remote(num_cpus=0, max_restarts=0)(_AgentActor)
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        actor = ray.remote(num_cpus=0, num_gpus=0, max_restarts=0, scheduling_strategy=here)(_AgentActor)
         self.actors = {name: actor.options(name=None).remote(name, gene_space, run_seed) for name in names}
 
     def propose(self, requests: list[Request], generation: int) -> list[list[Proposal]]:

@@ -32,6 +32,7 @@ IMPLS = (
     "hang",  # every call sleeps for an hour (the pool must kill it)
     "exit",  # every call kills its process (the pool must replace it)
     "oom",  # every call runs out of memory (as torch reports it)
+    "slow",  # correct; build sleeps 2 s (keeps evaluations in flight, e.g. while a node leaves)
 )
 
 SEEN_SEEDS: list[int] = []  # every seed make_inputs was given, in order
@@ -139,6 +140,8 @@ class FakeWorkload:
             raise RuntimeError("deliberate failure at build time")
         if impl == "slow_build":
             time.sleep(0.3)
+        if impl == "slow":
+            time.sleep(2.0)
         return _engine(impl, genome["threads"])
 
     def baselines(self, preset: Preset) -> dict:

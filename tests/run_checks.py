@@ -1,0 +1,36 @@
+"""Invariants every finished run directory keeps, wherever it ran (one node or a cluster)."""
+import json
+import math
+from pathlib import Path
+
+from evo.evidence import read_generations
+from evo.genome import Genome
+from evo.records import STATUSES
+
+
+def check_finished_run(run_dir: Path, generations: int, max_evaluations: int) -> tuple[list[dict], dict]:
+    """Evidence complete and consistent: one Parquet file per generation, every journaled result in
+    exactly one of them, no genome twice, budget kept, one device type, summary agrees. Returns
+    (rows, summary)."""
+    files = sorted((run_dir / "generations").glob("gen_*.parquet"))
+    assert [f.name for f in files] == [f"gen_{g:04d}.parquet" for g in range(generations)]
+    rows = read_generations(run_dir).to_pylist()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert len(rows) == summary["evaluations"] <= max_evaluations
+    hashes = [row["genome_hash"] for row in rows]
+    assert len(set(hashes)) == len(hashes), "a genome was evaluated twice"
+    for row in rows:
+        assert Genome.from_json(row["genome"]).hash == row["genome_hash"]
+        assert row["status"] in STATUSES and row["agent"] and row["move"]
+        assert set(row["parents"]) <= set(hashes)
+        if row["status"] == "ok":
+            assert math.isfinite(row["latency_ms"]) and row["latency_ms"] > 0 and row["device"]
+        else:
+            assert row["message"]
+    assert len({row["device"] for row in rows if row["device"]}) == 1, "timings from two device types"
+    journal = (run_dir / "evidence.jsonl").read_text().splitlines()
+    assert sorted(json.loads(line)["genome_hash"] for line in journal) == sorted(hashes)
+    assert summary["best_latency_ms"] == min(r["latency_ms"] for r in rows if r["status"] == "ok")
+    assert sum(summary["status_counts"].values()) == summary["evaluations"]
+    assert summary["lineage"][0]["hash"] == summary["best_hash"]
+    return rows, summary

@@ -1,0 +1,135 @@
+"""Evaluators on a simulated 3-node cluster (`ray.cluster_utils.Cluster`, logical GPUs): one per GPU
+with distinct (node, GPU) pairs, nodes leaving mid-search lose no candidate, nodes joining add
+evaluators, and a whole search keeps the invariants of a single-node run.
+
+The evaluators are placed one per logical GPU (`evaluators.placement: gpu`) and compute the fake
+workload on the CPU, since there is no real GPU here.
+"""
+import io
+import threading
+import time
+
+import pytest
+import ray
+from mlflow.tracking import MlflowClient
+from ray.cluster_utils import Cluster
+
+from evaluators.pool import EvaluatorPool
+from evaluators.settings import EvaluatorSettings
+from evo.config import config_from_dict
+from evo.records import OK, Proposal
+from evo.run import run
+from evo.workloads.base import DeviceInfo
+from tests import fake_workload
+from tests.conftest import start_local_ray
+from tests.run_checks import check_finished_run
+
+PRESET = fake_workload.WORKLOAD.presets()["cpu"]
+SETTINGS = EvaluatorSettings(warmup=1, repeats=3, input_sets=2, eval_timeout_s=60.0)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Head with 1 GPU, a node with 2 GPUs, a node with 1 GPU (the one tests remove)."""
+    was_local = ray.is_initialized()
+    if was_local:
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 1, "include_dashboard": False})
+    cluster.add_node(num_cpus=2, num_gpus=2)
+    cluster.spare_nodes = [cluster.add_node(num_cpus=1, num_gpus=1)]  # the nodes tests may take away
+    ray.init(address=cluster.address, log_to_driver=False)
+    cluster.wait_for_nodes()
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+    if was_local:
+        start_local_ray()
+
+
+def add_spare_node(cluster):
+    node = cluster.add_node(num_cpus=1, num_gpus=1)
+    cluster.spare_nodes.append(node)
+    cluster.wait_for_nodes()
+    return node
+
+
+def proposals(impls, threads=(0, 1, 2), pads=(False, True)):
+    space = fake_workload.WORKLOAD.gene_space(PRESET, DeviceInfo("cpu", "cpu"))
+    genomes = [space.make({"impl": impl, "threads": t, "pad": p}) for impl in impls for t in threads for p in pads]
+    return [Proposal(g, (), "seed", g.hash, 0, index=i) for i, g in enumerate(genomes)]
+
+
+def test_one_evaluator_per_gpu_each_on_its_own_node_and_gpu(cluster):
+    pool = EvaluatorPool("tests.fake_workload", PRESET, SETTINGS, run_seed=0, placement="gpu")
+    try:
+        infos = pool.describe()
+        assert len(infos) == 4 == int(ray.cluster_resources()["GPU"])
+        assert len({info["node_id"] for info in infos}) == 3
+        pairs = {(info["node_id"], tuple(info["gpu_ids"])) for info in infos}
+        assert len(pairs) == 4 and all(len(gpus) == 1 for _, gpus in pairs)
+        for info in infos:
+            assert info["cuda_visible_devices"] == info["gpu_ids"][0]
+        two_gpu_node = [info for info in infos if sum(i["node_id"] == info["node_id"] for i in infos) == 2]
+        assert sorted(info["gpu_ids"][0] for info in two_gpu_node) == ["0", "1"]
+        assert pool.accelerator == "unknown" and pool.device_type.startswith("cpu:")
+    finally:
+        pool.close()
+
+
+def test_a_node_leaving_loses_no_candidate_and_a_node_joining_adds_evaluators(cluster):
+    events = []
+    pool = EvaluatorPool("tests.fake_workload", PRESET, SETTINGS, run_seed=0, placement="gpu",
+                         on_event=events.append, watch_interval_s=0.5)
+    try:
+        batch = proposals(["slow"])
+        leaving = cluster.spare_nodes.pop()
+        # One second in, every evaluator is inside a 2 s build: take one node away.
+        threading.Timer(1.0, cluster.remove_node, [leaving]).start()
+        results = list(pool.run(batch))
+        assert sorted(p.hash for p, _ in results) == sorted(p.hash for p in batch), "lost or doubled candidates"
+        assert [r.status for _, r in results] == [OK] * len(batch)
+        assert pool.requeued >= 1
+        assert any("left the cluster" in e for e in events)
+        assert len(pool.describe()) == 3 and leaving.node_id not in {i["node_id"] for i in pool.describe()}, events
+
+        joined = add_spare_node(cluster)
+        more = {p.hash: r for p, r in pool.run(proposals(["cumsum", "loop"]) + proposals(["slow"], threads=(1, 2)))}
+        assert len(more) == 16 and all(r.status == OK for r in more.values())
+        on_new_node = [i["name"] for i in pool.describe() if i["node_id"] == joined.node_id]
+        assert len(pool.describe()) == 4 and len(on_new_node) == 1, (joined.node_id, pool.describe(), events)
+        assert any(r.evaluator == on_new_node[0] for r in more.values()), "the new evaluator never worked"
+    finally:
+        pool.close()
+
+
+def test_a_search_on_the_cluster_keeps_the_single_node_invariants_while_nodes_come_and_go(cluster, tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    config = config_from_dict({
+        "workload": "tests.fake_workload", "preset": "cpu", "name": "cluster", "baselines": ["torch_cumsum"],
+        "genes": {"impl": ["cumsum", "loop", "slow", "zeros", "noisy"]},
+        "search": {"seed": 5, "generations": 4, "offspring": 6, "max_evaluations": 24,
+                   "population": {"size": 4, "elite": 1, "tournament": 2}},
+        "evaluators": {"placement": "gpu"},
+        "evaluator": {"warmup": 1, "repeats": 3, "input_sets": 2, "eval_timeout_s": 60},
+        "mlflow": {"tracking_uri": uri, "experiment": "cluster"},
+    })
+    run_dir = tmp_path / "run"
+    log, outcome = io.StringIO(), []
+    search = threading.Thread(target=lambda: outcome.append(run(config, run_dir, out=log)), daemon=True)
+    search.start()  # nodes are added and removed from the main thread (Ray's node objects need it)
+    journal = run_dir / "evidence.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (journal.exists() and len(journal.read_text().splitlines()) >= 3):
+        time.sleep(0.2)
+    cluster.remove_node(cluster.spare_nodes.pop())
+    time.sleep(3)
+    add_spare_node(cluster)
+    search.join(timeout=300)
+    assert outcome, log.getvalue()[-3000:]
+    rows, summary = check_finished_run(run_dir, config.search.generations, config.search.max_evaluations)
+    assert len(rows) == config.search.max_evaluations
+    assert "left the cluster" in log.getvalue() and "starting on node" in log.getvalue()
+    assert len({row["evaluator"] for row in rows}) >= 4
+    client = MlflowClient(tracking_uri=uri)
+    assert client.get_run(outcome[0].mlflow_run_id).info.status == "FINISHED"
+

@@ -1,0 +1,230 @@
+"""The README's "Run on a cluster" commands, exactly as written, in a copy of the project: a real
+`ray start --head` and a real `mlflow server` on 127.0.0.1, a submitted job that succeeds, a second
+one stopped mid-run with `ray job stop`, then Ctrl-C (SIGINT to the process group) stops both.
+
+Everything this module starts is stopped through the process groups it created, never by name."""
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import ray
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import start_local_ray
+from tests.run_checks import check_finished_run
+
+ROOT = Path(__file__).resolve().parents[1]
+ACTIVATE = "source .venv/bin/activate"
+HEAD = ("RAY_JOB_STOP_WAIT_TIME_S=60 ray start --head --node-ip-address=127.0.0.1 --dashboard-host=127.0.0.1 "
+        "--disable-usage-stats --block")
+MLFLOW = ("MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow server --host 127.0.0.1 --port 5000 "
+          "--backend-store-uri sqlite:///mlflow-server.db --workers 1")
+EXPORT = ("export RAY_ADDRESS=http://127.0.0.1:8265 "
+          """RUNTIME_ENV='{"env_vars": {"MLFLOW_TRACKING_URI": "http://127.0.0.1:5000"}}'""")
+SUBMIT = ('ray job submit --working-dir . --runtime-env-json "$RUNTIME_ENV" -- '
+          "python -m evo run configs/kda_smoke.yaml --set out_dir=$PWD/runs")
+SUBMIT_NO_WAIT = ('ray job submit --no-wait --submission-id kda-cpu-1 --working-dir . --runtime-env-json "$RUNTIME_ENV" -- '
+                  "python -m evo run configs/kda_cpu.yaml --set out_dir=$PWD/runs")
+LOGS, STATUS, STOP = "ray job logs --follow kda-cpu-1", "ray job status kda-cpu-1", "ray job stop kda-cpu-1"
+TERMINALS = [[ACTIVATE, HEAD], [ACTIVATE, MLFLOW], [ACTIVATE, EXPORT, SUBMIT, SUBMIT_NO_WAIT, LOGS, STATUS, STOP]]
+TRACKING = "http://127.0.0.1:5000"
+PORTS = {6379: "Ray GCS", 8265: "Ray dashboard and job server", 5000: "MLflow server"}
+
+
+def readme_commands() -> list[list[str]]:
+    """The command lines of each bash block of the README's cluster section."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Run on a cluster", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
+    return [[line for line in block.splitlines() if line.strip() and not line.startswith("#")] for block in blocks]
+
+
+class Project:
+    """A copy of the project (what a clean clone holds, plus uncommitted work) with .venv pointing at
+    the environment running the tests. Commands run in it as in a terminal that ran the prelude."""
+
+    def __init__(self, path: Path, logs: Path) -> None:
+        self.path, self.logs = path, logs  # logs stay outside: `--working-dir .` must not change while uploaded
+        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                                capture_output=True, check=True).stdout.decode().split("\0")
+        for name in filter(None, listed):
+            source, target = ROOT / name, path / name
+            if source.is_file():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(source.read_bytes())
+        (path / ".venv").symlink_to(Path(sys.prefix))
+        self.env = {k: v for k, v in os.environ.items()
+                    if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS", "MLFLOW_TRACKING_URI", "VIRTUAL_ENV")}
+
+    def start(self, prelude: list[str], command: str, log: Path) -> subprocess.Popen:
+        """A long-running command in its own process group (a terminal of its own)."""
+        return subprocess.Popen(["bash", "-c", " && ".join([*prelude, command])], cwd=self.path, env=self.env,
+                                stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+    def run(self, prelude: list[str], command: str, timeout: float) -> subprocess.CompletedProcess:
+        process = self.start(prelude, command, self.logs / "command.log")
+        try:
+            process.wait(timeout=timeout)
+        finally:
+            stop_group(process, signal.SIGKILL, 0)
+        return subprocess.CompletedProcess(command, process.returncode, (self.logs / "command.log").read_text())
+
+
+def live_members(pgid: int) -> list[int]:
+    """Pids of the group's processes that are not zombies (from /proc/PID/stat: state, ppid, pgrp)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                state, _, group = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:3]
+            except OSError:  # exited meanwhile
+                continue
+            if int(group) == pgid and state != "Z":
+                found.append(int(entry.name))
+    return found
+
+
+def stop_group(process: subprocess.Popen, sig: int, grace_s: float) -> bool:
+    """Send `sig` to the process group `process` leads; True if the group is gone within grace_s.
+    Whatever is left is then killed."""
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + grace_s
+    while live_members(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    clean = not live_members(process.pid)
+    for pid in live_members(process.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+    return clean
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except (OSError, ValueError):  # not up yet; a journal line half written
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def http_ok(url: str) -> bool:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return response.status == 200
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Terminals 1 and 2: the Ray head and the MLflow server, started in a copy of the project."""
+    was_local = ray.is_initialized()
+    if was_local:  # nothing of ours may hold the ports the README's commands use
+        ray.shutdown()
+    for port, what in PORTS.items():
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                pytest.fail(f"port {port} ({what}) is already in use on 127.0.0.1: stop what holds it")
+    project = Project(tmp_path_factory.mktemp("project"), tmp_path_factory.mktemp("terminals"))
+    head = project.start(TERMINALS[0][:1], HEAD, project.logs / "head.log")
+    store = project.start(TERMINALS[1][:1], MLFLOW, project.logs / "mlflow.log")
+    project.head, project.store = head, store
+    try:
+        wait_for(lambda: http_ok("http://127.0.0.1:8265/api/version"), 90, "the Ray job server")
+        wait_for(lambda: http_ok(f"{TRACKING}/health"), 90, "the MLflow server")
+        yield project
+    finally:
+        for process in (head, store):
+            stop_group(process, signal.SIGKILL, 10)  # leftovers, if the Ctrl-C test did not stop them
+        if was_local:
+            start_local_ray()
+
+
+def terminal_3() -> list[str]:
+    return TERMINALS[2][:2]
+
+
+def test_the_readme_shows_exactly_the_commands_run_here():
+    assert readme_commands() == TERMINALS
+
+
+def test_a_submitted_search_succeeds_with_its_evidence_and_mlflow_runs(cluster):
+    done = cluster.run(terminal_3(), SUBMIT, timeout=420)
+    assert done.returncode == 0 and "succeeded" in done.stdout, done.stdout[-3000:]
+    [run_dir] = sorted((cluster.path / "runs").glob("kda-smoke-*"))
+    rows, summary = check_finished_run(run_dir, generations=3, max_evaluations=12)
+    assert summary["stopped"] is False and summary["registered_model"]
+    client = MlflowClient(tracking_uri=TRACKING)
+    parent = client.get_run(summary["mlflow_run_id"])
+    assert parent.info.status == "FINISHED" and parent.data.tags["run_dir"] == str(run_dir)
+    children = client.search_runs([parent.info.experiment_id],
+                                  filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    assert sorted(int(c.data.tags["generation"]) for c in children) == [0, 1, 2]
+    name, version = summary["registered_model"].removeprefix("models:/").split("/")
+    assert client.get_model_version(name, version).run_id == parent.info.run_id
+
+
+def test_ray_job_stop_leaves_a_consistent_run_marked_killed(cluster):
+    submitted = cluster.run(terminal_3(), SUBMIT_NO_WAIT, timeout=120)
+    assert submitted.returncode == 0, submitted.stdout[-3000:]
+    logs_path = cluster.logs / "follow.log"
+    logs = cluster.start(terminal_3(), LOGS, logs_path)
+    try:
+        run_dir = wait_for(lambda: next((d for d in (cluster.path / "runs").glob("kda-cpu-*")
+                                         if len(journal(d)) >= 2), None), 420, "two results of the kda-cpu job")
+        status = cluster.run(terminal_3(), STATUS, timeout=60)
+        assert "running" in status.stdout.lower(), status.stdout[-2000:]
+        stopped = cluster.run(terminal_3(), STOP, timeout=120)
+        assert stopped.returncode == 0, stopped.stdout[-3000:]
+        logs.wait(timeout=120)  # --follow ends with the job
+    finally:
+        stop_group(logs, signal.SIGKILL, 0)
+    assert "stopped:" in logs_path.read_text(), logs_path.read_text()[-3000:]
+    assert "stopped" in cluster.run(terminal_3(), STATUS, timeout=60).stdout.lower()
+
+    rows = journal(run_dir)
+    hashes = [row["genome_hash"] for row in rows]
+    assert len(hashes) == len(set(hashes)) and 2 <= len(hashes) < 80
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped"] is True and summary["evaluations"] == len(hashes)
+    state = json.loads((run_dir / "state.json").read_text()) if (run_dir / "state.json").exists() else {
+        "generation": 0, "evaluated": []}
+    complete = {row["genome_hash"] for row in rows if row["generation"] < state["generation"]}
+    parquet = {row["genome_hash"] for g in range(state["generation"])
+               for row in pq.read_table(run_dir / "generations" / f"gen_{g:04d}.parquet").to_pylist()}
+    assert parquet == complete == set(state["evaluated"])
+    parent = MlflowClient(tracking_uri=TRACKING).get_run(summary["mlflow_run_id"])
+    assert parent.info.status == "KILLED"
+
+
+def test_ctrl_c_stops_the_mlflow_server_and_the_cluster(cluster):
+    assert stop_group(cluster.store, signal.SIGINT, 60), "mlflow server outlived Ctrl-C"
+    assert stop_group(cluster.head, signal.SIGINT, 60), "the Ray head outlived Ctrl-C"
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", 8265)) != 0
+
+
+def journal(run_dir: Path) -> list[dict]:
+    path = run_dir / "evidence.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
