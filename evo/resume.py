@@ -65,6 +65,15 @@ def load_run(run_dir: Path) -> SavedRun:
     return SavedRun(run_dir, config, state, tuple(_read_journal(run_dir / "evidence.jsonl")))
 
 
+def check_device(saved: SavedRun, device_type: str) -> None:
+    """A run targets one device type: its timings are never continued on another."""
+    timed = sorted({e.result.device for e in saved.journal if e.result.device} - {device_type})
+    if timed:
+        raise RunDirError(f"{saved.run_dir / 'evidence.jsonl'}: this run was timed on {timed}, but the evaluators "
+                          f"here run on {device_type!r}; timings of different devices are never compared. "
+                          f"Resume it where it ran, or start a new run")
+
+
 def _read_json(path: Path, what: str) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())

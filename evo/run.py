@@ -24,7 +24,7 @@ from evo.loop import run_search
 from evo.mlflow_sink import MlflowSink, tracking_uri
 from evo.records import EvalResult
 from evo.registry import register_engine
-from evo.resume import ReplayExecutor, SavedRun, restore, write_marker
+from evo.resume import ReplayExecutor, SavedRun, check_device, restore, write_marker
 from evo.search import GenerationReport, Search
 from evo.stop import STOP, install_handlers
 from evo.serving.source import record_from_summary
@@ -58,7 +58,8 @@ def start_ray(config: RunConfig) -> bool:
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=False)
         return True
-    ray.init(num_cpus=config.ray.num_cpus or os.cpu_count(), include_dashboard=False,
+    # address="local": a new Ray even if `ray start` ran on this machine (ray.init() would join it)
+    ray.init(address="local", num_cpus=config.ray.num_cpus or os.cpu_count(), include_dashboard=False,
              _node_ip_address="127.0.0.1", runtime_env=env, log_to_driver=False)
     return True
 
@@ -122,6 +123,8 @@ def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout
         nodes = len({info["node_id"] for info in pool.describe()})
         print(f"evaluators: {len(pool.slots)} on {nodes} node(s), all timing on {pool.device_type}"
               + (f" ({pool.accelerator} GPUs)" if pool.kind == "gpu" else ""), file=out, flush=True)
+        if resume:
+            check_device(resume, pool.device_type)
         device = pool.device_info()
         gene_space = workload.gene_space(preset, device)
         if config.genes:

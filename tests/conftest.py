@@ -10,7 +10,7 @@ def start_local_ray():
     """The in-process local Ray most tests share (start ~6 s, stop ~1.4 s), on 127.0.0.1."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
              runtime_env={"env_vars": {"TORCHINDUCTOR_CACHE_DIR": os.environ["TORCHINDUCTOR_CACHE_DIR"]}})
 
 

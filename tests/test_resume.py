@@ -107,3 +107,19 @@ def test_unusable_run_directories_get_clear_errors(tmp_path):
         load_run(tmp_path)
     result = evo(tmp_path, "resume", str(tmp_path))
     assert result.returncode == 2 and "cannot resume" in result.stdout
+
+
+def test_a_run_is_never_resumed_on_another_device_type(tmp_path):
+    from evo.genome import Genome
+    from evo.records import EvalResult, Evaluated, Proposal
+    from evo.resume import SavedRun, check_device
+    from tests import fake_workload
+
+    genome = Genome.from_json(fake_workload.genome_json("cumsum"))
+    timed = Evaluated(Proposal(genome, (), "seed", "m", 0), EvalResult(genome.hash, "ok", latency_ms=1.0,
+                                                                         device="cuda:NVIDIA H200"))
+    failed = Evaluated(Proposal(genome, (), "seed", "m", 0), EvalResult(genome.hash, "timeout"))  # no device
+    saved = SavedRun(tmp_path, None, None, (timed, failed))
+    check_device(saved, "cuda:NVIDIA H200")
+    with pytest.raises(RunDirError, match=r"timed on \['cuda:NVIDIA H200'\].*'cpu:AMD EPYC'"):
+        check_device(saved, "cpu:AMD EPYC")

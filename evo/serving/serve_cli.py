@@ -30,7 +30,7 @@ def serve_forever(engine: str, host: str, port: int, name: str, max_batch_size: 
         if address:
             ray.init(address=address, log_to_driver=False)
         else:
-            ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+            ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
