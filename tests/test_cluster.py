@@ -129,7 +129,7 @@ def test_a_search_on_the_cluster_keeps_the_single_node_invariants_while_nodes_co
     rows, summary = check_finished_run(run_dir, config.search.generations, config.search.max_evaluations)
     assert len(rows) == config.search.max_evaluations
     assert "left the cluster" in log.getvalue() and "starting on node" in log.getvalue()
-    assert len({row["evaluator"] for row in rows}) >= 4
+    assert len({row["evaluator"] for row in rows}) >= 3  # the head's and the 2-GPU node's at least
     client = MlflowClient(tracking_uri=uri)
     assert client.get_run(outcome[0].mlflow_run_id).info.status == "FINISHED"
 
