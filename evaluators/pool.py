@@ -230,15 +230,18 @@ class EvaluatorPool:
                 if id(slot) not in busy:
                     job = queue.popleft()
                     running[getattr(slot.actor, job[1]).remote(job[2])] = (job, slot, time.monotonic())
-            if not self.slots:  # every evaluator is gone: wait a while for nodes to (re)join
+            if not running and not self.ready_slots():  # nothing can take work: wait a while for evaluators
                 lost_since = lost_since or time.monotonic()
                 if time.monotonic() - lost_since > self.node_wait_s:
-                    raise PlacementError(f"no evaluator left: every node that could run one left the cluster and "
-                                         f"none joined within {self.node_wait_s:.0f} s")
-                self._watch(force=True)
-                time.sleep(0.5)
-                continue
-            lost_since = None
+                    need = "a free GPU" if self.kind == "gpu" else f"{self.threads} free CPU(s) on one node"
+                    raise PlacementError(f"no evaluator could take work for {self.node_wait_s:.0f} s: the nodes that "
+                                         f"ran them left the cluster, or new ones cannot start (they need {need})")
+                if not self.slots:
+                    self._watch(force=True)
+                    time.sleep(0.5)
+                    continue
+            else:
+                lost_since = None
             starting = {slot.starting: slot for slot in self.slots if slot.starting is not None}
             deadline = min((started for _, _, started in running.values()), default=time.monotonic()) + timeout
             wait_s = min(1.0, max(0.0, deadline - time.monotonic()))

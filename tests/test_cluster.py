@@ -14,7 +14,7 @@ import ray
 from mlflow.tracking import MlflowClient
 from ray.cluster_utils import Cluster
 
-from evaluators.pool import EvaluatorPool
+from evaluators.pool import EvaluatorPool, PlacementError
 from evaluators.settings import EvaluatorSettings
 from evo.config import config_from_dict
 from evo.records import OK, Proposal
@@ -133,3 +133,17 @@ def test_a_search_on_the_cluster_keeps_the_single_node_invariants_while_nodes_co
     client = MlflowClient(tracking_uri=uri)
     assert client.get_run(outcome[0].mlflow_run_id).info.status == "FINISHED"
 
+
+
+def test_a_run_of_one_accelerator_type_uses_only_its_nodes_and_says_so_when_they_all_leave(cluster):
+    t4 = cluster.add_node(num_cpus=1, num_gpus=1, resources={"accelerator_type:T4": 1})
+    cluster.wait_for_nodes()
+    pool = EvaluatorPool("tests.fake_workload", PRESET, SETTINGS, run_seed=0, placement="gpu",
+                         accelerator_type="T4", node_wait_s=3)
+    try:
+        assert [info["node_id"] for info in pool.describe()] == [t4.node_id] and pool.accelerator == "T4"
+        threading.Timer(1.0, cluster.remove_node, [t4]).start()
+        with pytest.raises(PlacementError, match="no evaluator could take work for 3 s"):
+            list(pool.run(proposals(["slow"])))
+    finally:
+        pool.close()
