@@ -76,6 +76,22 @@ def test_one_evaluator_per_gpu_each_on_its_own_node_and_gpu(cluster):
         pool.close()
 
 
+def test_cpu_evaluators_fill_every_node_each_with_its_own_cores(cluster):
+    pool = EvaluatorPool("tests.fake_workload", PRESET, SETTINGS, run_seed=0, placement="cpu", threads=1)
+    try:
+        infos = pool.describe()
+        cpus = {n["NodeID"]: int(n["Resources"]["CPU"]) for n in ray.nodes() if n["Alive"]}
+        by_node = {}
+        for info in infos:
+            by_node.setdefault(info["node_id"], []).append(tuple(info["cores"]))
+        assert {node: len(cores) for node, cores in by_node.items()} == cpus  # 1 thread each: one per CPU
+        for cores in by_node.values():  # within a node no two share a core
+            assert len(set(cores)) == len(cores) and all(len(c) == 1 for c in cores)
+        assert all(info["gpu_ids"] == [] for info in infos)
+    finally:
+        pool.close()
+
+
 def test_a_node_leaving_loses_no_candidate_and_a_node_joining_adds_evaluators(cluster):
     events = []
     pool = EvaluatorPool("tests.fake_workload", PRESET, SETTINGS, run_seed=0, placement="gpu",
