@@ -189,8 +189,10 @@ def test_ray_job_stop_leaves_a_consistent_run_marked_killed(cluster):
     logs_path = cluster.logs / "follow.log"
     logs = cluster.start(terminal_3(), LOGS, logs_path)
     try:
+        # Stop it inside generation 1: generation 0 complete (Parquet, checkpoint, MLflow child), 1 partial.
         run_dir = wait_for(lambda: next((d for d in (cluster.path / "runs").glob("kda-cpu-*")
-                                         if len(journal(d)) >= 2), None), 420, "two results of the kda-cpu job")
+                                         if (d / "state.json").exists() and len(journal(d)) >= 9), None),
+                           480, "generation 0 and a result of generation 1 of the kda-cpu job")
         status = cluster.run(terminal_3(), STATUS, timeout=60)
         assert "running" in status.stdout.lower(), status.stdout[-2000:]
         stopped = cluster.run(terminal_3(), STOP, timeout=120)
@@ -203,17 +205,22 @@ def test_ray_job_stop_leaves_a_consistent_run_marked_killed(cluster):
 
     rows = journal(run_dir)
     hashes = [row["genome_hash"] for row in rows]
-    assert len(hashes) == len(set(hashes)) and 2 <= len(hashes) < 80
+    assert len(hashes) == len(set(hashes)) and 9 <= len(hashes) < 80
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["stopped"] is True and summary["evaluations"] == len(hashes)
-    state = json.loads((run_dir / "state.json").read_text()) if (run_dir / "state.json").exists() else {
-        "generation": 0, "evaluated": []}
+    state = json.loads((run_dir / "state.json").read_text())
+    assert state["generation"] >= 1
     complete = {row["genome_hash"] for row in rows if row["generation"] < state["generation"]}
     parquet = {row["genome_hash"] for g in range(state["generation"])
                for row in pq.read_table(run_dir / "generations" / f"gen_{g:04d}.parquet").to_pylist()}
     assert parquet == complete == set(state["evaluated"])
-    parent = MlflowClient(tracking_uri=TRACKING).get_run(summary["mlflow_run_id"])
+    client = MlflowClient(tracking_uri=TRACKING)
+    parent = client.get_run(summary["mlflow_run_id"])
     assert parent.info.status == "KILLED"
+    children = client.search_runs([parent.info.experiment_id],
+                                  filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    assert sorted(int(c.data.tags["generation"]) for c in children) == list(range(state["generation"]))
+    assert all(c.info.status == "FINISHED" for c in children)  # each complete generation, as on disk
 
 
 def test_ctrl_c_stops_the_mlflow_server_and_the_cluster(cluster):
