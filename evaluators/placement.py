@@ -136,7 +136,7 @@ def initial_plan(nodes: list[NodeView], kind: str, threads: int, count: int, req
     if count > fit:
         what = "GPUs" if kind == "gpu" else "CPUs"
         need = count if kind == "gpu" else count * threads
-        offered = sum(min(n.gpus, n.cpus // threads) for n in nodes) if kind == "gpu" else fit * threads
+        offered = fit if kind == "gpu" else fit * threads  # GPUs of the targeted type only
         raise PlacementError(f"{count} evaluators x {threads} threads need {need} {what}; only {offered} "
                              f"available. Lower evaluators.count or threads")
     return plans[:count or fit], accelerator

@@ -123,18 +123,14 @@ class EvaluatorPool:
             infos = ray.get([slot.starting for slot in self.slots], timeout=timeout)
         except GetTimeoutError as exc:
             self.close()
-            need = "a free GPU" if self.kind == "gpu" else f"{self.threads} free CPU(s)"
-            raise PlacementError(f"evaluators did not start within {timeout:.0f} s: the cluster may lack {need} "
-                                 f"(other jobs may hold them)") from exc
+            raise PlacementError(f"evaluators did not start within {timeout:.0f} s: the cluster may lack "
+                                 f"{self._need()} (other jobs may hold them)") from exc
         except Exception as exc:
             self.close()
             raise PlacementError(f"an evaluator failed to start: {_cause(exc)}") from exc
-        for slot, info in zip(self.slots, infos):
-            slot.info, slot.starting = info, None
-        self.device_type = self.slots[0].info["device"]
-        for slot in list(self.slots):
-            if slot.info["device"] != self.device_type:
-                self._retire(slot, f"its device {slot.info['device']} is not the run's {self.device_type}")
+        self.device_type = infos[0]["device"]  # the driver's node comes first
+        for slot, info in zip(list(self.slots), infos):
+            self._admit(slot, info)
 
     def _ready(self, slot: _Slot) -> None:
         """A started actor reported (or failed to)."""
@@ -144,12 +140,17 @@ class EvaluatorPool:
             self._failed_starts[slot.plan.node_id] += 1
             self._retire(slot, f"it failed to start: {_cause(exc)}")
             return
+        if self._admit(slot, info):
+            self.on_event(f"evaluator {slot.name} ready on node {_short(slot.plan.node_id)}"
+                          f" ({len(self.ready_slots())} ready)")
+
+    def _admit(self, slot: _Slot, info: dict) -> bool:
+        """Let a started actor take work, if it times on the run's device type; else retire it."""
         if info["device"] != self.device_type:
             self._retire(slot, f"its device {info['device']} is not the run's {self.device_type}")
-            return
+            return False
         slot.info, slot.starting = info, None
-        self.on_event(f"evaluator {slot.name} ready on node {_short(slot.plan.node_id)}"
-                      f" ({len(self.ready_slots())} ready)")
+        return True
 
     def _retire(self, slot: _Slot, why: str) -> None:
         self._kill(slot)
@@ -177,6 +178,10 @@ class EvaluatorPool:
         for plan in plan_slots(usable, self.kind, self.threads, self.accelerator, taken, limit):
             slot = self._start(plan)
             self.on_event(f"evaluator {slot.name} starting on node {_short(plan.node_id)}")
+
+    def _need(self) -> str:
+        """What one evaluator needs, for error messages."""
+        return "a free GPU" if self.kind == "gpu" else f"{self.threads} free CPU(s) on one node"
 
     def _node_lost(self, slot: _Slot, exc: BaseException) -> bool:
         if "node has died" in str(exc):
@@ -233,9 +238,9 @@ class EvaluatorPool:
             if not running and not self.ready_slots():  # nothing can take work: wait a while for evaluators
                 lost_since = lost_since or time.monotonic()
                 if time.monotonic() - lost_since > self.node_wait_s:
-                    need = "a free GPU" if self.kind == "gpu" else f"{self.threads} free CPU(s) on one node"
                     raise PlacementError(f"no evaluator could take work for {self.node_wait_s:.0f} s: the nodes that "
-                                         f"ran them left the cluster, or new ones cannot start (they need {need})")
+                                         f"ran them left the cluster, or new ones cannot start (they need "
+                                         f"{self._need()})")
                 if not self.slots:
                     self._watch(force=True)
                     time.sleep(0.5)

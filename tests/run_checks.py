@@ -1,11 +1,17 @@
-"""Invariants every finished run directory keeps, wherever it ran (one node or a cluster)."""
+"""Invariants every finished or stopped run directory keeps, wherever it ran (one node or a cluster)."""
 import json
 import math
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
 from evo.evidence import read_generations
 from evo.genome import Genome
 from evo.records import STATUSES
+
+
+def journal(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "evidence.jsonl").read_text().splitlines() if line.strip()]
 
 
 def check_finished_run(run_dir: Path, generations: int, max_evaluations: int) -> tuple[list[dict], dict]:
@@ -34,3 +40,20 @@ def check_finished_run(run_dir: Path, generations: int, max_evaluations: int) ->
     assert sum(summary["status_counts"].values()) == summary["evaluations"]
     assert summary["lineage"][0]["hash"] == summary["best_hash"]
     return rows, summary
+
+
+def check_stopped_run(run_dir: Path) -> tuple[list[dict], dict]:
+    """A run stopped mid-search: no genome twice in the journal, the summary says stopped and counts
+    the journal, and the complete generations' Parquet files and checkpoint hold exactly the journaled
+    results of those generations. Returns (journal rows, checkpoint state)."""
+    rows = journal(run_dir)
+    hashes = [row["genome_hash"] for row in rows]
+    assert len(hashes) == len(set(hashes)), "a genome was evaluated twice"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped"] is True and summary["evaluations"] == len(hashes)
+    state = json.loads((run_dir / "state.json").read_text())
+    complete = {row["genome_hash"] for row in rows if row["generation"] < state["generation"]}
+    parquet = {row["genome_hash"] for g in range(state["generation"])
+               for row in pq.read_table(run_dir / "generations" / f"gen_{g:04d}.parquet").to_pylist()}
+    assert parquet == complete == set(state["evaluated"])
+    return rows, state

@@ -22,7 +22,8 @@ from evo.run import run
 from evo.workloads.base import DeviceInfo
 from tests import fake_workload
 from tests.conftest import start_local_ray
-from tests.run_checks import check_finished_run
+from tests.run_checks import check_finished_run, journal
+from tests.waiting import wait_for
 
 PRESET = fake_workload.WORKLOAD.presets()["cpu"]
 SETTINGS = EvaluatorSettings(warmup=1, repeats=3, input_sets=2, eval_timeout_s=60.0)
@@ -133,10 +134,8 @@ def test_a_search_on_the_cluster_keeps_the_single_node_invariants_while_nodes_co
     log, outcome = io.StringIO(), []
     search = threading.Thread(target=lambda: outcome.append(run(config, run_dir, out=log)), daemon=True)
     search.start()  # nodes are added and removed from the main thread (Ray's node objects need it)
-    journal = run_dir / "evidence.jsonl"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (journal.exists() and len(journal.read_text().splitlines()) >= 3):
-        time.sleep(0.2)
+    wait_for(lambda: len(journal(run_dir)) >= 3, 120, "three results of the search",
+             (OSError, ValueError))  # not written yet; a journal line half written
     cluster.remove_node(cluster.spare_nodes.pop())
     time.sleep(3)
     add_spare_node(cluster)

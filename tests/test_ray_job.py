@@ -14,13 +14,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 import ray
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import start_local_ray
-from tests.run_checks import check_finished_run
+from tests.run_checks import check_finished_run, check_stopped_run, journal
+from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 ACTIVATE = "source .venv/bin/activate"
@@ -116,19 +116,6 @@ def stop_group(process: subprocess.Popen, sig: int, grace_s: float) -> bool:
     return clean
 
 
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-            if value:
-                return value
-        except (OSError, ValueError):  # not up yet; a journal line half written
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
 def http_ok(url: str) -> bool:
     with urllib.request.urlopen(url, timeout=5) as response:
         return response.status == 200
@@ -149,8 +136,8 @@ def cluster(tmp_path_factory):
     store = project.start(TERMINALS[1][:1], MLFLOW, project.logs / "mlflow.log")
     project.head, project.store = head, store
     try:
-        wait_for(lambda: http_ok("http://127.0.0.1:8265/api/version"), 90, "the Ray job server")
-        wait_for(lambda: http_ok(f"{TRACKING}/health"), 90, "the MLflow server")
+        wait_for(lambda: http_ok("http://127.0.0.1:8265/api/version"), 90, "the Ray job server", OSError)
+        wait_for(lambda: http_ok(f"{TRACKING}/health"), 90, "the MLflow server", OSError)
         yield project
     finally:
         for process in (head, store):
@@ -192,7 +179,8 @@ def test_ray_job_stop_leaves_a_consistent_run_marked_killed(cluster):
         # Stop it inside generation 1: generation 0 complete (Parquet, checkpoint, MLflow child), 1 partial.
         run_dir = wait_for(lambda: next((d for d in (cluster.path / "runs").glob("kda-cpu-*")
                                          if (d / "state.json").exists() and len(journal(d)) >= 9), None),
-                           480, "generation 0 and a result of generation 1 of the kda-cpu job")
+                           480, "generation 0 and a result of generation 1 of the kda-cpu job",
+                           (OSError, ValueError))  # not written yet; a journal line half written
         status = cluster.run(terminal_3(), STATUS, timeout=60)
         assert "running" in status.stdout.lower(), status.stdout[-2000:]
         stopped = cluster.run(terminal_3(), STOP, timeout=120)
@@ -203,17 +191,9 @@ def test_ray_job_stop_leaves_a_consistent_run_marked_killed(cluster):
     assert "stopped:" in logs_path.read_text(), logs_path.read_text()[-3000:]
     assert "stopped" in cluster.run(terminal_3(), STATUS, timeout=60).stdout.lower()
 
-    rows = journal(run_dir)
-    hashes = [row["genome_hash"] for row in rows]
-    assert len(hashes) == len(set(hashes)) and 9 <= len(hashes) < 80
+    rows, state = check_stopped_run(run_dir)
+    assert 9 <= len(rows) < 80 and state["generation"] >= 1
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["stopped"] is True and summary["evaluations"] == len(hashes)
-    state = json.loads((run_dir / "state.json").read_text())
-    assert state["generation"] >= 1
-    complete = {row["genome_hash"] for row in rows if row["generation"] < state["generation"]}
-    parquet = {row["genome_hash"] for g in range(state["generation"])
-               for row in pq.read_table(run_dir / "generations" / f"gen_{g:04d}.parquet").to_pylist()}
-    assert parquet == complete == set(state["evaluated"])
     client = MlflowClient(tracking_uri=TRACKING)
     parent = client.get_run(summary["mlflow_run_id"])
     assert parent.info.status == "KILLED"
@@ -229,9 +209,3 @@ def test_ctrl_c_stops_the_mlflow_server_and_the_cluster(cluster):
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", 8265)) != 0
 
-
-def journal(run_dir: Path) -> list[dict]:
-    path = run_dir / "evidence.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

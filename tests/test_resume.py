@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from evo.resume import RunDirError, load_run
+from tests.run_checks import journal
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = {
@@ -39,10 +40,6 @@ def evo(tmp: Path, *args: str, crash_at: str | None = None) -> subprocess.Comple
         except ProcessLookupError:
             pass
     return subprocess.CompletedProcess(process.args, process.returncode, output)
-
-
-def journal(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "evidence.jsonl").read_text().splitlines() if line.strip()]
 
 
 @pytest.mark.parametrize("crash_at, with_mlflow", [("propose:2", False), ("evaluate:6", True), ("evidence:2", False)])

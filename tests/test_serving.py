@@ -29,6 +29,7 @@ from evo.serving.codec import decode_tensor, encode_tensor
 from evo.serving.loadgen import load_run, post_json
 from evo.workloads import get_workload
 from evo.workloads.base import CheckCase, DeviceInfo
+from tests.waiting import wait_for
 
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,17 +106,8 @@ def post(server: Server, body: bytes):
     return post_json(server.url + "/v1/infer", body)
 
 
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-            if value:
-                return value
-        except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+# What polling the server meets while it starts or swaps: not an answer yet.
+SERVER_NOT_READY = (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError)
 
 
 def engine_hash(server: Server) -> str:
@@ -142,7 +134,7 @@ def server(tmp_path_factory):
     server = Server(tmp)
     try:
         server.deploy("default:kda/cpu_small", "initial")
-        wait_for(lambda: get(server, "/healthz")[0] == 200, 180, "the first engine to be verified and ready")
+        wait_for(lambda: get(server, "/healthz")[0] == 200, 180, "the first engine to be verified and ready", SERVER_NOT_READY)
         yield server
     finally:
         server.stop()
@@ -260,9 +252,9 @@ def test_hot_swap_under_load_drops_nothing(server):
     with Clients(server) as clients:
         time.sleep(1.0)
         server.deploy(str(run), "swap")
-        new = wait_for(lambda: (h := engine_hash(server)) != old and h, 120, "the swapped engine")
+        new = wait_for(lambda: (h := engine_hash(server)) != old and h, 120, "the swapped engine", SERVER_NOT_READY)
         served_before = clients.ok
-        wait_for(lambda: clients.ok > served_before + 16, 60, "requests on the new engine")
+        wait_for(lambda: clients.ok > served_before + 16, 60, "requests on the new engine", SERVER_NOT_READY)
     assert clients.failures == []
     assert clients.ok > 30
     info = get(server, "/v1/engine")[1]
@@ -276,7 +268,7 @@ def test_swap_to_a_broken_engine_is_refused_and_the_old_one_keeps_answering(serv
     with Clients(server, count=2) as clients:
         server.deploy(str(broken), "broken")
         swap = wait_for(lambda: (s := get(server, "/v1/engine")[1]["last_swap"]) and s["source"] == str(broken) and s,
-                        120, "the refused swap to be reported")
+                        120, "the refused swap to be reported", SERVER_NOT_READY)
     assert swap["ok"] is False and "failed its check" in swap["error"] and swap["kept"] == old
     assert clients.failures == [] and clients.ok > 0
     assert engine_hash(server) == old and get(server, "/healthz")[0] == 200
