@@ -1,5 +1,9 @@
 """Correctness policy: an engine against the workload's float64 reference, on fresh inputs.
 
+`compare_outputs` is the policy every call of every engine is judged by (the evaluator applies it to
+each call an isolated engine makes, see evaluators/evaluator.py). `check_engine` runs the cascade on an
+engine in this process: the Serve replica uses it to verify the engine it is about to serve.
+
 For each case of each cascade stage (cheap stages first, stop at the first failing one) the check
 draws fresh inputs, snapshots them, runs the engine and verifies, in order:
 
@@ -10,26 +14,17 @@ draws fresh inputs, snapshots them, runs the engine and verifies, in order:
 4. every output is finite (NaN/inf never pass) and not all zeros (unless the reference is);
 5. norm-wise relative error <= tol and max abs error <= factor * tol * max|ref| (see settings.py).
 
-Cheats are caught by construction, for every engine:
-
-* seeds come from a `SeedStream` (a per-evaluator counter mixed with a base seed), so no seed repeats
-  within one evaluator and an engine can never be tuned to a fixed input;
-* each stage ends with a second call of its first case on a fresh input set, so an engine that
-  returns a cached answer fails (and is told so when its output equals the previous call's);
-* with `poison=True` each call runs with freed memory NaN-filled and with torch's
-  `fill_uninitialized_memory` on (torch.empty & co. return NaN), so outputs left unwritten fail;
-* `GuardedEngine` replaces the workload's reference and baselines (`forbidden_targets`) with guards
-  for the duration of each engine call; an engine that calls one fails even if it catches the error.
+Seeds come from a `SeedStream` (a per-evaluator counter mixed with a base seed and a secret salt), so
+no seed repeats within one evaluator and an engine can never be tuned to, or predict, its inputs; each
+stage ends with a second call of its first case on a fresh input set, so a cached answer cannot pass.
 """
 from __future__ import annotations
 
 import math
 import time
-import warnings
 import zlib
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Iterable, Iterator, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -39,10 +34,12 @@ from evaluators.timing import sync
 
 
 class SeedStream:
-    """Fresh input seeds for one evaluator: derived from (base seed, name, counter), never repeated."""
+    """Fresh input seeds for one evaluator: derived from (base seed, name, salt, counter), never repeated.
+    The evaluator passes a secret random `salt`, so nothing outside its process (an engine reading the
+    run's config, say) can predict the inputs; with the default salt 0 the stream is reproducible."""
 
-    def __init__(self, seed: int, name: str = "") -> None:
-        self._entropy = [int(seed) & 0xFFFFFFFF, zlib.crc32(name.encode())]
+    def __init__(self, seed: int, name: str = "", salt: int = 0) -> None:
+        self._entropy = [int(seed) & 0xFFFFFFFF, zlib.crc32(name.encode()), int(salt) & ((1 << 64) - 1)]
         self._counter = 0
         self._used: set[int] = set()
 
@@ -101,10 +98,8 @@ def check_engine(
     tolerance: float,
     elementwise_factor: float,
     settle_s: float = 0.0,
-    poison: bool = False,
 ) -> CheckReport:
-    """Run the cascade; stop at the first failing stage. Raises EngineCallError if the engine raises
-    (a `ForbiddenCall` is a failed check instead)."""
+    """Run the cascade; stop at the first failing stage. Raises EngineCallError if the engine raises."""
     dtypes = expected_dtypes(workload, preset)
     worst, run = math.nan, 0  # nan until a case has been compared
     for stage_index, stage in enumerate(stages):
@@ -114,11 +109,8 @@ def check_engine(
             inputs = workload.make_inputs(case, preset.dtype, device, seeds.next())
             snapshot = _clone(inputs)
             try:
-                with poisoned_memory(inputs, poison):
-                    outputs = engine(**inputs)
-                    sync(device)
-            except ForbiddenCall as exc:
-                return CheckReport(False, worst, f"{where}: {exc}", run + 1)
+                outputs = engine(**inputs)
+                sync(device)
             except Exception as exc:
                 raise EngineCallError(case.name, exc) from exc
             run += 1
@@ -149,97 +141,6 @@ def _with_repeat(stage: Sequence[CheckCase]) -> list[CheckCase]:
     cached answer cannot pass."""
     cases = list(stage)
     return cases + [replace(cases[0], name=f"{cases[0].name}#2")] if cases else cases
-
-
-@contextmanager
-def poisoned_memory(inputs: Mapping[str, object], enabled: bool = True) -> Iterator[None]:
-    """While active: memory the engine allocates without writing reads as NaN.
-
-    torch.empty & co. fill new memory with NaN (torch's deterministic mode, warn-only, with
-    `fill_uninitialized_memory`), and blocks of the inputs' sizes are NaN-filled and freed just
-    before the call, so a caching allocator (or malloc) that hands them back hands back NaN.
-    """
-    if not enabled:
-        yield
-        return
-    bait = [torch.full_like(v, math.nan) for v in inputs.values()
-            if isinstance(v, torch.Tensor) and v.is_floating_point()]
-    del bait
-    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-             torch.utils.deterministic.fill_uninitialized_memory)
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # warn-only notes about nondeterministic ops: not the engine's fault
-            yield
-    finally:
-        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
-        torch.utils.deterministic.fill_uninitialized_memory = saved[2]
-
-
-class ForbiddenCall(RuntimeError):
-    """The engine called the workload's reference or a baseline instead of computing its answer."""
-
-
-def forbidden_targets(workload: Workload) -> list[tuple[object, str]]:
-    """(owner, attribute) pairs an engine must not call: the workload's `reference` method, plus
-    whatever the workload declares through an optional `forbidden_callables()`."""
-    targets: list[tuple[object, str]] = [(workload, "reference")]
-    declared = getattr(workload, "forbidden_callables", None)
-    if callable(declared):
-        targets += [(owner, attr) for owner, attr in declared()]
-    return targets
-
-
-@contextmanager
-def forbid_calls(targets: Sequence[tuple[object, str]]) -> Iterator[list[str]]:
-    """Replace each `owner.attr` by a guard that records the call and raises `ForbiddenCall`;
-    restore every attribute in `finally`. Yields the list of forbidden calls made."""
-    calls: list[str] = []
-    saved: list[tuple[object, str, bool, object]] = []
-    try:
-        for owner, attr in targets:
-            label = f"{getattr(owner, '__name__', type(owner).__name__)}.{attr}"
-            saved.append((owner, attr, attr in vars(owner), getattr(owner, attr)))
-            setattr(owner, attr, _guard(label, calls))
-        yield calls
-    finally:
-        for owner, attr, own, original in reversed(saved):
-            if own:
-                setattr(owner, attr, original)
-            else:
-                delattr(owner, attr)  # it was a class attribute (a method): unshadow it
-
-
-def _guard(label: str, calls: list[str]):
-    def forbidden(*args: object, **kwargs: object) -> None:
-        calls.append(label)
-        raise ForbiddenCall(f"engine called {label}")
-    return forbidden
-
-
-class GuardedEngine:
-    """An engine whose every call runs under `forbid_calls(targets)`. A forbidden call raises
-    `ForbiddenCall` after the engine returns or raises, even if the engine swallowed the guard's error."""
-
-    def __init__(self, engine: Engine, targets: Sequence[tuple[object, str]]) -> None:
-        self.engine = engine
-        self.targets = list(targets)
-        self.num_threads = getattr(engine, "num_threads", None)
-
-    def __call__(self, **inputs: object) -> object:
-        with forbid_calls(self.targets) as calls:
-            try:
-                outputs = self.engine(**inputs)
-            except Exception:
-                if not calls:
-                    raise
-                outputs = None
-        if calls:
-            raise ForbiddenCall(f"engine called {', '.join(sorted(set(calls)))}: engines must compute their"
-                                " answer, not call the workload's reference or a baseline")
-        return outputs
 
 
 def compare_outputs(

@@ -1,38 +1,68 @@
-"""The plain evaluator: genome JSON in, exactly one `EvalResult` out. The Ray pool wraps this class
-with `ray.remote`; tests call it directly.
+"""The plain evaluator (the judge): genome JSON in, exactly one `EvalResult` out. The Ray pool wraps
+this class with `ray.remote`; tests call it directly.
 
-One evaluation: parse and validate the genome, build the engine and make one warm-up call at the
-preset shape (`build_s` covers both, since torch.compile compiles lazily), run the correctness
-cascade on fresh inputs, then time it on rotated input sets. Engine faults become statuses with a
-message; only configuration and programming errors raise.
+The judge never runs an engine in its own process. Each candidate's engine is built and called in a
+fresh process of its own (`evaluators.sandbox`); the judge draws every input, computes the float64
+reference, compares outputs and owns the clock, so an engine that patches timers, comparisons, the
+reference or anything else only patches its own process, which dies with the candidate.
 
-A genome's engine is built and called under `forbid_calls` (it may not call the workload's reference
-or baselines; see check.py for the other cheat checks). A result whose median latency is below the
-preset's roofline floor (x `roofline_margin`) is 'suspect', never 'ok': faster than the machine allows
-means a timing cheat, work deferred past the timer or a wrong roofline. Every result carries the floor.
+One evaluation:
+1. parse and validate the genome (here); start the engine's process and build the engine there;
+2. the first call, at the preset shape (where lazy compilers compile: `build_s` covers both);
+3. every check case of the workload's cascade and every timed call, in one order shuffled per
+   evaluation: the same call site, the same process state and the same shapes, so nothing inside the
+   engine can tell a check from a timed call. EVERY call gets freshly drawn inputs and is checked
+   against the reference (outputs, inputs unchanged, output types and memory), timed calls included;
+   the first `warmup` calls at the timing shape are not timed;
+4. a median below the roofline floor re-measures the machine and re-verifies the engine on fresh
+   inputs; still below it, the result is `suspect` (never ranked).
+Engine faults become statuses with a message; only configuration and programming errors raise.
 """
 from __future__ import annotations
 
 import gc
 import hashlib
 import math
+import secrets
 import time
-import traceback
-from typing import Callable
+from dataclasses import dataclass
+from typing import Mapping
 
+import numpy as np
 import torch
 
 from evo.genome import Genome, GenomeError
 from evo.records import BUILD_ERROR, INCORRECT, OK, RUNTIME_ERROR, SUSPECT, TIMEOUT, EvalResult
 from evo.workloads import get_workload
-from evo.workloads.base import CheckCase, DeviceInfo, Engine, MachineRates, Preset, Workload
+from evo.workloads.base import CheckCase, DeviceInfo, MachineRates, Preset, Workload
 from evaluators import device as devices
-from evaluators.check import (EngineCallError, ForbiddenCall, GuardedEngine, SeedStream, check_engine,
-                               forbid_calls, forbidden_targets)
+from evaluators.check import SeedStream, compare_outputs, expected_dtypes
+from evaluators.sandbox import EngineProcess, EngineProcessError
 from evaluators.settings import EvaluatorSettings
-from evaluators.timing import measure_rates, num_threads, sync, time_engine
+from evaluators.timing import Timing, measure_rates, num_threads, summarize
+from evaluators.zygote import Zygote
 
-_TRACEBACK_CHARS = 4000
+_FORBIDDEN_ADVICE = "engines must compute their answer, not call the workload's reference or a baseline"
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One planned call: the case its inputs are drawn from, and whether its latency may count."""
+
+    case: CheckCase
+    timing: bool  # at the timing shape, one of the warm-up + timed calls
+    where: str
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    """What one checked call showed: a failure (status + message) or a pass with its latency."""
+
+    status: str | None  # None: passed
+    message: str = ""
+    error: str = ""
+    elapsed_ms: float = math.nan
+    rel_error: float = math.nan
 
 
 class Evaluator:
@@ -62,11 +92,14 @@ class Evaluator:
         self._info = devices.device_info(self.device, threads)
         self._versions = devices.versions(self.device)
         self._tolerance = settings.tolerance(self.preset.dtype)  # a missing dtype is a config error: fail now
-        self._seeds = SeedStream(seed, name)
+        self._dtypes = expected_dtypes(self.workload, self.preset)
+        # The salt is a secret of this process: engines cannot predict the inputs they will be given.
+        self._seeds = SeedStream(seed, name, salt=secrets.randbits(64))
         self._timing_case = _timing_case(self.workload, self.preset)
-        self._forbidden = forbidden_targets(self.workload)
         self._rates: MachineRates | None = None  # measured on first need, then cached
         self._floor_ms: float | None = None
+        self._seen: dict[tuple, str] = {}  # fingerprints of this evaluation's outputs -> the call that returned them
+        Zygote.shared()  # starts now (imports torch there), ready by the first evaluation
 
     # ----------------------------------------------------------------- public API
     def device_info(self) -> DeviceInfo:
@@ -90,38 +123,35 @@ class Evaluator:
             genome = Genome.from_json(genome_json)
         except GenomeError as exc:
             digest = "invalid:" + hashlib.sha256(genome_json.encode()).hexdigest()[:16]
-            return self._result(digest, BUILD_ERROR, start, message=f"invalid genome: {exc}", error=_describe(exc))
-
-        def build() -> Engine:
-            space = self.workload.gene_space(self.preset, self._info)
-            with forbid_calls(self._forbidden) as calls:
-                engine = self.workload.build(space.validate(genome), self.preset, self._info)
-            if calls:
-                raise ForbiddenCall(f"build called {', '.join(sorted(set(calls)))}: engines must compute their"
-                                    " answer, not call the workload's reference or a baseline")
-            return engine
-
-        return self._evaluate(genome.hash, build, start, guarded=True)
+            return self._result(digest, BUILD_ERROR, start, message=f"invalid genome: {exc}", error=f"GenomeError: {exc}")
+        try:
+            self.workload.gene_space(self.preset, self._info).validate(genome)
+        except GenomeError as exc:
+            return self._result(genome.hash, BUILD_ERROR, start, message=f"invalid genome: {exc}",
+                                error=f"GenomeError: {exc}")
+        return self._evaluate(genome.hash, start, {"genome_json": genome.to_json(), "guarded": True})
 
     def evaluate_baseline(self, baseline: str) -> EvalResult:
-        """Build, check and time a named baseline exactly like a genome's engine."""
+        """Build, check and time a named baseline exactly like a genome's engine (baselines may call
+        the reference; nothing else differs)."""
         start = time.perf_counter()
         builders = self.workload.baselines(self.preset)
         if baseline not in builders:
             raise ValueError(
                 f"unknown baseline {baseline!r} for {self.workload.name}/{self.preset.name}; available: {sorted(builders)}"
             )
-        return self._evaluate(f"baseline:{baseline}", lambda: builders[baseline](self._info), start)
+        return self._evaluate(f"baseline:{baseline}", start, {"baseline": baseline, "guarded": False})
 
     def measure_rates(self, again: bool = False) -> MachineRates:
-        """The machine's ceilings (fp32 FLOP/s, copy bandwidth), measured on first need and cached.
-        `again` measures once more and keeps the higher of each rate: ceilings read low when another
-        process disturbs a measurement, and a low ceiling would make an honest engine look too fast."""
+        """The machine's ceilings for the preset's arithmetic (matmul FLOP/s per dtype, copy bandwidth),
+        measured in this process, which never runs an engine, on first need and cached. `again`
+        measures once more and keeps the higher of each rate: ceilings read low when another process
+        disturbs a measurement, and a low ceiling would make an honest engine look too fast."""
         if self._rates is None or again:
-            rates = measure_rates(self.device, self._info.threads if self.device == "cpu" else None)
+            rates = measure_rates(self.device, self.preset.dtype,
+                                  self._info.threads if self.device == "cpu" else None)
             if self._rates is not None:
-                rates = MachineRates(max(rates.flops_per_s, self._rates.flops_per_s),
-                                     max(rates.bytes_per_s, self._rates.bytes_per_s))
+                rates = rates.merged_max(self._rates)
             self._rates, self._floor_ms = rates, None
         return self._rates
 
@@ -135,79 +165,167 @@ class Evaluator:
         return self._floor_ms
 
     # ----------------------------------------------------------------- one evaluation
-    def _evaluate(self, genome_hash: str, build: Callable[[], Engine], start: float,
-                  guarded: bool = False) -> EvalResult:
-        engine = None
+    def _evaluate(self, genome_hash: str, start: float, engine: dict) -> EvalResult:
+        self.roofline_floor_ms()  # the ceilings are measured before any engine runs
+        self._seen = {}
         try:
-            with torch.no_grad():
-                try:
-                    engine = build()
-                    threads = _engine_threads(engine)
-                    if guarded:  # baselines may call what they like; genomes' engines may not
-                        engine = GuardedEngine(engine, self._forbidden)
-                except ForbiddenCall as exc:
-                    return self._result(genome_hash, INCORRECT, start, message=str(exc),
-                                        build_s=time.perf_counter() - start)
-                except Exception as exc:
-                    return self._result(genome_hash, BUILD_ERROR, start, message=_summary("build failed", exc),
-                                        error=_describe(exc), build_s=time.perf_counter() - start)
-                with num_threads(threads if self.device == "cpu" else None):
-                    return self._run(genome_hash, engine, start, threads)
+            # The judge's own work (drawing inputs, the reference) runs on one thread, so no idle worker
+            # thread of its pool spins on the engine's cores while a call is timed.
+            with num_threads(1), EngineProcess(self.device, threads=self._info.threads, settle_s=self.settings.settle_s,
+                                               poison=self.settings.poison_memory) as process:
+                process.launch()
+                return self._judge(process, genome_hash, start, engine)
         finally:
-            del engine
             gc.collect()
             if self.device != "cpu":
                 torch.cuda.empty_cache()
 
-    def _run(self, genome_hash: str, engine: Engine, start: float, threads: int | None) -> EvalResult:
-        stamp = {"threads": threads or self._info.threads}
-        timing_sets = [self._draw(self._timing_case) for _ in range(self.settings.input_sets)]
+    def _judge(self, process: EngineProcess, genome_hash: str, start: float, engine: dict) -> EvalResult:
+        settings = self.settings
+        launched = time.perf_counter()  # the build's clock starts once the engine's process exists
+        build_deadline = launched + settings.build_timeout_s
+        deadline = launched + settings.eval_timeout_s
         try:
-            engine(**timing_sets[0])  # first call at the preset shape: where lazy compilers compile
-            sync(self.device)
-        except ForbiddenCall as exc:
-            return self._result(genome_hash, INCORRECT, start, message=f"first call: {exc}", **stamp)
-        except Exception as exc:
-            status = BUILD_ERROR if _is_compile_error(exc) else RUNTIME_ERROR
-            return self._result(genome_hash, status, start, message=_summary("first call failed", exc),
-                                error=_describe(exc), build_s=time.perf_counter() - start, **stamp)
-        build_s = time.perf_counter() - start
+            built = process.start(self.workload, self.preset, self._info, timeout_s=build_deadline - time.perf_counter(),
+                                  **engine)
+        except EngineProcessError as exc:
+            return self._failed(genome_hash, start, exc, "build", stage="build", build_s=time.perf_counter() - launched)
+        if built["forbidden_calls"] or built.get("forbidden"):
+            calls = ", ".join(sorted(set(built["forbidden_calls"]))) or built.get("message", "")
+            return self._result(genome_hash, INCORRECT, start, build_s=time.perf_counter() - launched,
+                                message=f"build called {calls}: {_FORBIDDEN_ADVICE}")
+        if built.get("op") != "built":
+            return self._result(genome_hash, BUILD_ERROR, start, build_s=time.perf_counter() - launched,
+                                message=_summary("build failed", built), error=str(built.get("traceback", "")))
+        stamp = {"threads": int(built.get("threads") or self._info.threads)}
+
+        try:
+            first = self._checked(process, _Call(self._timing_case, False, "first call at the preset shape"),
+                                  min(build_deadline, deadline), first=True)
+        except EngineProcessError as exc:
+            return self._failed(genome_hash, start, exc, "build + first call", stage="build",
+                                build_s=time.perf_counter() - launched, **stamp)
+        build_s = time.perf_counter() - launched
         stamp["build_s"] = build_s
-        if build_s > self.settings.build_timeout_s:
-            return self._result(genome_hash, TIMEOUT, start, **stamp,
-                                message=f"build + first call took {build_s:.1f} s > build_timeout_s {self.settings.build_timeout_s:g} s")
+        if first.status is not None:
+            return self._result(genome_hash, first.status, start, message=first.message, error=first.error,
+                                max_rel_error=first.rel_error, **stamp)
+
+        rng = np.random.default_rng(self._seeds.next())
+        plan = self._plan(rng)
+        worst = first.rel_error
         try:
-            report = check_engine(engine, self.workload, self.preset, self.workload.check_cases(self.preset),
-                                  self._seeds, device=self.device, tolerance=self._tolerance,
-                                  elementwise_factor=self.settings.elementwise_factor,
-                                  settle_s=self.settings.settle_s, poison=self.settings.poison_memory)
-        except EngineCallError as exc:
-            cause = exc.__cause__ or exc
-            return self._result(genome_hash, RUNTIME_ERROR, start, message=str(exc), error=_describe(cause), **stamp)
-        stamp["max_rel_error"] = report.max_rel_error
-        if not report.passed:
-            return self._result(genome_hash, INCORRECT, start, message=report.message, **stamp)
-        elapsed = time.perf_counter() - start
-        if elapsed > self.settings.eval_timeout_s:
-            return self._result(genome_hash, TIMEOUT, start, **stamp,
-                                message=f"check took {elapsed:.1f} s > eval_timeout_s {self.settings.eval_timeout_s:g} s")
-        try:
-            timing = time_engine(engine, timing_sets, device=self.device, warmup=self.settings.warmup,
-                                 repeats=self.settings.repeats, min_timing_s=self.settings.min_timing_s)
-        except ForbiddenCall as exc:
-            return self._result(genome_hash, INCORRECT, start, message=f"while timing: {exc}", **stamp)
-        except Exception as exc:
-            return self._result(genome_hash, RUNTIME_ERROR, start, message=_summary("failed while timing", exc),
-                                error=_describe(exc), **stamp)
+            verdicts, timing = self._run_plan(process, plan, deadline)
+        except EngineProcessError as exc:
+            return self._failed(genome_hash, start, exc, "evaluation", stage="run", **stamp)
+        for verdict in verdicts:
+            worst = _worse(worst, verdict.rel_error)
+        stamp["max_rel_error"] = worst
+        failed = next((v for v in verdicts if v.status is not None), None)
+        if failed is not None:
+            return self._result(genome_hash, failed.status, start, message=failed.message, error=failed.error, **stamp)
+        assert timing is not None
+        note = f"passed {len(verdicts) + 1} checked calls (every timed call checked; tol {self._tolerance:.1e})"
+
         if self._below_floor(timing.median_ms):
-            return self._result(genome_hash, SUSPECT, start, latency_ms=timing.median_ms,
-                                latency_spread_ms=timing.spread_ms, **stamp,
-                                message=f"median latency {timing.median_ms:.4g} ms is below the roofline floor"
-                                        f" {self.roofline_floor_ms():.4g} ms x margin {self.settings.roofline_margin:g}:"
-                                        " faster than this machine allows (work deferred past the timer, a broken"
-                                        " timer or a wrong roofline); never ranked")
+            first_median = timing.median_ms
+            try:
+                again, timing = self._run_plan(process, self._plan(rng, checks=False), deadline)
+            except EngineProcessError as exc:
+                return self._failed(genome_hash, start, exc, "re-verification", stage="run", **stamp)
+            failed = next((v for v in again if v.status is not None), None)
+            if failed is not None:
+                return self._result(genome_hash, failed.status, start, message=f"re-verification: {failed.message}",
+                                    error=failed.error, **stamp)
+            if self._below_floor(timing.median_ms):
+                return self._result(genome_hash, SUSPECT, start, latency_ms=timing.median_ms,
+                                    latency_spread_ms=timing.spread_ms, **stamp,
+                                    message=f"median latency {timing.median_ms:.4g} ms (first {first_median:.4g} ms,"
+                                            f" re-verified on fresh inputs) is below the roofline floor"
+                                            f" {self.roofline_floor_ms():.4g} ms x margin {settings.roofline_margin:g}:"
+                                            " faster than this machine allows (work deferred past the timer, a broken"
+                                            " timer or a wrong roofline); never ranked")
+            note += f"; re-verified on fresh inputs after a first median of {first_median:.4g} ms below the floor"
         return self._result(genome_hash, OK, start, latency_ms=timing.median_ms, latency_spread_ms=timing.spread_ms,
-                            message=f"{report.message}; {len(timing.samples_ms)} timed calls", **stamp)
+                            message=f"{note}; {len(timing.samples_ms)} timed calls", **stamp)
+
+    def _plan(self, rng: np.random.Generator, checks: bool = True) -> list[_Call]:
+        """Every check case and warm-up + timed call, shuffled; the first `warmup` calls at the timing
+        shape in the shuffled order are the warm-up."""
+        cases = [case for stage in self.workload.check_cases(self.preset) for case in stage] if checks else []
+        calls = [_Call(case, False, f"check case {case.name!r}") for case in cases]
+        calls += [_Call(self._timing_case, True, "") for _ in range(self.settings.warmup + self.settings.repeats)]
+        order = rng.permutation(len(calls))
+        return [calls[i] for i in order]
+
+    def _run_plan(self, process: EngineProcess, plan: list[_Call], deadline: float
+                  ) -> tuple[list[_Verdict], Timing | None]:
+        """Run the plan (stop at the first failing call); the verdicts and the timing of the timed calls."""
+        verdicts: list[_Verdict] = []
+        samples: list[float] = []
+        timing_calls = 0
+        extra = 0
+        queue = list(plan)
+        total_s = 0.0
+        while queue:
+            call = queue.pop(0)
+            if call.timing:
+                timing_calls += 1
+                warm = timing_calls <= self.settings.warmup
+                call = _Call(call.case, True, f"{'warm-up' if warm else 'timed'} call {timing_calls} ({call.case.name})")
+            verdict = self._checked(process, call, deadline)
+            verdicts.append(verdict)
+            if verdict.status is not None:
+                return verdicts, None
+            if call.timing and timing_calls > self.settings.warmup:
+                samples.append(verdict.elapsed_ms)
+                total_s += verdict.elapsed_ms / 1e3
+            min_s = self.settings.min_timing_s
+            if not queue and min_s is not None and total_s < min_s and extra < 10_000:
+                extra += 1
+                queue.append(_Call(self._timing_case, True, ""))
+        return verdicts, summarize(samples) if samples else None
+
+    def _checked(self, process: EngineProcess, call: _Call, deadline: float, first: bool = False) -> _Verdict:
+        """One call on fresh inputs, checked against the reference. Raises EngineProcessError."""
+        inputs = self.workload.make_inputs(call.case, self.preset.dtype, self.device, self._seeds.next())
+        reference = self.workload.reference(inputs)
+        specs = {name: (tuple(reference[name].shape), dtype) for name, dtype in self._dtypes.items()}
+        remaining = deadline - time.perf_counter()
+        if remaining <= 0:
+            raise EngineProcessError("timeout", "the evaluation ran out of time before " + call.where)
+        result = process.call(inputs, specs, timeout_s=remaining)
+        reply, where = result.reply, call.where
+        if result.forbidden or reply.get("forbidden"):
+            calls = ", ".join(sorted(set(result.forbidden))) or "a forbidden function"
+            return _Verdict(INCORRECT, f"{where}: engine called {calls}: {_FORBIDDEN_ADVICE}")
+        if reply.get("op") == "raised":
+            if first:
+                status = BUILD_ERROR if reply.get("compile_error") else RUNTIME_ERROR
+                return _Verdict(status, _summary("first call failed", reply), str(reply.get("traceback", "")))
+            kind = "out of memory" if reply.get("oom") else reply.get("type", "an error")
+            text = str(reply.get("message", "")).strip().splitlines()
+            return _Verdict(RUNTIME_ERROR, f"engine raised {kind} on {where}: {text[0] if text else ''}"[:500],
+                            str(reply.get("traceback", "")))
+        if reply.get("op") != "returned":
+            return _Verdict(INCORRECT, f"{where}: engine process answered {str(reply.get('op'))[:40]!r}, not a result")
+        if result.inputs_changed:
+            return _Verdict(INCORRECT, f"{where}: engine modified its inputs in place: {list(result.inputs_changed)}")
+        if reply.get("problem"):
+            return _Verdict(INCORRECT, f"{where}: {str(reply['problem'])[:500]}")
+        if result.late:
+            return _Verdict(INCORRECT, f"{where}: outputs {list(result.late)} changed after the engine returned"
+                                       " (work deferred past return, e.g. a kernel or thread still writing)")
+        problem, rel = compare_outputs(result.outputs, reference, self._dtypes, self._tolerance,
+                                       self.settings.elementwise_factor)
+        fingerprint = _fingerprint(result.outputs)
+        if problem:
+            if fingerprint in self._seen:
+                problem = (f"returned exactly the outputs of an earlier call ({self._seen[fingerprint]}) on different"
+                           f" inputs (cached or stale result): {problem}")
+            return _Verdict(INCORRECT, f"{where}: {problem}", rel_error=rel)
+        self._seen.setdefault(fingerprint, where)
+        return _Verdict(None, elapsed_ms=result.elapsed_s * 1e3, rel_error=rel)
 
     def _below_floor(self, latency_ms: float) -> bool:
         """Faster than margin x the floor, even after re-measuring the machine's rates (False for nan)."""
@@ -216,8 +334,18 @@ class Evaluator:
         self.measure_rates(again=True)
         return latency_ms < self.roofline_floor_ms() * self.settings.roofline_margin
 
-    def _draw(self, case: CheckCase) -> dict:
-        return self.workload.make_inputs(case, self.preset.dtype, self.device, self._seeds.next())
+    def _failed(self, genome_hash: str, start: float, exc: EngineProcessError, what: str, stage: str,
+                **stamp: object) -> EvalResult:
+        """An engine process that hung, died or broke the protocol, as a result."""
+        if exc.kind == "timeout":
+            limit = ("build_timeout_s", self.settings.build_timeout_s) if stage == "build" else \
+                ("eval_timeout_s", self.settings.eval_timeout_s)
+            return self._result(genome_hash, TIMEOUT, start, **stamp,
+                                message=f"{what} took longer than {limit[0]} {limit[1]:g} s: {exc}")
+        if exc.kind == "protocol":
+            return self._result(genome_hash, INCORRECT, start, **stamp, message=f"{what}: {exc}")
+        return self._result(genome_hash, RUNTIME_ERROR, start, **stamp, message=f"{what} failed: {exc}",
+                            error=str(exc))
 
     def _result(self, genome_hash: str, status: str, start: float, **fields) -> EvalResult:
         fields.setdefault("threads", self._info.threads)
@@ -251,27 +379,23 @@ def _timing_case(workload: Workload, preset: Preset) -> CheckCase:
     return CheckCase(name=f"preset:{preset.name}", shape=dict(preset.shape), distribution=cases[0].distribution)
 
 
-def _engine_threads(engine: Engine) -> int | None:
-    threads = getattr(engine, "num_threads", None)
-    if threads is None:
-        return None
-    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
-        raise ValueError(f"engine.num_threads must be a positive int or None, got {threads!r}")
-    return threads
+def _fingerprint(outputs: Mapping[str, torch.Tensor] | None) -> tuple:
+    """Names, shapes and a digest of the bytes of each output: equal fingerprints, equal outputs."""
+    parts = []
+    for name, value in sorted((outputs or {}).items()):
+        raw = value.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()
+        parts.append((name, tuple(value.shape), hashlib.blake2b(raw, digest_size=16).hexdigest()))
+    return tuple(parts)
 
 
-def _is_compile_error(exc: BaseException) -> bool:
-    module = type(exc).__module__ or ""
-    return module.startswith(("torch._dynamo", "torch._inductor"))
+def _worse(a: float, b: float) -> float:
+    """The larger error, ignoring nan (nan means 'not measured')."""
+    if math.isnan(a):
+        return b
+    return a if math.isnan(b) else max(a, b)
 
 
-def _summary(what: str, exc: BaseException) -> str:
-    kind = "out of memory" if isinstance(exc, (torch.OutOfMemoryError, MemoryError)) else type(exc).__name__
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{what}: {kind}: {text}"[:500]
-
-
-def _describe(exc: BaseException) -> str:
-    """Type, message and the last frames of the traceback, capped."""
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-8))
-    return text[-_TRACEBACK_CHARS:]
+def _summary(what: str, reply: Mapping[str, object]) -> str:
+    kind = "out of memory" if reply.get("oom") else str(reply.get("type", "error"))
+    lines = str(reply.get("message", "")).strip().splitlines()
+    return f"{what}: {kind}: {lines[0] if lines else ''}"[:500]

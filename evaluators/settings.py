@@ -61,9 +61,10 @@ class EvaluatorSettings:
     elementwise_factor: float = _option(
         10.0, "max|out-ref| must also be <= factor * tol * max|ref| for every output", _positive
     )
-    warmup: int = _option(3, "untimed calls before the timed repeats", _count(0))
-    repeats: int = _option(15, "timed calls; the latency is their median, the spread their IQR", _count(1))
-    input_sets: int = _option(3, "input sets drawn at the preset shape and rotated across timed calls", _count(1))
+    warmup: int = _option(3, "untimed calls at the timing shape before the timed ones (checked like every call)",
+                          _count(0))
+    repeats: int = _option(15, "timed calls, each on fresh inputs and checked; the latency is their median, the"
+                               " spread their IQR", _count(1))
     build_timeout_s: float = _option(
         120.0, "build plus first (compiling) call longer than this gives status 'timeout'", _positive
     )
@@ -75,14 +76,15 @@ class EvaluatorSettings:
     )
     settle_s: float = _option(
         0.005,
-        "seconds to wait before re-reading a check call's outputs; outputs that change after the engine"
-        " returned (work deferred past return) make it 'incorrect'",
+        "on CUDA, seconds to wait before re-reading a call's outputs; outputs that change after the engine"
+        " returned (kernels still writing) make it 'incorrect' (on CPU the engine's process is frozen while"
+        " its outputs are read, so nothing can change them)",
         lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= 10,
     )
     poison_memory: bool = _option(
         True,
-        "during check calls torch.empty & co. return NaN-filled memory (and freed memory is NaN-filled),"
-        " so outputs the engine leaves unwritten fail; costs one recompile for torch.compile'd engines",
+        "in the engine's process, for its whole life (every call alike), torch.empty & co. return NaN-filled"
+        " memory, so outputs the engine leaves unwritten fail",
         lambda x: isinstance(x, bool),
     )
     min_timing_s: float | None = _option(

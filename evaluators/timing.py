@@ -1,18 +1,18 @@
-"""Timing hygiene: warm-up apart, device sync around every timer, inputs rotated, median and IQR.
-
-Also measures the machine's ceilings (fp32 matmul FLOP/s, copy bandwidth) for the roofline floor.
+"""Timing helpers: device sync, median and IQR of timed calls, and the machine's ceilings (matmul
+FLOP/s per arithmetic, copy bandwidth) for the roofline floor. The calls themselves are timed by the
+judge around each call to an isolated engine (evaluators/sandbox.py, evaluators/evaluator.py).
 """
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
 
-from evo.workloads.base import Engine, MachineRates
+from evo.workloads.base import MachineRates
 
 
 @dataclass(frozen=True)
@@ -35,39 +35,6 @@ def summarize(samples_ms: Sequence[float]) -> Timing:
     return Timing(float(median), float(q3 - q1), tuple(float(s) for s in samples_ms))
 
 
-def time_engine(
-    engine: Engine,
-    input_sets: Sequence[Mapping[str, object]],
-    *,
-    device: str,
-    warmup: int,
-    repeats: int,
-    min_timing_s: float | None = None,
-) -> Timing:
-    """Time `engine`: `warmup` untimed calls, then at least `repeats` timed calls (more if
-    `min_timing_s` asks for it), call i using input set i mod len(input_sets)."""
-    if not input_sets:
-        raise ValueError("time_engine needs at least one input set")
-    n = len(input_sets)
-    for i in range(warmup):
-        engine(**input_sets[i % n])
-    sync(device)
-    samples: list[float] = []
-    total_s = 0.0
-    i = 0
-    while i < repeats or (min_timing_s is not None and total_s < min_timing_s):
-        inputs = input_sets[i % n]
-        sync(device)
-        start = time.perf_counter()
-        engine(**inputs)
-        sync(device)
-        elapsed = time.perf_counter() - start
-        samples.append(elapsed * 1e3)
-        total_s += elapsed
-        i += 1
-    return summarize(samples)
-
-
 @contextmanager
 def num_threads(threads: int | None) -> Iterator[None]:
     """Temporarily set torch's intra-op thread count (None: leave it)."""
@@ -81,24 +48,60 @@ def num_threads(threads: int | None) -> Iterator[None]:
             torch.set_num_threads(previous)
 
 
-def measure_rates(device: str, threads: int | None = None, repeats: int = 7) -> MachineRates:
-    """fp32 matmul FLOP/s (square sgemm) and copy bandwidth (bytes read + written per second),
-    each the median of `repeats` after a warm-up."""
+# The arithmetic an engine may use for a preset of each I/O dtype (see MachineRates).
+ARITHMETIC: dict[str, tuple[str, ...]] = {"float32": ("float32",), "bfloat16": ("float32", "tf32", "bfloat16"),
+                                          "float16": ("float32", "tf32", "float16")}
+
+
+def measure_rates(device: str, preset_dtype: str = "float32", threads: int | None = None,
+                  repeats: int = 7) -> MachineRates:
+    """Matmul FLOP/s (square gemm) for each arithmetic the preset allows (tf32 on CUDA only) and copy
+    bandwidth (bytes read + written per second), each the median of `repeats` after a warm-up."""
     cuda = torch.device(device).type == "cuda"
-    n = 4096 if cuda else 1024  # sgemm size: ~15 ms at 145 GFLOP/s on 2 CPU cores
-    numel = (1 << 28) if cuda else (1 << 24)  # copy: 1 GiB on GPU, 64 MiB on CPU (beyond caches)
+    allowed = ARITHMETIC.get(preset_dtype, ("float32",))
+    rates: dict[str, float] = {}
     with num_threads(threads), torch.no_grad():
-        a = torch.randn(n, n, device=device)
-        b = torch.randn(n, n, device=device)
-        out = torch.empty(n, n, device=device)
-        matmul_s = _median_seconds(lambda: torch.mm(a, b, out=out), device, repeats)
-        del a, b, out
+        for arithmetic in allowed:
+            if arithmetic == "tf32" and not cuda:
+                continue
+            rates[arithmetic] = _matmul_rate(device, arithmetic, repeats)
+        numel = (1 << 28) if cuda else (1 << 24)  # copy: 1 GiB on GPU, 64 MiB on CPU (beyond caches)
         src = torch.ones(numel, device=device)
         dst = torch.empty_like(src)
         copy_s = _median_seconds(lambda: dst.copy_(src), device, repeats)
         nbytes = src.numel() * src.element_size()
         del src, dst
-    return MachineRates(flops_per_s=2.0 * n**3 / matmul_s, bytes_per_s=2.0 * nbytes / copy_s)
+    return MachineRates(flops_per_s=max(rates.values()), bytes_per_s=2.0 * nbytes / copy_s, matmul_flops=rates)
+
+
+def floor_rates(preset_dtype: str, matmul_flops: dict[str, float], bytes_per_s: float) -> MachineRates:
+    """MachineRates from known rates (e.g. published or measured elsewhere): the floor uses the fastest
+    arithmetic the preset allows."""
+    allowed = [matmul_flops[a] for a in ARITHMETIC.get(preset_dtype, ("float32",)) if a in matmul_flops]
+    if not allowed:
+        raise ValueError(f"no matmul rate for the arithmetic a {preset_dtype} preset allows "
+                         f"({ARITHMETIC.get(preset_dtype)}); got {sorted(matmul_flops)}")
+    return MachineRates(max(allowed), bytes_per_s, dict(matmul_flops))
+
+
+def _matmul_rate(device: str, arithmetic: str, repeats: int) -> float:
+    cuda = torch.device(device).type == "cuda"
+    n = 4096 if cuda else 1024  # ~15 ms for fp32 at 145 GFLOP/s on 2 CPU cores
+    if not cuda and arithmetic != "float32":
+        n = 512  # CPU bf16 gemm is slow; keep the measurement short
+    dtype = torch.float32 if arithmetic in ("float32", "tf32") else getattr(torch, arithmetic)
+    previous = torch.backends.cuda.matmul.allow_tf32 if cuda else None
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = arithmetic == "tf32"
+    try:
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        out = torch.empty(n, n, device=device, dtype=dtype)
+        seconds = _median_seconds(lambda: torch.mm(a, b, out=out), device, repeats)
+    finally:
+        if cuda:
+            torch.backends.cuda.matmul.allow_tf32 = previous
+    return 2.0 * n**3 / seconds
 
 
 def _median_seconds(fn, device: str, repeats: int) -> float:

@@ -1,9 +1,13 @@
-"""Cheating engines, kept as fixtures: each must be rejected by the evaluator ('incorrect', never 'ok').
+"""Cheating engines, kept as fixtures: each must be rejected by the evaluator, or gain nothing from it.
 
 `CheatWorkload(base)` is the base workload (KDA or the fake one) with one more gene, `cheat`: "none"
 builds the honest engine, any other value wraps the honest engine in that cheat. It is registered
 like any workload, so the cheats go through the evaluator's full path (build, first call, check,
 timing) with every guard the evaluator applies to every engine.
+
+CHEATS lists the cheats that must come back 'incorrect'. PROBES lists engines that try to tell checks
+from timed calls (or to fool the judge's clock) and cheat only when they think they can: the judge
+gives them nothing to tell apart, so they must never come back 'ok' at a latency their cheat bought.
 """
 from __future__ import annotations
 
@@ -33,6 +37,30 @@ CHEATS: dict[str, tuple[str, str]] = {
     "calls_reference": ("h", "returns the workload's float64 reference, cast"),
     "calls_reference_swallowed": ("h", "calls the reference, catches the guard's error, then computes honestly"),
     "calls_baseline": ("h", "returns a baseline's answer (KDA: chunk_pairwise)"),
+    # issue 9: timing never verified
+    "correct_then_zeros": ("timing", "right for its first 3 calls, then zeros (padded to stay above the floor)"),
+    "correct_then_previous": ("timing", "right for its first 3 calls, then its previous output"),
+    "cache_by_pointer": ("timing", "caches outputs by the inputs' data pointers and shapes"),
+    "cache_by_slice": ("timing", "caches outputs by a coarse hash of a slice of the first input"),
+    "lazy_output": ("timing", "returns a tensor subclass that computes its values when first read"),
+    # issue 9: the engine shares a process with its judge
+    "patch_comparison": ("process", "patches the judge's comparison and the workload's reference class "
+                                    "attribute at build, then returns zeros"),
+    "patch_timer": ("process", "patches time.perf_counter and the evaluator's floor at build, returns zeros"),
+    # issue 9: the guard against calling the reference has gaps
+    "alias_reference": ("guard", "calls the reference through a name bound before any guard went up"),
+    "lazy_reference": ("guard", "returns an output that calls the reference when it is read"),
+    # issue 9: batch size and head count never varied
+    "batch1_only": ("axes", "right for B=1 only: every batch element gets element 0's answer"),
+    "heads_upto_preset": ("axes", "right only up to the preset's head count (KDA H, fake D)"),
+}
+
+# Engines that cheat only when they believe a call is timed, not checked (or that the judge's clock is theirs).
+PROBES: dict[str, str] = {
+    "probe_flags": "cheats whenever torch's deterministic/poisoning flags differ from those at its first call",
+    "probe_stack": "cheats whenever its call stack differs from the one at its first call",
+    "probe_gap": "cheats when called again within 1 ms of its previous return (back-to-back timing loop)",
+    "probe_clock": "slows time.perf_counter 100x in its process at build and computes honestly",
 }
 NONE = "none"
 
@@ -51,7 +79,7 @@ class CheatWorkload:
 
     def gene_space(self, preset: Preset, device: DeviceInfo) -> GeneSpace:
         honest = self.base.gene_space(preset, device)
-        cheat = Gene("cheat", "fusion", (NONE, *CHEATS), NONE, "which cheat wraps the honest engine")
+        cheat = Gene("cheat", "fusion", _gene_values(), NONE, "which cheat wraps the honest engine")
         return GeneSpace(self.name, (*honest.genes, cheat), honest.constraints)
 
     def check_cases(self, preset: Preset) -> list[list[CheckCase]]:
@@ -81,6 +109,10 @@ class CheatWorkload:
         cheat = values.pop("cheat")
         honest = self.base.build(self.base.gene_space(preset, device).make(values), preset, device)
         return honest if cheat == NONE else _WRAPPERS[cheat](honest, self, preset)
+
+
+def _gene_values() -> tuple[str, ...]:
+    return (NONE, *CHEATS, *PROBES)
 
 
 def _cast(outputs: dict, dtypes: dict[str, str]) -> dict:
@@ -224,14 +256,197 @@ def _calls_baseline(honest, w, preset):
     return engine
 
 
+# ---- issue 9 -----------------------------------------------------------------------------------------
+from evo.workloads.kda.reference import reference as _oracle_bound_early  # noqa: E402 - before any guard
+from tests.fake_workload import FakeWorkload as _Fake  # noqa: E402
+
+_fake_reference_bound_early = _Fake.reference  # the plain function, bound before any guard went up
+
+
+def _pad(seconds: float = 0.0005) -> None:
+    time.sleep(seconds)  # keeps a cheat's latency above the roofline floor
+
+
+def _correct_then(after: Callable[[dict, dict], dict]):
+    def wrap(honest, w, preset):
+        state = {"calls": 0, "last": None}
+
+        def engine(**x):
+            state["calls"] += 1
+            if state["calls"] <= 3 or state["last"] is None:
+                out = honest(**x)
+            else:
+                _pad()
+                out = after(x, state["last"])
+            state["last"] = {k: v.clone() for k, v in out.items()}
+            return out
+        return engine
+    return wrap
+
+
+def _cache_by(key_of: Callable[[dict], object]):
+    def wrap(honest, w, preset):
+        cache: dict = {}
+
+        def engine(**x):
+            key = key_of(x)
+            if key not in cache:
+                cache[key] = {k: v.clone() for k, v in honest(**x).items()}
+            return {k: v.clone() for k, v in cache[key].items()}
+        return engine
+    return wrap
+
+
+def _pointer_key(x: dict) -> tuple:
+    return tuple((k, v.data_ptr(), tuple(v.shape)) for k, v in _tensors(x).items())
+
+
+def _slice_key(x: dict) -> tuple:
+    first = next(iter(_tensors(x).values()))
+    return tuple(first.shape), round(float(first.flatten()[0]))  # ~5 buckets for N(0, 1) inputs
+
+
+class _Lazy(torch.Tensor):
+    """A tensor subclass whose values are computed on first use (what a caller reads, not what was timed)."""
+
+    compute: Callable[[], torch.Tensor] | None = None
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        for a in args:
+            if isinstance(a, _Lazy) and a.compute is not None:
+                fill, a.compute = a.compute, None
+                with torch._C.DisableTorchFunctionSubclass():
+                    a.copy_(fill())
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _lazy(source: str):
+    """Outputs are `_Lazy` tensors whose values come, on first use, from the honest engine ("honest") or
+    from the workload's reference ("reference"); the first call of each input shape is computed honestly
+    to learn the output shapes."""
+    def wrap(honest, w, preset):
+        dtypes = expected_dtypes(w.base, preset)
+        shapes: dict[tuple, dict] = {}
+
+        def engine(**x):
+            key = tuple((k, tuple(v.shape)) for k, v in _tensors(x).items())
+            if key not in shapes:
+                out = honest(**x)
+                shapes[key] = {k: (v.shape, v.dtype) for k, v in out.items()}
+                return out
+            inputs = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in x.items()}
+            later = (lambda: honest(**inputs)) if source == "honest" else (lambda: _cast(w.base.reference(inputs), dtypes))
+            memo: dict = {}
+            out = {}
+            for k, (shape, dtype) in shapes[key].items():
+                lazy = torch.Tensor._make_subclass(_Lazy, torch.zeros(shape, dtype=dtype))
+                lazy.compute = (lambda k=k: memo.setdefault("v", later())[k])
+                out[k] = lazy
+            return out
+        return engine
+    return wrap
+
+
+def _patch_comparison(honest, w, preset):
+    import evaluators.check as check
+
+    check.compare_outputs = lambda *a, **k: ("", 0.0)
+    type(w.base).reference = lambda self, inputs: {k: torch.zeros(1) for k in self.output_names}
+    return lambda **x: {k: torch.zeros_like(v) for k, v in honest(**x).items()}
+
+
+def _patch_timer(honest, w, preset):
+    import evaluators.evaluator as evaluator
+
+    real = time.perf_counter
+    time.perf_counter = lambda: real() / 100.0
+    evaluator.Evaluator._below_floor = lambda self, latency_ms: False
+    return lambda **x: {k: torch.zeros_like(v) for k, v in honest(**x).items()}
+
+
+def _alias_reference(honest, w, preset):
+    dtypes = expected_dtypes(w.base, preset)
+    oracle = _oracle_bound_early if w.base.name == "kda" else _fake_reference_bound_early
+    return lambda **x: _cast(oracle(w.base, x) if oracle is _fake_reference_bound_early else oracle(x), dtypes)
+
+
+def _batch1_only(honest, w, preset):
+    def engine(**x):
+        B = next(iter(_tensors(x).values())).shape[0]
+        first = honest(**{k: v[:1] if isinstance(v, torch.Tensor) else v for k, v in x.items()})
+        return {k: v.expand(B, *v.shape[1:]).contiguous() for k, v in first.items()}
+    return engine
+
+
+def _heads_upto_preset(honest, w, preset):
+    limit = preset.shape["H"] if "H" in preset.shape else preset.shape["D"]
+
+    def engine(**x):
+        out = honest(**x)
+        if next(iter(_tensors(x).values())).shape[2] > limit:
+            out = {k: v.clone() for k, v in out.items()}
+            main = next(iter(out))
+            out[main].select(2, -1).zero_()  # the head (channel) past the preset's count
+        return out
+    return engine
+
+
+def _probe(detects: Callable[[dict], bool]):
+    """Honest while the probe says 'checked'; zeros (padded) when it says 'timed'."""
+    def wrap(honest, w, preset):
+        state: dict = {}
+
+        def engine(**x):
+            if detects(state):
+                _pad()
+                out = {k: torch.zeros_like(v) for k, v in honest(**x).items()}
+            else:
+                out = honest(**x)
+            state["returned"] = time.perf_counter()
+            return out
+        return engine
+    return wrap
+
+
+def _flags_differ(state: dict) -> bool:
+    flags = (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory)
+    return state.setdefault("flags", flags) != flags
+
+
+def _stack_differs(state: dict) -> bool:
+    import inspect
+
+    stack = tuple(f.function for f in inspect.stack()[2:])
+    return state.setdefault("stack", stack) != stack
+
+
+def _back_to_back(state: dict) -> bool:
+    return "returned" in state and time.perf_counter() - state["returned"] < 0.001
+
+
+def _probe_clock(honest, w, preset):
+    real = time.perf_counter
+    time.perf_counter = lambda: real() / 100.0
+    return honest
+
+
 _WRAPPERS: dict[str, Callable] = {
     "zeros": _zeros, "constant": _constant, "inplace": _inplace, "memoise": _memoise,
     "memoise_by_shape": _memoise_by_shape, "bf16": _bf16, "fixed_seed": _fixed_seed,
     "preset_shape_only": _preset_shape_only, "half_written": _half_written,
     "half_written_stale": _half_written_stale, "deferred": _deferred, "calls_reference": _calls_reference,
     "calls_reference_swallowed": _calls_reference_swallowed, "calls_baseline": _calls_baseline,
+    "correct_then_zeros": _correct_then(lambda x, last: {k: torch.zeros_like(v) for k, v in last.items()}),
+    "correct_then_previous": _correct_then(lambda x, last: {k: v.clone() for k, v in last.items()}),
+    "cache_by_pointer": _cache_by(_pointer_key), "cache_by_slice": _cache_by(_slice_key),
+    "lazy_output": _lazy("honest"), "lazy_reference": _lazy("reference"),
+    "patch_comparison": _patch_comparison, "patch_timer": _patch_timer, "alias_reference": _alias_reference,
+    "batch1_only": _batch1_only, "heads_upto_preset": _heads_upto_preset,
+    "probe_flags": _probe(_flags_differ), "probe_stack": _probe(_stack_differs), "probe_gap": _probe(_back_to_back),
+    "probe_clock": _probe_clock,
 }
-assert set(_WRAPPERS) == set(CHEATS)
+assert set(_WRAPPERS) == set(CHEATS) | set(PROBES)
 
 
 def _kda() -> CheatWorkload:

@@ -28,7 +28,7 @@ IMPLS = (
     "raise_run",  # every call raises
     "raise_small",  # raises only on the small check case
     "slow_build",  # build sleeps 0.3 s
-    "threads_probe",  # correct; records torch.get_num_threads() at each call
+    "threads_probe",  # correct; raises unless torch.get_num_threads() equals its `threads` gene
     "hang",  # every call sleeps for an hour (the pool must kill it)
     "exit",  # every call kills its process (the pool must replace it)
     "oom",  # every call runs out of memory (as torch reports it)
@@ -36,7 +36,6 @@ IMPLS = (
 )
 
 SEEN_SEEDS: list[int] = []  # every seed make_inputs was given, in order
-THREADS_SEEN: list[int] = []
 
 
 def _engine(impl: str, threads: int) -> Engine:
@@ -52,8 +51,8 @@ def _engine(impl: str, threads: int) -> Engine:
             raise RuntimeError("deliberate failure at run time")
         if impl == "raise_small" and x.shape[1] < 16:
             raise IndexError("deliberate failure on short sequences")
-        if impl == "threads_probe":
-            THREADS_SEEN.append(torch.get_num_threads())
+        if impl == "threads_probe" and threads and torch.get_num_threads() != threads:
+            raise RuntimeError(f"threads_probe: running on {torch.get_num_threads()} threads, not {threads}")
         if impl == "inplace":
             x = x.cumsum_(1)
         elif impl == "loop":
@@ -110,10 +109,14 @@ class FakeWorkload:
             ),
         )
 
+    def free_axes(self, preset: Preset) -> dict[str, tuple[int, ...]]:
+        return {"B": (1, preset.shape["B"]), "T": (8, preset.shape["T"]), "D": (preset.shape["D"], preset.shape["D"] + 1)}
+
     def check_cases(self, preset: Preset) -> list[list[CheckCase]]:
         small = {**preset.shape, "T": 8}
         return [
-            [CheckCase("small", small, "normal")],
+            [CheckCase("small", small, "normal"),
+             CheckCase("small_wide_b1", {**small, "B": 1, "D": small["D"] + 1}, "normal")],
             [CheckCase("preset", dict(preset.shape), "normal"),
              CheckCase("preset_state", dict(preset.shape), "large", with_initial_state=True)],
         ]

@@ -14,7 +14,7 @@ from evaluators.settings import EvaluatorSettings
 from evo.records import BUILD_ERROR, INCORRECT, OK, RUNTIME_ERROR, TIMEOUT, EvalResult
 from tests import fake_workload as fw
 
-FAST = EvaluatorSettings(warmup=1, repeats=5, input_sets=3)
+FAST = EvaluatorSettings(warmup=1, repeats=5)
 
 
 @pytest.fixture
@@ -90,15 +90,13 @@ def test_illegal_genome_is_a_build_error_naming_the_gene(ev):
 def test_slow_build_is_a_timeout(fake):
     ev = Evaluator("fake", "cpu", EvaluatorSettings(build_timeout_s=0.1, repeats=3), seed=1, name="ev-test")
     r = ev.evaluate(fw.genome_json("slow_build"))
-    assert r.status == TIMEOUT and "build_timeout_s" in r.message and r.build_s >= 0.3
+    assert r.status == TIMEOUT and "build_timeout_s" in r.message and r.build_s >= 0.1
 
 
-def test_engine_threads_apply_during_the_run_and_are_restored(ev):
+def test_engine_threads_apply_in_the_engine_process_only(ev):
     before = torch.get_num_threads()
-    fw.THREADS_SEEN.clear()
     r = ev.evaluate(fw.genome_json("threads_probe", threads=1))
-    assert r.status == OK and r.threads == 1
-    assert fw.THREADS_SEEN and set(fw.THREADS_SEEN) == {1}
+    assert r.status == OK and r.threads == 1, r.message  # the probe raises unless it runs on its threads
     assert torch.get_num_threads() == before
 
 
@@ -106,7 +104,8 @@ def test_inputs_are_fresh_across_evaluations(ev):
     fw.SEEN_SEEDS.clear()
     ev.evaluate(fw.genome_json("cumsum"))
     ev.evaluate(fw.genome_json("cumsum"))
-    assert len(fw.SEEN_SEEDS) == 2 * (3 + 2 + FAST.input_sets)  # 3 cases + a repeat call per stage
+    # per evaluation: the first call, 4 check cases, warm-up and timed calls, each on fresh inputs
+    assert len(fw.SEEN_SEEDS) == 2 * (1 + 4 + FAST.warmup + FAST.repeats)
     assert len(set(fw.SEEN_SEEDS)) == len(fw.SEEN_SEEDS)
 
 

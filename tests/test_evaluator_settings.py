@@ -11,7 +11,7 @@ from evaluators.settings import EvaluatorSettings
 def test_defaults():
     s = EvaluatorSettings()
     assert s.tolerances == {"float32": 1e-5, "bfloat16": 6e-3}
-    assert (s.elementwise_factor, s.warmup, s.repeats, s.input_sets) == (10.0, 3, 15, 3)
+    assert (s.elementwise_factor, s.warmup, s.repeats) == (10.0, 3, 15)
     assert (s.build_timeout_s, s.eval_timeout_s, s.min_timing_s) == (120.0, 300.0, None)
     assert pickle.loads(pickle.dumps(s)) == s  # travels to Ray actors
     assert {row["option"] for row in EvaluatorSettings.describe()} == set(s.to_dict())
@@ -22,7 +22,7 @@ def test_from_dict_rejects_unknown_keys_naming_allowed_ones():
         EvaluatorSettings.from_dict({"repeat": 5})
     msg = str(info.value)
     assert "'repeat'" in msg
-    for name in ("tolerances", "elementwise_factor", "warmup", "repeats", "input_sets",
+    for name in ("tolerances", "elementwise_factor", "warmup", "repeats",
                  "build_timeout_s", "eval_timeout_s", "min_timing_s"):
         assert name in msg
 

@@ -1,33 +1,14 @@
-"""Timing hygiene: rotation, warm-up apart, repeats, median/IQR, machine rates."""
+"""Timing helpers: median/IQR, thread scoping, the machine's ceilings per arithmetic."""
 from __future__ import annotations
 
 import math
-import time
 
+import pytest
 import torch
 
-from evaluators.timing import Timing, measure_rates, num_threads, summarize, time_engine
-
-
-def test_timing_rotates_input_sets_and_keeps_warmup_apart():
-    sets = [{"x": torch.full((4,), float(i))} for i in range(3)]
-    seen: list[int] = []
-
-    def engine(x):
-        seen.append(id(x))
-        return {"o": x * 2}
-
-    timing = time_engine(engine, sets, device="cpu", warmup=2, repeats=7)
-    ids = [id(s["x"]) for s in sets]
-    assert seen == [ids[i % 3] for i in range(2)] + [ids[i % 3] for i in range(7)]
-    assert len(timing.samples_ms) == 7
-    assert math.isfinite(timing.median_ms) and timing.median_ms >= 0 and timing.spread_ms >= 0
-
-
-def test_min_timing_s_extends_repeats():
-    timing = time_engine(lambda: time.sleep(0.01) or {}, [{}], device="cpu", warmup=0, repeats=2, min_timing_s=0.1)
-    assert len(timing.samples_ms) >= 9
-    assert 9 <= timing.median_ms < 50
+from evaluators.timing import ARITHMETIC, Timing, floor_rates, measure_rates, num_threads, summarize
+from evo.workloads.base import MachineRates
+from evo.workloads.kda import WORKLOAD as KDA
 
 
 def test_summary_is_median_and_iqr():
@@ -42,8 +23,36 @@ def test_num_threads_is_restored():
     assert torch.get_num_threads() == before
 
 
-def test_measure_rates_are_positive_and_finite():
-    rates = measure_rates("cpu", threads=1, repeats=3)
+def test_measure_rates_are_positive_finite_and_per_arithmetic():
+    rates = measure_rates("cpu", "float32", threads=1, repeats=3)
     for value in (rates.flops_per_s, rates.bytes_per_s):
         assert math.isfinite(value) and value > 0
     assert rates.flops_per_s > 1e8 and rates.bytes_per_s > 1e7  # far below any real machine
+    assert set(rates.matmul_flops) == {"float32"} and rates.flops_per_s == rates.matmul_flops["float32"]
+    bf16 = measure_rates("cpu", "bfloat16", threads=1, repeats=3)
+    assert set(bf16.matmul_flops) == {"float32", "bfloat16"}  # no tf32 on a CPU
+    assert bf16.flops_per_s == max(bf16.matmul_flops.values())
+
+
+# Measured on one H200 (shared/ENVIRONMENT.md): bf16 773 TFLOP/s, tf32 434, fp32 50.7; copy 4.1 TB/s.
+H200 = {"float32": 50.7e12, "tf32": 434e12, "bfloat16": 773e12}
+
+
+def test_the_floor_uses_the_arithmetic_the_preset_allows():
+    h200 = KDA.presets()["h200"]
+    rates = floor_rates(h200.dtype, H200, 4.1e12)
+    floor = KDA.roofline(h200, rates).floor_ms
+    assert 0.2 < floor < 0.3  # memory bound: ~1.0 GB moved at 4.1 TB/s
+    assert not 1.3 < floor  # an engine at FlashKDA's ~1.3 ms is not below the floor: not suspect
+    fp32_only = KDA.roofline(h200, MachineRates(H200["float32"], 4.1e12)).floor_ms
+    assert fp32_only > 1.3  # the old fp32-sgemm floor (1.68 ms) would have called it suspect
+    assert floor_rates("float32", H200, 4.1e12).flops_per_s == H200["float32"]  # tf32 fails fp32 tolerance
+    assert ARITHMETIC["bfloat16"] == ("float32", "tf32", "bfloat16")
+    with pytest.raises(ValueError, match="no matmul rate"):
+        floor_rates("bfloat16", {"float64": 1.0}, 1.0)
+
+
+def test_merged_max_keeps_the_higher_of_each_rate():
+    a = MachineRates(1.0, 5.0, {"float32": 1.0})
+    b = MachineRates(2.0, 3.0, {"float32": 0.5, "bfloat16": 2.0})
+    assert a.merged_max(b) == MachineRates(2.0, 5.0, {"float32": 1.0, "bfloat16": 2.0})

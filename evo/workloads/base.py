@@ -47,10 +47,22 @@ class CheckCase:
 
 @dataclass(frozen=True)
 class MachineRates:
-    """Measured (or configured) ceilings of the device for the roofline floor."""
+    """Measured (or configured) ceilings of the device for the roofline floor.
+
+    `flops_per_s` is the fastest matmul rate an engine may use for the preset's arithmetic (for a
+    bfloat16 preset the best of bf16, tf32 and fp32 tensor-core rates; for float32 the fp32 rate, since
+    a tf32 or bf16 shortcut fails the float32 tolerance); `matmul_flops` keeps every measured rate by
+    arithmetic ("float32", "tf32", "bfloat16")."""
 
     flops_per_s: float
     bytes_per_s: float
+    matmul_flops: Mapping[str, float] = field(default_factory=dict, hash=False)
+
+    def merged_max(self, other: MachineRates) -> MachineRates:
+        """The higher of each rate of two measurements."""
+        names = set(self.matmul_flops) | set(other.matmul_flops)
+        return MachineRates(max(self.flops_per_s, other.flops_per_s), max(self.bytes_per_s, other.bytes_per_s),
+                            {n: max(self.matmul_flops.get(n, 0.0), other.matmul_flops.get(n, 0.0)) for n in names})
 
 
 @dataclass(frozen=True)
@@ -77,7 +89,12 @@ class Workload(Protocol):
     def gene_space(self, preset: Preset, device: DeviceInfo) -> GeneSpace: ...
 
     def check_cases(self, preset: Preset) -> list[list[CheckCase]]:
-        """Cascade stages: cheap cases first; a candidate stops at the first failing stage."""
+        """Cascade stages: cheap cases first; a candidate stops at the first failing stage. The cases
+        must cover every value of every free axis (see `free_axes`)."""
+
+    # Optional: `free_axes(preset) -> {axis: (values verified, ...)}`: the shape axes callers may vary
+    # (batch, sequence length, heads, ...) and every value the cascade verifies an engine at. Serving
+    # refuses a batch larger than the largest verified "B". Without it, only the preset's shape is free.
 
     def make_inputs(self, case: CheckCase, dtype: str, device: str, seed: int) -> dict: ...
 

@@ -55,14 +55,31 @@ def make_inputs(case: CheckCase, dtype: str, device: str, seed: int) -> dict:
     return out
 
 
+MAX_BATCH = 8  # the largest batch the cascade verifies: Serve may batch requests up to this many along B
+
+
+def free_axes(preset: Preset) -> dict[str, tuple[int, ...]]:
+    """The axes a caller may vary, and every value the cascade verifies an engine at (the evaluator's
+    check cases cover each; Serve refuses a batch larger than the largest B here)."""
+    s = preset.shape
+    small_h = min(2, s["H"])
+    return {"B": (1, 2, MAX_BATCH), "T": (1, 77, s["T"] - 17, s["T"], 4 * s["T"]),
+            "H": tuple(sorted({1, small_h, small_h + 1, s["H"], s["H"] + 1}))}
+
+
 def check_cases(preset: Preset) -> list[list[CheckCase]]:
-    """Stage 1: small and cheap (ragged T=77, T=1). Stage 2: the preset shape and its hard cases."""
+    """Stage 1: small and cheap (ragged T=77, T=1, B=2 and B=MAX_BATCH, one head more). Stage 2: the
+    preset shape and its hard cases (another batch size and head count included). Every batch element
+    and head gets its own data."""
     full = dict(preset.shape)
-    small = {**full, "T": 77, "H": min(2, full["H"])}
+    small = {**full, "B": 1, "T": 77, "H": min(2, full["H"])}
     stage1 = [
         CheckCase("small_standard_h0", small, "standard", True),
         CheckCase("small_strong_decay_h0", small, "strong_decay", True),
         CheckCase("t1_standard_h0", {**small, "T": 1}, "standard", True),
+        CheckCase("small_batch2_strong_decay_h0", {**small, "B": 2}, "strong_decay", True),
+        CheckCase("small_batch_max_h0", {**small, "B": MAX_BATCH}, "standard", True),
+        CheckCase("small_heads_plus1_h0", {**small, "H": small["H"] + 1}, "standard", True),
     ]
     stage2 = [
         CheckCase("full_standard", full, "standard"),
@@ -70,5 +87,7 @@ def check_cases(preset: Preset) -> list[list[CheckCase]]:
         CheckCase("full_heavy_h0", full, "heavy", True),
         CheckCase("ragged_standard", {**full, "T": full["T"] - 17}, "standard", True),
         CheckCase("long_standard_h0", {**full, "T": 4 * full["T"], "H": 1}, "standard", True),
+        CheckCase("full_batch2_h0", {**full, "B": 2}, "standard", True),
+        CheckCase("full_heads_plus1", {**full, "H": full["H"] + 1}, "strong_decay"),
     ]
     return [stage1, stage2]
