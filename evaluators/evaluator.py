@@ -189,7 +189,8 @@ class Evaluator:
             built = process.start(self.workload, self.preset, self._info, timeout_s=build_deadline - time.perf_counter(),
                                   **engine)
         except EngineProcessError as exc:
-            return self._failed(genome_hash, start, exc, "build", stage="build", build_s=time.perf_counter() - launched)
+            return self._failed(genome_hash, start, exc, "build", self._limit(build=True),
+                                build_s=time.perf_counter() - launched)
         if built["forbidden_calls"] or built.get("forbidden"):
             calls = ", ".join(sorted(set(built["forbidden_calls"]))) or built.get("message", "")
             return self._result(genome_hash, INCORRECT, start, build_s=time.perf_counter() - launched,
@@ -203,7 +204,7 @@ class Evaluator:
             first = self._checked(process, _Call(self._timing_case, False, "first call at the preset shape"),
                                   min(build_deadline, deadline), first=True)
         except EngineProcessError as exc:
-            return self._failed(genome_hash, start, exc, "build + first call", stage="build",
+            return self._failed(genome_hash, start, exc, "build + first call", self._limit(build=True),
                                 build_s=time.perf_counter() - launched, **stamp)
         build_s = time.perf_counter() - launched
         stamp["build_s"] = build_s
@@ -217,7 +218,7 @@ class Evaluator:
         try:
             verdicts, timing = self._run_plan(process, plan, deadline)
         except EngineProcessError as exc:
-            return self._failed(genome_hash, start, exc, "evaluation", stage="run", **stamp)
+            return self._failed(genome_hash, start, exc, "evaluation", self._limit(), **stamp)
         for verdict in verdicts:
             worst = _worse(worst, verdict.rel_error)
         stamp["max_rel_error"] = worst
@@ -232,7 +233,7 @@ class Evaluator:
             try:
                 again, timing = self._run_plan(process, self._plan(rng, checks=False), deadline)
             except EngineProcessError as exc:
-                return self._failed(genome_hash, start, exc, "re-verification", stage="run", **stamp)
+                return self._failed(genome_hash, start, exc, "re-verification", self._limit(), **stamp)
             failed = next((v for v in again if v.status is not None), None)
             if failed is not None:
                 return self._result(genome_hash, failed.status, start, message=f"re-verification: {failed.message}",
@@ -334,12 +335,17 @@ class Evaluator:
         self.measure_rates(again=True)
         return latency_ms < self.roofline_floor_ms() * self.settings.roofline_margin
 
-    def _failed(self, genome_hash: str, start: float, exc: EngineProcessError, what: str, stage: str,
-                **stamp: object) -> EvalResult:
+    def _limit(self, build: bool = False) -> tuple[str, float]:
+        """The deadline that applies: eval_timeout_s, or during the build the sooner of both."""
+        s = self.settings
+        if build and s.build_timeout_s <= s.eval_timeout_s:
+            return "build_timeout_s", s.build_timeout_s
+        return "eval_timeout_s", s.eval_timeout_s
+
+    def _failed(self, genome_hash: str, start: float, exc: EngineProcessError, what: str,
+                limit: tuple[str, float], **stamp: object) -> EvalResult:
         """An engine process that hung, died or broke the protocol, as a result."""
         if exc.kind == "timeout":
-            limit = ("build_timeout_s", self.settings.build_timeout_s) if stage == "build" else \
-                ("eval_timeout_s", self.settings.eval_timeout_s)
             return self._result(genome_hash, TIMEOUT, start, **stamp,
                                 message=f"{what} took longer than {limit[0]} {limit[1]:g} s: {exc}")
         if exc.kind == "protocol":

@@ -6,7 +6,10 @@ accelerator type, or CPU actors pinned to disjoint cores of their node. Every ac
 node and declares its resources (`num_cpus`, `num_gpus`) explicitly.
 
 Dispatch keeps every ready actor busy while proposals remain; each proposal gets exactly one result:
-- an evaluation that outlives `eval_timeout_s` is a hang: the actor is killed and replaced;
+- an engine that hangs or dies only takes its own process down: the evaluator kills it at
+  `eval_timeout_s` and records the result itself (see evaluators/sandbox.py);
+- an evaluation that outlives `eval_timeout_s` + a grace period anyway is an evaluator hang: the actor
+  is killed and replaced;
 - an actor whose process dies is replaced and the death is the proposal's recorded result;
 - an actor whose *node* leaves the cluster is retired and its proposal re-queued to another actor
   (the candidate did nothing wrong, and no result of the dead actor can arrive later);
@@ -37,6 +40,7 @@ from evo.workloads.base import DeviceInfo, MachineRates, Preset
 __all__ = ["EvaluatorPool", "PlacementError"]
 
 _MAX_FAILED_STARTS = 3  # per node: after this many actors failed to start there, the node is skipped
+_GRACE_S = 60.0  # beyond eval_timeout_s: the evaluator's own deadline fires first (killing the engine takes time)
 
 
 class PlacedEvaluator(Evaluator):
@@ -217,7 +221,7 @@ class EvaluatorPool:
     def _dispatch(self, jobs, hash_of) -> Iterator[tuple[Any, EvalResult]]:
         queue = collections.deque(jobs)
         running: dict[Any, tuple[tuple, _Slot, float]] = {}  # ref -> (job, slot, started)
-        timeout = self.settings.eval_timeout_s
+        timeout = self.settings.eval_timeout_s + _GRACE_S
         lost_since: float | None = None
         while queue or running:
             if self.should_stop():  # in-flight work is abandoned (its actors are killed at close)
@@ -266,8 +270,9 @@ class EvaluatorPool:
                 if time.monotonic() - started > timeout:
                     running.pop(ref)
                     self._replace(slot)
-                    yield job[0], EvalResult(hash_of(job[0]), TIMEOUT, message=f"evaluation exceeded eval_timeout_s="
-                                             f"{timeout:g} s; evaluator killed and replaced", evaluator=slot.name)
+                    yield job[0], EvalResult(hash_of(job[0]), TIMEOUT, message=f"evaluation exceeded eval_timeout_s + "
+                                             f"{_GRACE_S:g} s = {timeout:g} s; evaluator killed and replaced",
+                                             evaluator=slot.name)
 
     def _collect(self, ref, genome_hash: str, slot: _Slot) -> EvalResult | None:
         """The job's result, or None when the actor's node left (the job is to be re-queued)."""
