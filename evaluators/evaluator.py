@@ -173,7 +173,7 @@ class Evaluator:
             # thread of its pool spins on the engine's cores while a call is timed.
             with num_threads(1), EngineProcess(self.device, threads=self._info.threads, settle_s=self.settings.settle_s,
                                                poison=self.settings.poison_memory) as process:
-                process.launch()
+                process.launch(preload=(type(self.workload).__module__,))
                 return self._judge(process, genome_hash, start, engine)
         finally:
             gc.collect()

@@ -82,10 +82,11 @@ class EngineProcess:
         self.close()
 
     # ------------------------------------------------------------------ lifecycle
-    def launch(self) -> None:
-        """Fork the engine's process from the zygote (waits for the zygote to be ready on first use)."""
+    def launch(self, preload: tuple[str, ...] = ()) -> None:
+        """Fork the engine's process from the zygote (waits for the zygote to be ready on first use);
+        `preload` names modules (the workload's) the zygote imports once for every later fork."""
         self._zygote = Zygote.shared()
-        self.pid, self.conn = self._zygote.spawn()
+        self.pid, self.conn = self._zygote.spawn(preload)
 
     def start(self, workload: Any, preset: Preset, info: DeviceInfo, *, genome_json: str | None = None,
               baseline: str | None = None, guarded: bool = True, timeout_s: float = math.inf) -> dict:
@@ -178,7 +179,7 @@ class EngineProcess:
         forbidden: list[str] = []
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self.conn.poll(max(remaining, 0)):
+            if remaining <= 0 or not self.conn.poll(None if math.isinf(remaining) else remaining):
                 self._kill()
                 raise EngineProcessError("timeout", "no answer before the deadline; engine process killed")
             try:

@@ -6,15 +6,19 @@ and inherits nothing of the judge (no seeds, no inputs, no references). Unlike m
 server it does not re-import the judge's `__main__` (a Ray worker's, or pytest's).
 
 Protocol on a Unix socket to the judge (both sides are ours; engines never see it):
-- `{"op": "spawn"}` with one file descriptor attached (the engine's end of its connection): fork, the
-  child closes the zygote's socket, starts its own session and runs `engine_process.main`; answer
+- `{"op": "spawn", "preload": [module, ...]}` with one file descriptor attached (the engine's end of
+  its connection): import the modules once (the workload's: later forks start with them loaded), fork;
+  the child closes the zygote's socket, starts its own session and runs `engine_process.main`; answer
   `{"pid": N}`;
 - `{"op": "wait", "pid": N}`: reap that child (the judge killed it first), answer `{"exitcode": C}`.
-The zygote and its children die with the judge (PR_SET_PDEATHSIG).
+The zygote and its children die with the judge (PR_SET_PDEATHSIG). Modules read some environment
+variables when they are imported (TRITON_INTERPRET, TORCH_*, CUDA_*, ...): when those differ in the
+judge from what the zygote started with, `Zygote.shared()` starts a new zygote.
 """
 from __future__ import annotations
 
 import atexit
+import importlib
 import json
 import os
 import signal
@@ -37,11 +41,15 @@ class Zygote:
     @classmethod
     def shared(cls) -> Zygote:
         with cls._shared_lock:
-            if cls._shared is None or not cls._shared.alive():
+            current = cls._shared
+            if current is None or not current.alive() or current.environment != _import_environment():
+                if current is not None:
+                    current.stop()
                 cls._shared = cls()
             return cls._shared
 
     def __init__(self) -> None:
+        self.environment = _import_environment()
         ours, theirs = socket.socketpair()
         self._sock = ours
         self._lock = threading.Lock()
@@ -55,11 +63,12 @@ class Zygote:
     def alive(self) -> bool:
         return self._process.poll() is None
 
-    def spawn(self) -> tuple[int, Connection]:
+    def spawn(self, preload: tuple[str, ...] = ()) -> tuple[int, Connection]:
         """A new engine process: (pid, the judge's end of its connection)."""
         judge_end, engine_end = socket.socketpair()
+        request = json.dumps({"op": "spawn", "preload": list(preload)}).encode()
         with self._lock:
-            socket.send_fds(self._sock, [json.dumps({"op": "spawn"}).encode()], [engine_end.fileno()])
+            socket.send_fds(self._sock, [request], [engine_end.fileno()])
             engine_end.close()
             answer = self._answer()
         return int(answer["pid"]), Connection(judge_end.detach())
@@ -95,6 +104,7 @@ def _serve(sock: socket.socket) -> None:
             return
         request = json.loads(message)
         if request["op"] == "spawn":
+            _preload(request.get("preload", ()))
             pid = os.fork()
             if pid == 0:
                 sock.close()
@@ -109,6 +119,21 @@ def _serve(sock: socket.socket) -> None:
             except ChildProcessError:
                 code = None
             sock.sendall(json.dumps({"exitcode": code}).encode())
+
+
+def _preload(modules: Any) -> None:
+    for name in modules:
+        if name not in sys.modules:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - the engine's process imports it again and reports the error
+                pass
+
+
+def _import_environment() -> dict[str, str]:
+    """The environment variables that change what importing torch, triton and friends does."""
+    prefixes = ("TRITON", "TORCH", "PYTORCH", "CUDA", "OMP", "MKL", "KMP", "OPENBLAS", "LD_", "PYTHON")
+    return {k: v for k, v in os.environ.items() if k.startswith(prefixes)}
 
 
 def _child(engine_process: Any, fd: int) -> None:

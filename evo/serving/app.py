@@ -7,14 +7,22 @@
 The engine is named by `user_config.engine` (any source `evo.serving.source.resolve` accepts). Each
 replica builds it on its own device and checks it against the float64 reference on fresh inputs
 before it reports ready; a replica whose engine fails that check never becomes ready.
-`reconfigure` (a new user_config) builds and verifies the new engine off the request path and
-swaps it in only if it passes; otherwise the old engine keeps serving and the failure is reported
-under "last_swap" in /v1/engine. Requests are batched with `@serve.batch`: requests with the same
+`reconfigure` (a new user_config) first checks every key and value, then builds and verifies the new
+engine off the request path, and swaps engine and options in only if all of that passes; otherwise
+the old engine and options keep serving and the refusal is reported under "last_swap" in /v1/engine.
+Once a replica serves, `reconfigure` never raises: Serve would mark the deployment failed and replace
+the replica, leaving the app without a healthy one.
+
+Memory is bounded per replica: a body is refused on its Content-Length before it is read, read as a
+stream with a hard cap otherwise, and admitted only while the bytes of the requests in flight stay
+within `max_inflight_bytes` (503 with Retry-After beyond). Every error, unknown routes and wrong
+methods included, is the error object `{"error": {"field", "message", "status"}}`. Requests are batched with `@serve.batch`: requests with the same
 sequence length and tensor names run as one engine call, concatenated along the batch axis.
 """
 # No `from __future__ import annotations` here: FastAPI must see real types (Request) on the routes.
 
 import asyncio
+import ctypes
 import logging
 import os
 import secrets
@@ -24,8 +32,10 @@ from typing import Any
 
 import torch
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from evaluators.check import SeedStream, check_engine
 from evaluators.settings import EvaluatorSettings
@@ -39,10 +49,50 @@ logger = logging.getLogger("ray.serve")
 USER_CONFIG_DEFAULTS: dict[str, Any] = {
     "engine": None,  # required: run directory, models:/NAME/VERSION, runs:/RUN_ID or default:WORKLOAD/PRESET
     "tracking_uri": None,  # MLflow store for models:/ and runs:/ sources; default $MLFLOW_TRACKING_URI or ./mlflow.db
-    "max_request_bytes": 64 * 1024 * 1024,  # larger bodies get 413
+    "max_request_bytes": 64 * 1024 * 1024,  # larger bodies get 413 (on Content-Length, before reading)
+    "max_inflight_bytes": 128 * 1024 * 1024,  # request bytes a replica holds at once; beyond: 503 + Retry-After
     "max_batch_size": 8,  # requests merged into one engine call
     "batch_wait_timeout_s": 0.005,  # how long a batch waits to fill
 }
+RETRY_AFTER_S = 1
+
+
+def check_user_config(user_config: Any) -> dict[str, Any]:
+    """The user_config with defaults filled in, or ValueError naming the key, what was received and what
+    is allowed. Nothing is applied here: a refused config changes nothing."""
+    if not isinstance(user_config, dict):
+        raise ValueError(f"user_config must be a mapping, got {type(user_config).__name__} {user_config!r}")
+    unknown = sorted(set(user_config) - set(USER_CONFIG_DEFAULTS))
+    if unknown:
+        raise ValueError(f"unknown user_config key(s) {unknown}; allowed: {sorted(USER_CONFIG_DEFAULTS)}")
+    config = {**USER_CONFIG_DEFAULTS, **{k: v for k, v in user_config.items() if v is not None}}
+    if not isinstance(config["engine"], str) or not config["engine"]:
+        raise ValueError(f"user_config 'engine' must name an engine (a run directory, models:/NAME/VERSION, "
+                         f"runs:/RUN_ID or default:WORKLOAD/PRESET), got {config['engine']!r}")
+    if config["tracking_uri"] is not None and not isinstance(config["tracking_uri"], str):
+        raise ValueError(f"user_config 'tracking_uri' must be a string or null, got {config['tracking_uri']!r}")
+    for key, low in (("max_request_bytes", 1), ("max_inflight_bytes", 1), ("max_batch_size", 1)):
+        if type(config[key]) is not int or config[key] < low:
+            raise ValueError(f"user_config {key!r} must be an integer >= {low}, got {config[key]!r}")
+    wait = config["batch_wait_timeout_s"]
+    if type(wait) not in (int, float) or not 0 <= wait <= 60:
+        raise ValueError(f"user_config 'batch_wait_timeout_s' must be a number of seconds in [0, 60], got {wait!r}")
+    if config["max_inflight_bytes"] < config["max_request_bytes"]:
+        raise ValueError(f"user_config 'max_inflight_bytes' ({config['max_inflight_bytes']}) must be at least "
+                         f"'max_request_bytes' ({config['max_request_bytes']}), or no maximum-size request fits")
+    return config
+
+
+def error_response(field: str, message: str, status: int, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"field": field, "message": message, "status": status}}, status, headers=headers)
+
+
+def _release_memory() -> None:
+    """Hand freed heap pages back to the OS after a large request (glibc keeps them otherwise)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 INPUT_SPECS = {"kda": kda_input_specs}
 
 
@@ -59,6 +109,21 @@ class LoadedEngine:
     check_message: str
     max_rel_error: float
     loaded_at: float
+    max_batch: int = 1  # the largest batch (B) the evaluator's cascade verified engines of this workload at
+
+
+def verified_batch(workload: Any, preset: Any) -> int:
+    """The largest B the workload's cascade verifies every engine at (its `free_axes`), else the preset's."""
+    axes = getattr(workload, "free_axes", None)
+    values = axes(preset).get("B") if callable(axes) else None
+    return int(max(values)) if values else int(preset.shape.get("B", 1))
+
+
+def check_batch(config: dict[str, Any], loaded: LoadedEngine) -> None:
+    """Refuse a max_batch_size that would merge requests into batches no engine was verified at."""
+    if config["max_batch_size"] > loaded.max_batch:
+        raise ValueError(f"user_config 'max_batch_size' {config['max_batch_size']} is larger than the largest batch "
+                         f"engines of this workload are verified at (B={loaded.max_batch}); use at most {loaded.max_batch}")
 
 
 def load_engine(source: str, tracking_uri: str | None = None) -> LoadedEngine:
@@ -85,19 +150,27 @@ def load_engine(source: str, tracking_uri: str | None = None) -> LoadedEngine:
     if not report.passed:
         raise EngineRejected(f"engine {record.genome.hash} from {source} failed its check: {report.message}")
     return LoadedEngine(record, engine, INPUT_SPECS[record.workload](preset), device, report.message,
-                        report.max_rel_error, time.time())
+                        report.max_rel_error, time.time(), verified_batch(workload, preset))
 
 
 def _run_grouped(loaded: LoadedEngine, requests: list[dict[str, torch.Tensor]]) -> tuple[list[dict], int]:
-    """Requests with equal sequence length and tensor names become one engine call along axis 0.
-    Returns each request's outputs and the number of engine calls made."""
+    """Requests with equal sequence length and tensor names become one engine call along axis 0, never
+    more than `loaded.max_batch` (verified) batch elements in one call. Returns each request's outputs
+    and the number of engine calls made."""
     results: list[dict[str, torch.Tensor] | None] = [None] * len(requests)
-    groups: dict[tuple, list[int]] = {}
+    groups: list[list[int]] = []
+    open_groups: dict[tuple, tuple[list[int], int]] = {}
     for i, inputs in enumerate(requests):
         key = (tuple(sorted(inputs)), tuple(inputs["q"].shape[1:]) if "q" in inputs else i)
-        groups.setdefault(key, []).append(i)
+        size = int(next(iter(inputs.values())).shape[0])
+        members, total = open_groups.get(key, (None, 0))
+        if members is None or total + size > loaded.max_batch:
+            members, total = [], 0
+            groups.append(members)
+        members.append(i)
+        open_groups[key] = (members, total + size)
     with torch.no_grad():
-        for members in groups.values():
+        for members in groups:
             sizes = [requests[i][next(iter(requests[i]))].shape[0] for i in members]
             merged = {name: torch.cat([requests[i][name] for i in members]) for name in requests[members[0]]}
             outputs = loaded.engine(**{k: v.to(loaded.device) for k, v in merged.items()})
@@ -107,7 +180,64 @@ def _run_grouped(loaded: LoadedEngine, requests: list[dict[str, torch.Tensor]]) 
     return results, len(groups)
 
 
+def _content_length(request: Request, limit: int) -> int | None:
+    """The declared body size, refused (413) before a byte of the body is read when over `limit`."""
+    declared = request.headers.get("content-length")
+    if declared is None:
+        return None
+    if not declared.strip().isdigit():
+        raise RequestError("body", f"Content-Length {declared!r} is not a byte count", 400)
+    if int(declared) > limit:
+        raise RequestError("body", f"Content-Length is {int(declared)} bytes; the limit is {limit} bytes "
+                                   f"(max_request_bytes; send fewer or smaller tensors, or use \"b64\" encoding)", 413)
+    return int(declared)
+
+
+async def _read_capped(request: Request, limit: int) -> bytearray:
+    """The body, read as a stream and refused (413) as soon as it passes `limit` bytes."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise RequestError("body", f"request body passed {limit} bytes (max_request_bytes) while being read; "
+                                       f"send fewer or smaller tensors, or use \"b64\" encoding", 413)
+    return body
+
+
+def _plain(value: Any) -> Any:
+    """A user_config as JSON can show it (what was refused, for last_swap)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
+
+
 api = FastAPI(title="engine-factory", description="Serves the best engine a search found.")
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Unknown routes (404) and wrong methods (405) get the documented error object too."""
+    if exc.status_code == 405:
+        allowed = exc.headers.get("Allow", "") if exc.headers else ""
+        return error_response("method", f"{request.method} is not allowed on {request.url.path}; allowed: "
+                                        f"{allowed or 'see the HTTP API'}", 405, headers=exc.headers)
+    if exc.status_code == 404:
+        return error_response("path", f"no route {request.url.path}; routes: POST /v1/infer, GET /v1/engine, "
+                                      f"GET /healthz", 404)
+    return error_response("request", str(exc.detail), exc.status_code, headers=exc.headers)
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return error_response("request", str(exc.errors())[:500], 422)
+
+
+@api.exception_handler(Exception)
+async def _server_error(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("request %s %s failed", request.method, request.url.path)
+    return error_response("engine", f"internal error: {type(exc).__name__}: {exc}"[:500], 500)
 
 
 @serve.deployment(name="EngineServer", max_ongoing_requests=32, ray_actor_options={"num_cpus": 1})
@@ -117,47 +247,46 @@ class EngineServer:
         self.config = dict(USER_CONFIG_DEFAULTS)
         self.loaded: LoadedEngine | None = None
         self.last_swap: dict[str, Any] | None = None
-        self.stats = {"requests": 0, "batches": 0, "engine_calls": 0}
+        self.stats = {"requests": 0, "batches": 0, "engine_calls": 0, "refused_busy": 0}
+        self.inflight_bytes = 0  # bytes reserved by the requests this replica is reading or running
         if engine is not None:  # plain `serve.run(EngineServer.bind(engine=...))` without user_config
-            self._apply_options(options)
-            self.loaded = load_engine(engine, self.config["tracking_uri"])
-            self.config["engine"] = engine
+            config = check_user_config({**options, "engine": engine})
+            self.loaded = load_engine(engine, config["tracking_uri"])
+            check_batch(config, self.loaded)
+            self._apply_options(config)
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
-        unknown = sorted(set(user_config) - set(USER_CONFIG_DEFAULTS))
-        if unknown:
-            raise ValueError(f"unknown user_config keys {unknown}; allowed: {sorted(USER_CONFIG_DEFAULTS)}")
-        if not user_config.get("engine"):
-            raise ValueError("user_config needs 'engine': a run directory, models:/NAME/VERSION, runs:/RUN_ID "
-                             "or default:WORKLOAD/PRESET")
-        self._apply_options(user_config)
-        source = user_config["engine"]
-        if self.loaded is not None and source == self.config["engine"]:
-            return
+        """Check the whole config, build and verify its engine, then swap both in. Once an engine serves,
+        a refusal never raises (Serve would replace the replica): it is recorded under last_swap."""
         started = time.time()
-        try:  # build and verify off the event loop: requests keep being served meanwhile
-            candidate = await asyncio.to_thread(load_engine, source, self.config["tracking_uri"])
+        source = user_config.get("engine") if isinstance(user_config, dict) else None
+        try:
+            config = check_user_config(user_config)
+            if self.loaded is not None and config["engine"] == self.config["engine"]:
+                candidate = self.loaded  # options only
+            else:  # build and verify off the event loop: requests keep being served meanwhile
+                candidate = await asyncio.to_thread(load_engine, config["engine"], config["tracking_uri"])
+            check_batch(config, candidate)
         except Exception as exc:
             if self.loaded is None:
                 raise  # nothing to fall back on: the replica must not become ready
-            self.last_swap = {"source": source, "ok": False, "error": str(exc), "at": started,
-                              "kept": self.loaded.record.genome.hash}
-            logger.error("engine swap to %s refused, keeping %s: %s", source, self.loaded.record.genome.hash, exc)
+            self.last_swap = {"source": source, "ok": False, "error": f"{type(exc).__name__}: {exc}", "at": started,
+                              "kept": self.loaded.record.genome.hash, "config": _plain(user_config)}
+            logger.error("user_config refused, keeping engine %s and its options: %s",
+                         self.loaded.record.genome.hash, exc)
             return
         previous = self.loaded.record.genome.hash if self.loaded else None
-        self.loaded = candidate  # one reference assignment: in-flight batches finish on the old engine
-        self.config["engine"] = source
-        self.last_swap = {"source": source, "ok": True, "from": previous, "to": candidate.record.genome.hash,
-                          "at": started, "seconds": time.time() - started}
+        self._apply_options(config)
+        if candidate is not self.loaded:
+            self.loaded = candidate  # one reference assignment: in-flight batches finish on the old engine
+            self.last_swap = {"source": config["engine"], "ok": True, "from": previous,
+                              "to": candidate.record.genome.hash, "at": started, "seconds": time.time() - started}
 
-    def _apply_options(self, options: dict[str, Any]) -> None:
-        for key in ("tracking_uri", "max_request_bytes", "max_batch_size", "batch_wait_timeout_s"):
-            if key in options and options[key] is not None:
-                self.config[key] = options[key]
-        if not isinstance(self.config["max_request_bytes"], int) or self.config["max_request_bytes"] < 1:
-            raise ValueError(f"max_request_bytes must be a positive int, got {self.config['max_request_bytes']!r}")
-        self._run_batch.set_max_batch_size(int(self.config["max_batch_size"]))
-        self._run_batch.set_batch_wait_timeout_s(float(self.config["batch_wait_timeout_s"]))
+    def _apply_options(self, config: dict[str, Any]) -> None:
+        """Apply a config `check_user_config` accepted."""
+        self.config = dict(config)
+        self._run_batch.set_max_batch_size(int(config["max_batch_size"]))
+        self._run_batch.set_batch_wait_timeout_s(float(config["batch_wait_timeout_s"]))
 
     def check_health(self) -> None:
         if self.loaded is None:
@@ -166,13 +295,13 @@ class EngineServer:
     @api.get("/healthz")
     async def healthz(self) -> JSONResponse:
         if self.loaded is None:
-            return JSONResponse({"status": "no engine"}, status_code=503)
+            return error_response("engine", "no verified engine loaded yet", 503)
         return JSONResponse({"status": "ok", "hash": self.loaded.record.genome.hash})
 
     @api.get("/v1/engine")
     async def engine_info(self) -> JSONResponse:
         if self.loaded is None:
-            return JSONResponse({"error": {"field": "engine", "message": "no engine loaded", "status": 503}}, 503)
+            return error_response("engine", "no engine loaded", 503)
         record = self.loaded.record
         return JSONResponse({
             **record.to_dict(),
@@ -182,6 +311,8 @@ class EngineServer:
             "last_swap": self.last_swap,
             "batching": {"max_batch_size": self.config["max_batch_size"],
                          "batch_wait_timeout_s": self.config["batch_wait_timeout_s"]},
+            "limits": {"max_request_bytes": self.config["max_request_bytes"],
+                       "max_inflight_bytes": self.config["max_inflight_bytes"], "inflight_bytes": self.inflight_bytes},
             "replica": os.getpid(),
             "stats": dict(self.stats),
         })
@@ -190,18 +321,41 @@ class EngineServer:
     async def infer(self, request: Request) -> JSONResponse:
         loaded = self.loaded
         if loaded is None:
-            return JSONResponse({"error": {"field": "engine", "message": "no engine loaded", "status": 503}}, 503)
+            return error_response("engine", "no engine loaded", 503)
+        limit, budget = self.config["max_request_bytes"], self.config["max_inflight_bytes"]
         try:
-            body = parse_body(await request.body(), max_bytes=self.config["max_request_bytes"])
-            encoding = body.get("encoding", "data") if isinstance(body, dict) else "data"
-            if encoding not in ENCODINGS:
-                raise RequestError("encoding", f"got {encoding!r}; allowed: {list(ENCODINGS)}")
-            inputs = decode_request(body, loaded.specs, max_bytes=self.config["max_request_bytes"],
-                                    extra_keys=("encoding",))
+            declared = _content_length(request, limit)
         except RequestError as exc:
             return JSONResponse(exc.to_dict(), status_code=exc.status)
-        outputs = await self._run_batch(inputs)
-        return JSONResponse(encode_outputs(outputs, encoding))
+        reserve = limit if declared is None else declared  # unknown length: the most it may grow to
+        if self.inflight_bytes and self.inflight_bytes + reserve > budget:
+            self.stats["refused_busy"] += 1
+            return error_response("body", f"the replica holds {self.inflight_bytes} bytes of requests in flight; "
+                                          f"this one ({reserve} bytes) would pass max_inflight_bytes {budget}: "
+                                          f"retry after {RETRY_AFTER_S} s", 503,
+                                  headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.inflight_bytes += reserve
+        try:
+            try:
+                body = parse_body(await _read_capped(request, limit), max_bytes=limit)
+                encoding = body.get("encoding", "data")
+                if encoding not in ENCODINGS:
+                    raise RequestError("encoding", f"got {encoding!r}; allowed: {list(ENCODINGS)}")
+                inputs = decode_request(body, loaded.specs, max_bytes=limit, extra_keys=("encoding",), consume=True)
+                del body
+                first = next(iter(inputs))
+                if inputs[first].shape[0] > loaded.max_batch:
+                    raise RequestError(f"inputs.{first}.shape", f"batch of {inputs[first].shape[0]}: engines of this "
+                                       f"workload are verified up to B={loaded.max_batch}; split the request", 422)
+            except RequestError as exc:
+                return JSONResponse(exc.to_dict(), status_code=exc.status)
+            outputs = await self._run_batch(inputs)
+            del inputs
+            return JSONResponse(encode_outputs(outputs, encoding))
+        finally:
+            self.inflight_bytes -= reserve
+            if self.inflight_bytes == 0 and reserve > 4 * 1024 * 1024:
+                _release_memory()
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.005)
     async def _run_batch(self, requests: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
@@ -224,6 +378,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         raise ValueError(f"unknown args {unknown}; allowed: {sorted(USER_CONFIG_DEFAULTS)}")
     options: dict[str, Any] = {}
     if config.get("engine"):
+        check_user_config(config)
         record = resolve(config["engine"], config.get("tracking_uri"))
         if get_workload(record.workload).presets()[record.preset].device == "cuda":
             options["ray_actor_options"] = {"num_cpus": 1, "num_gpus": 1}

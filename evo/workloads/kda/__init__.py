@@ -32,6 +32,9 @@ class KdaWorkload:
     def check_cases(self, preset: Preset) -> list[list[CheckCase]]:
         return _inputs.check_cases(preset)
 
+    def free_axes(self, preset: Preset) -> dict[str, tuple[int, ...]]:
+        return _inputs.free_axes(preset)
+
     def make_inputs(self, case: CheckCase, dtype: str, device: str, seed: int) -> dict:
         return _inputs.make_inputs(case, dtype, device, seed)
 

@@ -1,0 +1,40 @@
+"""Serving never runs an engine at a batch size the evaluator did not verify."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from evo.serving.app import LoadedEngine, _run_grouped, check_batch, verified_batch
+from evo.workloads.kda import WORKLOAD as KDA
+from tests import fake_workload as fw
+
+
+def _loaded(engine, max_batch: int) -> LoadedEngine:
+    return LoadedEngine(None, engine, (), "cpu", "", 0.0, 0.0, max_batch=max_batch)
+
+
+def test_merged_batches_stay_within_the_verified_batch():
+    calls: list[int] = []
+
+    def engine(q):
+        calls.append(q.shape[0])
+        return {"o": q * 2}
+
+    requests = [{"q": torch.full((b, 4, 2), float(i))} for i, b in enumerate([1, 2, 1, 3, 1, 1])]
+    results, n_calls = _run_grouped(_loaded(engine, 3), requests)
+    assert max(calls) <= 3 and sum(calls) == 9 and n_calls == len(calls)
+    for request, result in zip(requests, results):
+        assert torch.equal(result["o"], request["q"] * 2)
+
+
+def test_the_verified_batch_comes_from_the_workloads_free_axes():
+    assert verified_batch(KDA, KDA.presets()["cpu"]) == 8
+    assert verified_batch(fw.WORKLOAD, fw.WORKLOAD.presets()["cpu"]) == 2
+    assert max(KDA.free_axes(KDA.presets()["cpu"])["B"]) == 8
+
+
+def test_a_max_batch_size_beyond_the_verified_batch_is_refused():
+    loaded = _loaded(lambda q: {"o": q}, 8)
+    check_batch({"max_batch_size": 8}, loaded)
+    with pytest.raises(ValueError, match="verified at \\(B=8\\)"):
+        check_batch({"max_batch_size": 9}, loaded)
