@@ -33,6 +33,9 @@ IMPLS = (
     "exit",  # every call kills its process (the pool must replace it)
     "oom",  # every call runs out of memory (as torch reports it)
     "slow",  # correct; build sleeps 2 s (keeps evaluations in flight, e.g. while a node leaves)
+    "shared_outputs",  # right values, but final_state is a view into o
+    "strided",  # right values, o returned as a non-contiguous view
+    "alias_input",  # returns its input tensor as o
 )
 
 SEEN_SEEDS: list[int] = []  # every seed make_inputs was given, in order
@@ -41,6 +44,7 @@ SEEN_SEEDS: list[int] = []  # every seed make_inputs was given, in order
 def _engine(impl: str, threads: int) -> Engine:
     def engine(x: torch.Tensor, initial_state: torch.Tensor | None = None) -> dict:
         # x: [B, T, D]; initial_state: [B, D] or None
+        x_in = x
         if impl == "hang":
             time.sleep(3600)
         if impl == "exit":
@@ -73,6 +77,13 @@ def _engine(impl: str, threads: int) -> Engine:
         elif impl == "noisy":
             o = o * (1 + 1e-4)
         out = {"o": o, "final_state": o[:, -1].clone()}
+        if impl == "shared_outputs":
+            o = o.contiguous()
+            out = {"o": o, "final_state": o.view(-1)[: o.shape[0] * o.shape[2]].view(o.shape[0], o.shape[2])}
+        if impl == "strided":
+            out["o"] = o.transpose(0, 1).contiguous().transpose(0, 1)
+        elif impl == "alias_input":
+            out["o"] = x_in
         if impl == "wrong_shape":
             out["o"] = o[:, :-1]
         elif impl == "wrong_dtype":

@@ -55,6 +55,9 @@ def test_correct_engine_is_ok_with_latency_and_spread(ev):
     ("raise_run", RUNTIME_ERROR, "deliberate failure at run time"),
     ("raise_small", RUNTIME_ERROR, "on check case 'small"),  # 'small' or 'small_wide_b1', whichever comes first
     ("oom", RUNTIME_ERROR, "out of memory"),
+    ("shared_outputs", INCORRECT, "share memory"),
+    ("strided", INCORRECT, "not contiguous"),
+    ("alias_input", INCORRECT, "aliases the engine's inputs"),
 ])
 def test_faults_become_statuses(ev, impl, status, words):
     r = ev.evaluate(fw.genome_json(impl))
@@ -64,6 +67,15 @@ def test_faults_become_statuses(ev, impl, status, words):
     if status != INCORRECT:
         assert "Error" in r.error and "Traceback" in r.error
     assert_stamped(r, ev)
+
+
+def test_a_dying_or_hanging_engine_takes_only_its_own_process_down(fake):
+    ev = Evaluator("fake", "cpu", EvaluatorSettings(warmup=1, repeats=3, eval_timeout_s=5.0), seed=2, name="ev-test")
+    died = ev.evaluate(fw.genome_json("exit"))
+    assert died.status == RUNTIME_ERROR and "engine process died (exit code 3)" in died.message
+    hung = ev.evaluate(fw.genome_json("hang"))
+    assert hung.status == TIMEOUT and "eval_timeout_s" in hung.message and hung.eval_s < 60
+    assert ev.evaluate(fw.genome_json("cumsum")).status == OK  # the same evaluator goes on
 
 
 def test_incorrect_records_its_error(ev):

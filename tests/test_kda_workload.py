@@ -36,11 +36,12 @@ def test_check_cases_are_a_cheap_first_stage_then_the_preset() -> None:
 
 
 def test_reference_cost_of_all_cpu_cases_is_small() -> None:
-    # The float64 recurrence costs ~T steps of [B*H, K, V] work: all cpu cases take ~0.4 s here.
-    # Counted, not timed, so a loaded machine cannot make this flaky.
+    # The float64 recurrence costs ~T steps of [B*H, K, V] work: all cpu cases take ~0.7 s here (each
+    # timed call adds one preset-size reference more). Counted, not timed, so a loaded machine cannot
+    # make this flaky.
     steps = sum(c.shape["T"] for stage in W.check_cases(W.presets()["cpu"]) for c in stage)
     state_work = sum(c.shape["T"] * c.shape["B"] * c.shape["H"] for stage in W.check_cases(W.presets()["cpu"]) for c in stage)
-    assert steps <= 12_000 and state_work <= 21_000  # today 8330 steps, 20722 token-heads
+    assert steps <= 12_000 and state_work <= 40_000  # today 10609 steps, 35805 token-heads (B=8 and H+1 cases)
 
 
 @pytest.mark.parametrize("name", ["eager_recurrent", "chunk_pairwise_c64", "fla_naive_chunk"])
