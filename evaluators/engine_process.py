@@ -25,7 +25,7 @@ import pickle
 import signal
 import traceback
 import warnings
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -76,21 +76,29 @@ class _Runner:
         self.in_arena: torch.Tensor | None = None
         self.out_arena: torch.Tensor | None = None
         self.engine = None
+        self.scratch: dict[str, torch.Tensor] = {}  # echo calls' stand-ins for an engine's outputs
 
     def send(self, **fields: Any) -> None:
         self.conn.send_bytes(json.dumps(fields, default=str).encode())
 
     def serve(self) -> None:
-        if not self.build():
-            return
+        """Answer the judge: echo calls (before the build: the judge's calibration), the build, calls."""
         while True:
             message = self.conn.recv()
-            if message.get("op") != "call":
+            op = message.get("op")
+            if op == "echo" and self.engine is None:
+                self.echo(message)
+            elif op == "build" and self.engine is None:
+                if not self.build():
+                    return
+            elif op == "call" and self.engine is not None:
+                self.call(message)
+            else:
                 return
-            self.call(message)
 
     # ------------------------------------------------------------------ build
     def build(self) -> bool:
+        """Build the engine (guards first for genome engines); answer `built` or `raised`."""
         spec = self.spec
         try:
             workload = pickle.loads(spec["workload"]) if spec["workload"] is not None else _named(spec["workload_name"])
@@ -125,11 +133,26 @@ class _Runner:
         self.send(op="forbidden", label=label)
 
     # ------------------------------------------------------------------ one call
-    def call(self, message: dict) -> None:
+    def _inputs(self, message: dict) -> dict:
         if message.get("arenas") is not None:
             self.in_arena, self.out_arena = message["arenas"]
-        inputs = {name: None if slot is None else arenas.view(self.in_arena, slot)
-                  for name, slot in message["inputs"].items()}
+        return {name: None if slot is None else arenas.view(self.in_arena, slot)
+                for name, slot in message["inputs"].items()}
+
+    def echo(self, message: dict) -> None:
+        """What a call costs the judge without an engine: the same views, copies and synchronisation."""
+        self._inputs(message)
+        for name, slot in message["outputs"].items():
+            out = arenas.view(self.out_arena, slot)
+            if name not in self.scratch or self.scratch[name].shape != out.shape:
+                self.scratch[name] = torch.zeros_like(out)
+            out.copy_(self.scratch[name])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.send(op="echoed")
+
+    def call(self, message: dict) -> None:
+        inputs = self._inputs(message)
         try:
             with torch.no_grad():
                 outputs = self.engine(**inputs)
@@ -144,7 +167,7 @@ class _Runner:
 
     def _deliver(self, outputs: Any, slots: dict) -> str:
         """Copy the engine's outputs into the judge's arena; the problem with them, or ""."""
-        if not isinstance(outputs, dict):
+        if not isinstance(outputs, Mapping):
             return f"engine must return a dict of outputs {sorted(slots)}, got {type(outputs).__name__}"
         inputs = _span(self.in_arena)
         seen: list[tuple[str, tuple[int, int]]] = []

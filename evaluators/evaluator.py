@@ -10,7 +10,8 @@ One evaluation:
 1. parse and validate the genome (here); start the engine's process and build the engine there;
 2. the first call, at the preset shape (where lazy compilers compile: `build_s` covers both);
 3. every check case of the workload's cascade and every timed call, in one order shuffled per
-   evaluation: the same call site, the same process state and the same shapes, so nothing inside the
+   evaluation (a timed call's latency is the judge's wall time around it, less, with
+   `subtract_call_overhead`, the judge's own cost of a call measured with echo calls before the build): the same call site, the same process state and the same shapes, so nothing inside the
    engine can tell a check from a timed call. EVERY call gets freshly drawn inputs and is checked
    against the reference (outputs, inputs unchanged, output types and memory), timed calls included;
    the first `warmup` calls at the timing shape are not timed;
@@ -42,6 +43,7 @@ from evaluators.settings import EvaluatorSettings
 from evaluators.timing import Timing, measure_rates, num_threads, summarize
 from evaluators.zygote import Zygote
 
+_CALIBRATION_CALLS = 5  # echo calls that measure the judge's own cost of a call, before the engine is built
 _FORBIDDEN_ADVICE = "engines must compute their answer, not call the workload's reference or a baseline"
 
 
@@ -98,6 +100,7 @@ class Evaluator:
         self._timing_case = _timing_case(self.workload, self.preset)
         self._rates: MachineRates | None = None  # measured on first need, then cached
         self._floor_ms: float | None = None
+        self._spec_cache: dict[tuple, dict] = {}
         self._seen: dict[tuple, str] = {}  # fingerprints of this evaluation's outputs -> the call that returned them
         Zygote.shared()  # starts now (imports torch there), ready by the first evaluation
 
@@ -182,12 +185,19 @@ class Evaluator:
 
     def _judge(self, process: EngineProcess, genome_hash: str, start: float, engine: dict) -> EvalResult:
         settings = self.settings
-        launched = time.perf_counter()  # the build's clock starts once the engine's process exists
+        null_ms = 0.0
+        try:
+            process.configure(self.workload, self.preset, self._info, **engine)
+            if settings.subtract_call_overhead:
+                null_ms = 1e3 * process.calibrate(self._draw(self._timing_case), self._specs(self._timing_case),
+                                                  repeats=_CALIBRATION_CALLS)
+        except EngineProcessError as exc:
+            return self._failed(genome_hash, start, exc, "calibration", self._limit(build=True))
+        launched = time.perf_counter()  # the build's clock starts once the engine's process is ready
         build_deadline = launched + settings.build_timeout_s
         deadline = launched + settings.eval_timeout_s
         try:
-            built = process.start(self.workload, self.preset, self._info, timeout_s=build_deadline - time.perf_counter(),
-                                  **engine)
+            built = process.build(timeout_s=build_deadline - time.perf_counter())
         except EngineProcessError as exc:
             return self._failed(genome_hash, start, exc, "build", self._limit(build=True),
                                 build_s=time.perf_counter() - launched)
@@ -216,7 +226,7 @@ class Evaluator:
         plan = self._plan(rng)
         worst = first.rel_error
         try:
-            verdicts, timing = self._run_plan(process, plan, deadline)
+            verdicts, timing = self._run_plan(process, plan, deadline, null_ms)
         except EngineProcessError as exc:
             return self._failed(genome_hash, start, exc, "evaluation", self._limit(), **stamp)
         for verdict in verdicts:
@@ -231,7 +241,7 @@ class Evaluator:
         if self._below_floor(timing.median_ms):
             first_median = timing.median_ms
             try:
-                again, timing = self._run_plan(process, self._plan(rng, checks=False), deadline)
+                again, timing = self._run_plan(process, self._plan(rng, checks=False), deadline, null_ms)
             except EngineProcessError as exc:
                 return self._failed(genome_hash, start, exc, "re-verification", self._limit(), **stamp)
             failed = next((v for v in again if v.status is not None), None)
@@ -259,9 +269,10 @@ class Evaluator:
         order = rng.permutation(len(calls))
         return [calls[i] for i in order]
 
-    def _run_plan(self, process: EngineProcess, plan: list[_Call], deadline: float
+    def _run_plan(self, process: EngineProcess, plan: list[_Call], deadline: float, null_ms: float
                   ) -> tuple[list[_Verdict], Timing | None]:
-        """Run the plan (stop at the first failing call); the verdicts and the timing of the timed calls."""
+        """Run the plan (stop at the first failing call); the verdicts and the timing of the timed calls
+        (each call's wall time less `null_ms`, the judge's cost of a call without an engine)."""
         verdicts: list[_Verdict] = []
         samples: list[float] = []
         timing_calls = 0
@@ -279,7 +290,7 @@ class Evaluator:
             if verdict.status is not None:
                 return verdicts, None
             if call.timing and timing_calls > self.settings.warmup:
-                samples.append(verdict.elapsed_ms)
+                samples.append(max(verdict.elapsed_ms - null_ms, 0.0))
                 total_s += verdict.elapsed_ms / 1e3
             min_s = self.settings.min_timing_s
             if not queue and min_s is not None and total_s < min_s and extra < 10_000:
@@ -289,9 +300,10 @@ class Evaluator:
 
     def _checked(self, process: EngineProcess, call: _Call, deadline: float, first: bool = False) -> _Verdict:
         """One call on fresh inputs, checked against the reference. Raises EngineProcessError."""
-        inputs = self.workload.make_inputs(call.case, self.preset.dtype, self.device, self._seeds.next())
+        inputs = self._draw(call.case)
         reference = self.workload.reference(inputs)
         specs = {name: (tuple(reference[name].shape), dtype) for name, dtype in self._dtypes.items()}
+        self._spec_cache.setdefault(_case_key(call.case), specs)
         remaining = deadline - time.perf_counter()
         if remaining <= 0:
             raise EngineProcessError("timeout", "the evaluation ran out of time before " + call.where)
@@ -327,6 +339,17 @@ class Evaluator:
             return _Verdict(INCORRECT, f"{where}: {problem}", rel_error=rel)
         self._seen.setdefault(fingerprint, where)
         return _Verdict(None, elapsed_ms=result.elapsed_s * 1e3, rel_error=rel)
+
+    def _draw(self, case: CheckCase) -> dict:
+        return self.workload.make_inputs(case, self.preset.dtype, self.device, self._seeds.next())
+
+    def _specs(self, case: CheckCase) -> dict[str, tuple[tuple[int, ...], str]]:
+        """The (shape, dtype) of each output for `case`, from the reference of one draw, cached."""
+        key = _case_key(case)
+        if key not in self._spec_cache:
+            reference = self.workload.reference(self._draw(case))
+            self._spec_cache[key] = {n: (tuple(reference[n].shape), d) for n, d in self._dtypes.items()}
+        return self._spec_cache[key]
 
     def _below_floor(self, latency_ms: float) -> bool:
         """Faster than margin x the floor, even after re-measuring the machine's rates (False for nan)."""
@@ -383,6 +406,10 @@ def _timing_case(workload: Workload, preset: Preset) -> CheckCase:
         if dict(case.shape) == dict(preset.shape):
             return case
     return CheckCase(name=f"preset:{preset.name}", shape=dict(preset.shape), distribution=cases[0].distribution)
+
+
+def _case_key(case: CheckCase) -> tuple:
+    return tuple(sorted(case.shape.items())), case.with_initial_state
 
 
 def _fingerprint(outputs: Mapping[str, torch.Tensor] | None) -> tuple:

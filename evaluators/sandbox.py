@@ -88,9 +88,9 @@ class EngineProcess:
         self._zygote = Zygote.shared()
         self.pid, self.conn = self._zygote.spawn(preload)
 
-    def start(self, workload: Any, preset: Preset, info: DeviceInfo, *, genome_json: str | None = None,
-              baseline: str | None = None, guarded: bool = True, timeout_s: float = math.inf) -> dict:
-        """Build the engine in the launched process; the build's answer (`op` built or raised)."""
+    def configure(self, workload: Any, preset: Preset, info: DeviceInfo, *, genome_json: str | None = None,
+                  baseline: str | None = None, guarded: bool = True) -> None:
+        """Tell the launched process its environment, cores, threads and which engine it will build."""
         if self.pid is None:
             self.launch()
         try:
@@ -104,11 +104,36 @@ class EngineProcess:
             "workload": workload_bytes, "workload_name": workload_name, "preset": preset, "info": info,
             "genome": genome_json, "baseline": baseline, "guarded": guarded,
         }
+        self._send(ForkingPickler.dumps(spec), math.inf)
+
+    def calibrate(self, inputs: Mapping[str, torch.Tensor | None], outputs: Mapping[str, tuple[Sequence[int], str]],
+                  repeats: int = 7, timeout_s: float = 60.0) -> float:
+        """The judge's least cost of one call with no engine: the fastest of `repeats` echo calls (arena
+        views built, outputs of these sizes copied in, device synchronised), measured before the engine
+        is built, so no engine code can have touched it. Subtracted from every timed call: the least
+        cost, so that noise never makes an engine look faster than it is."""
+        samples = []
+        for _ in range(repeats):
+            elapsed, reply, _, _, _ = self._exchange("echo", inputs, outputs, timeout_s)
+            if reply.get("op") != "echoed":
+                raise EngineProcessError("protocol", f"engine process answered {str(reply.get('op'))[:40]!r} to an echo")
+            samples.append(elapsed)
+        return min(samples)
+
+    def build(self, timeout_s: float = math.inf) -> dict:
+        """Build the engine in the configured process; the build's answer (`op` built or raised)."""
         deadline = time.monotonic() + timeout_s
-        self._send(ForkingPickler.dumps(spec), deadline)
+        self._thaw()
+        self._send(ForkingPickler.dumps({"op": "build"}), deadline)
         reply, forbidden = self._receive(deadline)
         self._freeze()
         return {**reply, "forbidden_calls": forbidden}
+
+    def start(self, workload: Any, preset: Preset, info: DeviceInfo, *, genome_json: str | None = None,
+              baseline: str | None = None, guarded: bool = True, timeout_s: float = math.inf) -> dict:
+        """`configure` then `build` (no calibration)."""
+        self.configure(workload, preset, info, genome_json=genome_json, baseline=baseline, guarded=guarded)
+        return self.build(timeout_s)
 
     def close(self) -> None:
         """Kill the engine's process group and reap the process."""
@@ -124,27 +149,7 @@ class EngineProcess:
              timeout_s: float = math.inf) -> CallResult:
         """Call the engine on `inputs` (the judge keeps them; the engine gets copies in the arena);
         `outputs` names the expected (shape, dtype) of each output."""
-        in_slots, in_bytes = arenas.layout({k: None if v is None else (tuple(v.shape), arenas.dtype_name(v.dtype))
-                                            for k, v in inputs.items()})
-        out_slots, out_bytes = arenas.layout(dict(outputs))
-        new = self._ensure_arenas(in_bytes, out_bytes)
-        for name, slot in in_slots.items():
-            if slot is not None:
-                arenas.view(self._in_arena, slot).copy_(inputs[name])
-        for slot in out_slots.values():
-            out = arenas.view(self._out_arena, slot)
-            out.fill_(math.nan) if out.is_floating_point() else out.fill_(0)
-        message = {"op": "call", "inputs": in_slots, "outputs": out_slots,
-                   "arenas": (self._in_arena, self._out_arena) if new else None}
-        payload = ForkingPickler.dumps(message)
-        deadline = time.monotonic() + timeout_s
-        _sync(self.device)
-        self._thaw()
-        start = time.perf_counter()
-        self._send(payload, deadline)
-        reply, forbidden = self._receive(deadline)
-        elapsed = time.perf_counter() - start
-        self._freeze()  # until the next call: nothing runs there while the judge reads and computes
+        elapsed, reply, forbidden, in_slots, out_slots = self._exchange("call", inputs, outputs, timeout_s)
         copies = None
         if reply.get("op") == "returned" and not reply.get("problem"):
             copies = {k: arenas.view(self._out_arena, s).clone() for k, s in out_slots.items()}
@@ -157,6 +162,33 @@ class EngineProcess:
             late = tuple(k for k, s in out_slots.items()
                          if not torch.equal(arenas.view(self._out_arena, s), copies[k]))
         return CallResult(elapsed, reply, copies, changed, late, tuple(forbidden))
+
+    def _exchange(self, op: str, inputs: Mapping[str, torch.Tensor | None],
+                  outputs: Mapping[str, tuple[Sequence[int], str]], timeout_s: float) -> tuple:
+        """Write the inputs, NaN-fill the output slots, send `op`, time it to the answer, freeze the
+        process. Returns (seconds, answer, forbidden calls reported, input slots, output slots)."""
+        in_slots, in_bytes = arenas.layout({k: None if v is None else (tuple(v.shape), arenas.dtype_name(v.dtype))
+                                            for k, v in inputs.items()})
+        out_slots, out_bytes = arenas.layout(dict(outputs))
+        new = self._ensure_arenas(in_bytes, out_bytes)
+        for name, slot in in_slots.items():
+            if slot is not None:
+                arenas.view(self._in_arena, slot).copy_(inputs[name])
+        for slot in out_slots.values():
+            out = arenas.view(self._out_arena, slot)
+            out.fill_(math.nan) if out.is_floating_point() else out.fill_(0)
+        message = {"op": op, "inputs": in_slots, "outputs": out_slots,
+                   "arenas": (self._in_arena, self._out_arena) if new else None}
+        payload = ForkingPickler.dumps(message)
+        deadline = time.monotonic() + timeout_s
+        _sync(self.device)
+        self._thaw()
+        start = time.perf_counter()
+        self._send(payload, deadline)
+        reply, forbidden = self._receive(deadline)
+        elapsed = time.perf_counter() - start
+        self._freeze()  # until the next call: nothing runs there while the judge reads and computes
+        return elapsed, reply, forbidden, in_slots, out_slots
 
     def _ensure_arenas(self, in_bytes: int, out_bytes: int) -> bool:
         grown = False

@@ -87,6 +87,14 @@ class EvaluatorSettings:
         " memory, so outputs the engine leaves unwritten fail",
         lambda x: isinstance(x, bool),
     )
+    subtract_call_overhead: bool = _option(
+        False,
+        "subtract from each timed call the judge's least cost of a call without an engine (echo calls through"
+        " the same arenas, measured before the engine is built); worth it where that cost (~0.1-0.3 ms) is a"
+        " noticeable part of an engine's time, e.g. GPU kernels of a few ms; off: latencies are the judge's"
+        " wall time per call",
+        lambda x: isinstance(x, bool),
+    )
     min_timing_s: float | None = _option(
         None,
         "if set, keep timing past `repeats` until the timed calls add up to this many seconds",
