@@ -88,6 +88,9 @@ class CheatWorkload:
     def make_inputs(self, case: CheckCase, dtype: str, device: str, seed: int) -> dict:
         return self.base.make_inputs(case, dtype, device, seed)
 
+    def free_axes(self, preset: Preset) -> dict[str, tuple[int, ...]]:
+        return self.base.free_axes(preset)
+
     def output_dtypes(self, preset: Preset) -> dict[str, str]:
         return expected_dtypes(self.base, preset)
 
