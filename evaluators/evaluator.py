@@ -151,6 +151,7 @@ class Evaluator:
         measures once more and keeps the higher of each rate: ceilings read low when another process
         disturbs a measurement, and a low ceiling would make an honest engine look too fast."""
         if self._rates is None or again:
+            Zygote.shared().wait_ready()  # it shares these cores while it starts
             rates = measure_rates(self.device, self.preset.dtype,
                                   self._info.threads if self.device == "cpu" else None)
             if self._rates is not None:

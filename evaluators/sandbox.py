@@ -61,7 +61,7 @@ class CallResult:
 class EngineProcess:
     """One engine in its own process. Use as a context manager; `close()` kills the process group."""
 
-    def __init__(self, device: str, *, threads: int | None = None, settle_s: float = 0.0, poison: bool = True) -> None:
+    def __init__(self, device: str, *, threads: int | None = None, settle_s: float = 0.0, poison: bool = False) -> None:
         self.device = torch.device(device)
         self.threads = threads or torch.get_num_threads()
         self.settle_s = settle_s

@@ -82,9 +82,11 @@ class EvaluatorSettings:
         lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= 10,
     )
     poison_memory: bool = _option(
-        True,
-        "in the engine's process, for its whole life (every call alike), torch.empty & co. return NaN-filled"
-        " memory, so outputs the engine leaves unwritten fail",
+        False,
+        "in the engine's process, for its whole life (every call alike, timed ones too), torch.empty & co."
+        " return NaN-filled memory, so an output left unwritten fails even where the allocator hands back a"
+        " block that happens to hold the answer; costs ~10% of a CPU engine's latency (every allocation is"
+        " filled), so it is off by default: unwritten outputs are then caught by their wrong values",
         lambda x: isinstance(x, bool),
     )
     subtract_call_overhead: bool = _option(

@@ -10,7 +10,8 @@ Protocol on a Unix socket to the judge (both sides are ours; engines never see i
   its connection): import the modules once (the workload's: later forks start with them loaded), fork;
   the child closes the zygote's socket, starts its own session and runs `engine_process.main`; answer
   `{"pid": N}`;
-- `{"op": "wait", "pid": N}`: reap that child (the judge killed it first), answer `{"exitcode": C}`.
+- `{"op": "wait", "pid": N}`: reap that child (the judge killed it first), answer `{"exitcode": C}`;
+- `{"op": "ping"}`: answer `{"pong": true}` once started.
 The zygote and its children die with the judge (PR_SET_PDEATHSIG). Modules read some environment
 variables when they are imported (TRITON_INTERPRET, TORCH_*, CUDA_*, ...): when those differ in the
 judge from what the zygote started with, `Zygote.shared()` starts a new zygote.
@@ -73,6 +74,12 @@ class Zygote:
             answer = self._answer()
         return int(answer["pid"]), Connection(judge_end.detach())
 
+    def wait_ready(self) -> None:
+        """Return once the zygote has finished starting (its imports would disturb a measurement)."""
+        with self._lock:
+            self._sock.sendall(json.dumps({"op": "ping"}).encode())
+            self._answer()
+
     def exitcode(self, pid: int) -> int | None:
         """Reap a (killed or exited) engine process and return its exit code (negative: signal)."""
         with self._lock:
@@ -112,6 +119,8 @@ def _serve(sock: socket.socket) -> None:
             for fd in fds:
                 os.close(fd)
             sock.sendall(json.dumps({"pid": pid}).encode())
+        elif request["op"] == "ping":
+            sock.sendall(json.dumps({"pong": True}).encode())
         elif request["op"] == "wait":
             try:
                 _, status = os.waitpid(int(request["pid"]), 0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from evo.config import ConfigError, load_config
 
@@ -16,6 +17,19 @@ def main(argv: list[str] | None = None) -> int:
     run_cmd.add_argument("--out", help="run directory (default: <out_dir>/<name>-<timestamp>)")
     run_cmd.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                          help="override a config value, e.g. --set search.generations=3 (repeatable)")
+    run_cmd.add_argument("--warm-start", metavar="RUN_DIR|LESSONS|EXPERIMENT", default=None,
+                         help="start from what an earlier run of the same workload, preset and device learned: its "
+                              "run directory, its lessons.yaml, or an MLflow experiment (its newest run with lessons)")
+    compare_cmd = commands.add_parser("compare", help="benchmark search strategies at the same budget and seeds")
+    compare_cmd.add_argument("config", help="YAML experiment config, e.g. configs/kda_smoke.yaml")
+    compare_cmd.add_argument("--strategies", default="agents,random,tpe",
+                             help="comma-separated: agents, agents-basic, agents+optuna, random, tpe, agents-warm")
+    compare_cmd.add_argument("--seeds", type=int, default=10, help="seeds per strategy (search.seed, +1, ...)")
+    compare_cmd.add_argument("--budget", type=int, default=40, help="evaluations per run")
+    compare_cmd.add_argument("--out", help="benchmark directory; its cache/ is reused when it exists "
+                                           "(default: <out_dir>/compare-<name>-<timestamp>)")
+    compare_cmd.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                             help="override a config value (repeatable)")
     resume_cmd = commands.add_parser("resume", help="continue a search from its run directory")
     resume_cmd.add_argument("run_dir", help="the run directory of an interrupted search")
     serve_cmd = commands.add_parser("serve", help="serve a run's best engine over HTTP with Ray Serve")
@@ -28,13 +42,29 @@ def main(argv: list[str] | None = None) -> int:
     serve_cmd.add_argument("--tracking-uri", default=None, help="MLflow store for models:/ and runs:/ sources")
     genes_cmd = commands.add_parser("genes", help="print a workload preset's gene space")
     genes_cmd.add_argument("config")
+    bench_cmd = commands.add_parser("bench", help="evaluate genomes and every baseline in this process (no Ray, no MLflow needed)")
+    bench_cmd.add_argument("config", help="YAML experiment config, e.g. configs/kda_h200.yaml")
+    bench_cmd.add_argument("--genomes", default=None, metavar="FILE",
+                           help="JSON list or JSON lines of genomes (full, or flat {gene: value} with defaults)")
+    bench_cmd.add_argument("--sample", type=int, default=0, metavar="N", help="also the default genome and N-1 random ones")
+    bench_cmd.add_argument("--search", type=int, default=0, metavar="BUDGET",
+                           help="also a short search of BUDGET evaluations with in-process agents")
+    bench_cmd.add_argument("--baselines", default=None, help="comma-separated baselines (default: the config's, else all)")
+    bench_cmd.add_argument("--out", default=None, help="output folder (default: <out_dir>/bench-<name>-<timestamp>)")
+    bench_cmd.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow even when it is installed")
+    bench_cmd.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                           help="override a config value, e.g. --set evaluator.repeats=5 (repeatable)")
     sync_cmd = commands.add_parser("mlflow-sync", help="replay the MLflow writes a run left pending (store was down)")
     sync_cmd.add_argument("run_dir", metavar="RUN_DIR", help="run directory holding mlflow_outbox.jsonl")
     sync_cmd.add_argument("--tracking-uri", default=None, help="MLflow store (default: the one the run used)")
     sync_cmd.add_argument("--wait", type=float, default=30.0, help="seconds to keep retrying an unreachable store")
+    report_cmd = commands.add_parser("report", help="print the best engine's ancestry and write the lineage page")
+    report_cmd.add_argument("run", metavar="RUN_DIR|RUN_ID", help="run directory, or MLflow run id (runs:/ID)")
+    report_cmd.add_argument("--out", default=None,
+                            help="folder for lineage.html and its PNGs (default: RUN_DIR/lineage, or ./lineage-<run id>)")
+    report_cmd.add_argument("--tracking-uri", default=None, help="MLflow store for a run id (default: as `run` uses)")
     args = parser.parse_args(argv)
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.abspath(".inductor_cache"))
     if args.command == "serve":
         from evo.serving.serve_cli import serve_forever
@@ -44,32 +74,129 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "resume":
         from evo.resume import RunDirError, load_run
 
+        from evo.rundir import finished, verify_generations
+
         try:
             saved = load_run(args.run_dir)
+            done = finished(saved.run_dir)
+            if done is None:
+                for line in verify_generations(saved):  # before Ray or MLflow: a damaged file is named early
+                    print(line, flush=True)
         except RunDirError as exc:
-            print(f"error: cannot resume: {exc}", file=sys.stderr)
+            print(f"error: cannot resume: {_one_line(exc)}", file=sys.stderr)
             return 2
+        if done is not None:  # nothing to do: no Ray, no MLflow run, no model version
+            print(f"{saved.run_dir} is a finished run ({done.get('evaluations')} evaluations, best engine "
+                  f"{done.get('best_hash')}); nothing to resume. Start a new run with python -m evo run", flush=True)
+            return 0
         from evo.run import run
 
         outcome = run(saved.config, resume=saved, handle_signals=True)
         return 0 if outcome.summary.get("best_hash") else 1
+    if args.command == "report":
+        from evo.report import ReportError, report
+
+        try:
+            report(args.run, args.out, args.tracking_uri)
+        except (ReportError, FileNotFoundError) as exc:
+            print(f"error: cannot report: {exc}", file=sys.stderr)
+            return 2
+        return 0
     if args.command == "mlflow-sync":
         from evo.mlflow_sink import sync
 
+        problem = _not_a_synced_run(args.run_dir, args.tracking_uri)
+        if problem:
+            print(f"error: cannot sync: {problem}", file=sys.stderr)
+            return 2
         left = sync(args.run_dir, args.tracking_uri, args.wait)
         print(f"MLflow operations still pending: {left}" if left else "MLflow has every operation of this run")
         return 1 if left else 0
     try:
         config = load_config(args.config, getattr(args, "overrides", []))
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
     if args.command == "genes":
         return _print_genes(config)
+    if args.command == "bench":
+        return _bench(config, args)
+    if args.command == "compare":
+        from evo.compare import compare
+
+        try:
+            compare(config, [n.strip() for n in args.strategies.split(",") if n.strip()], args.seeds, args.budget,
+                    args.out)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    from evo.lessons import LessonsError, load
+    from evo.resume import RunDirError
+    from evo.rundir import check_config, check_new_run_dir
+
+    try:  # before evo.run (Ray, MLflow) is even imported: a bad config or --out is one line
+        check_config(config)
+        if args.out is not None:
+            check_new_run_dir(Path(args.out))
+    except (ConfigError, RunDirError) as exc:
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        return 2
     from evo.run import run  # Ray and torch load only when needed
 
-    outcome = run(config, args.out, handle_signals=True)
+    lessons = None
+    if args.warm_start:
+        try:
+            lessons = load(args.warm_start, config.mlflow.tracking_uri)
+        except LessonsError as exc:
+            print(f"error: cannot warm-start: {exc}", file=sys.stderr)
+            return 2
+    try:
+        outcome = run(config, args.out, handle_signals=True, lessons=lessons)
+    except (ConfigError, RunDirError, LessonsError) as exc:  # before the search starts (lessons of another device)
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        return 2
     return 0 if outcome.summary.get("best_hash") else 1
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())
+
+
+def _not_a_synced_run(run_dir: str, tracking_uri: str | None) -> str | None:
+    """Why `mlflow-sync RUN_DIR` cannot work on this path, or None."""
+    from evo.mlflow_outbox import OUTBOX_FILE, STATE_FILE
+
+    path = Path(run_dir)
+    if not path.exists():
+        return f"{path} does not exist; give a run directory"
+    if not path.is_dir():
+        return f"{path} is a file, not a run directory"
+    if not (path / OUTBOX_FILE).exists() and not (path / STATE_FILE).exists():
+        return (f"{path} is not a run directory with MLflow writes ({OUTBOX_FILE} and {STATE_FILE} are both "
+                f"missing); give the run directory that `python -m evo run` printed")
+    if not tracking_uri and not (path / STATE_FILE).exists():
+        return f"{path / STATE_FILE} is missing, so the tracking store is unknown: pass --tracking-uri"
+    return None
+
+
+def _bench(config, args) -> int:
+    from evo.bench import bench, log_mlflow, markdown
+
+    names = [n.strip() for n in args.baselines.split(",") if n.strip()] if args.baselines is not None else None
+    try:
+        rows, out_dir = bench(config, args.genomes, args.sample, args.search, names, args.out)
+    except (ValueError, RuntimeError) as exc:  # unknown baseline, bad genome file, no CUDA for a cuda preset
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(markdown(rows, f"{config.workload}/{config.preset}"))
+    print(f"written: {out_dir}/results.parquet, table.md, table.json")
+    if not args.no_mlflow:
+        try:
+            print(log_mlflow(config, out_dir, rows))
+        except Exception as exc:  # the table is on disk; a store that is down must not fail the bench
+            print(f"MLflow logging failed ({type(exc).__name__}: {exc}); the table is in {out_dir}", file=sys.stderr)
+    return 0 if any(r.status == "ok" for r in rows) else 1
 
 
 def _print_genes(config) -> int:
@@ -81,4 +208,9 @@ def _print_genes(config) -> int:
     device = DeviceInfo(preset.device, preset.device, config.evaluators.threads)
     for row in workload.gene_space(preset, device).describe():
         print(f"{row['domain']:10s} {row['gene']:24s} default={row['default']!s:22s} {row['values']}  {row['doc']}")
+    import importlib.util
+
+    if preset.device == "cuda" and importlib.util.find_spec("triton") is None:
+        print("note: triton is not importable here, so the Triton engine's genes are not listed; they join"
+              " the gene space where triton is installed (no GPU is needed to list them)")
     return 0

@@ -97,7 +97,12 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is not a section")
-        node[parts[-1]] = yaml.safe_load(raw)
+        try:
+            node[parts[-1]] = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            problem = getattr(exc, "problem", None) or type(exc).__name__
+            raise ConfigError(f"override {item!r}: {raw!r} is not a YAML value ({problem}); quote strings and "
+                              f"close brackets, e.g. search.agents=[fusion,memory]") from None
     return config_from_dict(data)
 
 

@@ -2,7 +2,7 @@
 
 Run directory layout:
   config.yaml                 the resolved config
-  evidence.jsonl              one line per result, appended and fsynced as each result arrives
+  evidence.jsonl              one line per result (and when it arrived), appended and fsynced as each arrives
   generations/gen_0000.parquet one row per candidate of the generation (written before it is reported)
   baselines.json              each baseline's result
   state.json                  search state after the last complete generation (agent statistics, RNG)
@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +83,8 @@ class DiskEvidence:
         if evaluated.proposal.hash in self._journaled:
             return
         self._journaled.add(evaluated.proposal.hash)
-        self._journal.write(json.dumps(_finite(evidence_row(evaluated)), sort_keys=True) + "\n")
+        row = {**evidence_row(evaluated), "recorded_at": time.time()}  # when it arrived: best-so-far over wall time
+        self._journal.write(json.dumps(_finite(row), sort_keys=True) + "\n")
         self._journal.flush()
         os.fsync(self._journal.fileno())
 

@@ -3,7 +3,9 @@
 Only the driver writes (one writer per store). Parent run: the flattened config as params, the
 baselines and roofline floor, per-generation metrics by step (best latency, median, fraction valid,
 evaluations per second, best speedup) and, at the end, the summary and best genome as artifacts.
-Child run per generation: its metrics, its Parquet evidence as an artifact, lineage tags.
+Child run per generation: its metrics, its Parquet evidence as an artifact, lineage tags (the best's, and
+`candidate.NN.*` per candidate) and a candidates table (`candidates.json`). The lineage page and plots
+(`evo.lineage_view`) reach the parent run through `log_lineage`.
 
 Every write goes through an `Outbox` in the run directory, so an unreachable tracking store never
 stops or slows the search: the evidence stays on disk, MLflow is backfilled when it answers again,
@@ -21,6 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from evo.lineage import CANDIDATES_FILE, candidate_table, candidate_tags, write_candidate_table
 from evo.mlflow_outbox import OUTBOX_FILE, Outbox
 from evo.records import EvalResult
 from evo.search import GenerationReport, Search
@@ -116,13 +119,23 @@ class MlflowSink:
                              "best_parents": ",".join(best.proposal.parents) if best else "",
                              "best_agent": best.proposal.agent if best else "",
                              "agents": json.dumps(sorted({e.proposal.agent for e in report.evaluated})),
+                             # the candidates table below, shown by the UI like one `mlflow.log_table` wrote
+                             "mlflow.loggedArtifacts": json.dumps([{"path": CANDIDATES_FILE, "type": "table"}]),
                          }})
-        self._batch(ref, metrics=metrics,
+        table = candidate_table(report.evaluated, search.known)
+        self._batch(ref, metrics=metrics, tags=candidate_tags(table),
                     params={"generation": str(step), "candidates": str(len(report.evaluated))})
         if parquet is not None:
             self._artifact(ref, Path(parquet), "evidence")
+        self._artifact(ref, write_candidate_table(table, self.run_dir / "lineage" / f"gen_{step:04d}" / CANDIDATES_FILE), None)
         self.outbox.add({"op": "terminate", "run": ref, "status": "FINISHED", "end_time": _now()})
         self.outbox.pump()
+
+    def log_lineage(self, paths: list[Path]) -> None:
+        """Queue the lineage page and plots (files of the run directory) for the parent run's `lineage/` folder;
+        each call replaces what an earlier one logged."""
+        for path in paths:
+            self._artifact(self.parent, Path(path), "lineage")
 
     def finish(self, summary: dict, run_dir: Path, status: str = "FINISHED") -> bool:
         """Log the summary, end the parent run and wait up to `finish_wait_s` for MLflow to have it all.
@@ -137,7 +150,7 @@ class MlflowSink:
         final["fraction_of_roofline"] = roofline.get("fraction_of_floor")
         metrics = [(k, float(v), now, 0) for k, v in final.items() if v is not None and math.isfinite(v)]
         self._batch(self.parent, metrics=metrics, tags={"best_hash": str(summary.get("best_hash")), "run_dir": str(run_dir)})
-        for name in ("summary.json", "best_genome.json", "baselines.json", "config.yaml"):
+        for name in ("summary.json", "best_genome.json", "baselines.json", "config.yaml", "lessons.yaml"):
             if (Path(run_dir) / name).exists():
                 self._artifact(self.parent, Path(run_dir) / name, None)
         self.outbox.add({"op": "terminate", "run": self.parent, "status": status, "end_time": _now()})

@@ -18,13 +18,18 @@ import ray
 import yaml
 
 from evaluators.pool import EvaluatorPool
+from evo import local_ray
 from evo.config import RunConfig
 from evo.evidence import DiskEvidence, write_baselines, write_json
+from evo.lessons import FILE as LESSONS_FILE, Lessons, for_run as warm_lessons, from_search as lessons_from_search
+from evo.lessons import write as write_lessons
 from evo.loop import run_search
+from evo.lineage_view import LineageSink
 from evo.mlflow_sink import MlflowSink, tracking_uri
 from evo.records import EvalResult
 from evo.registry import register_engine
 from evo.resume import ReplayExecutor, SavedRun, check_device, restore, write_marker
+from evo.rundir import check_config, check_new_run_dir
 from evo.search import GenerationReport, Search
 from evo.stop import STOP, install_handlers
 from evo.serving.source import record_from_summary
@@ -56,11 +61,11 @@ def start_ray(config: RunConfig) -> bool:
     # Workers must import this project: it is pip-installed, and the env keeps the compile cache shared.
     env = {"env_vars": {k: os.environ[k] for k in ("TORCHINDUCTOR_CACHE_DIR",) if k in os.environ}}
     if address:
-        ray.init(address=address, runtime_env=env, log_to_driver=False)
+        local_ray.join(address, runtime_env=env, log_to_driver=False)
         return True
-    # address="local": a new Ray even if `ray start` ran on this machine (ray.init() would join it)
-    ray.init(address="local", num_cpus=config.ray.num_cpus or os.cpu_count(), include_dashboard=False,
-             _node_ip_address="127.0.0.1", runtime_env=env, log_to_driver=False)
+    # a new Ray even if `ray start` ran on this machine, listening on 127.0.0.1 only (evo.local_ray)
+    local_ray.init_local(num_cpus=config.ray.num_cpus or os.cpu_count(), include_dashboard=False,
+                         runtime_env=env, log_to_driver=False)
     return True
 
 
@@ -96,10 +101,13 @@ class _MlflowGeneration:
 
 
 def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout,
-        resume: SavedRun | None = None, handle_signals: bool = False) -> RunOutcome:
+        resume: SavedRun | None = None, handle_signals: bool = False, lessons: Lessons | None = None) -> RunOutcome:
     """Run a search; with `resume` (from `evo.resume.load_run`), continue the one in its run directory.
     With `handle_signals` (the CLI), SIGTERM and Ctrl-C stop it cleanly (see evo.stop)."""
     started = time.monotonic()
+    check_config(config)  # ConfigError before a directory or Ray exists
+    if run_dir is not None and not resume:
+        check_new_run_dir(Path(run_dir))  # RunDirError: another run, a file, or a non-empty directory
     run_dir = Path(resume.run_dir if resume else run_dir or new_run_dir(config)).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     if not resume:
@@ -114,7 +122,7 @@ def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout
     own_ray = start_ray(config)
     if handle_signals:
         install_handlers()  # after ray.init, which installs its own SIGTERM handler
-    pool = team = mlflow_sink = disk = None
+    pool = team = mlflow_sink = disk = lineage = None
     status = "FAILED"
     try:
         pool = EvaluatorPool(config.workload, preset, config.evaluator, config.search.seed,
@@ -126,6 +134,11 @@ def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout
         if resume:
             check_device(resume, pool.device_type)
         device = pool.device_info()
+        lessons = warm_lessons(run_dir, lessons, resume is not None, config.workload, config.preset,
+                               f"{device.kind}:{device.name}")
+        if lessons:
+            print(f"warm start: lessons of {lessons.describe()} ({len(lessons.best)} best genomes, "
+                  f"{lessons.evaluations} evaluations)", file=out, flush=True)
         gene_space = workload.gene_space(preset, device)
         if config.genes:
             gene_space = gene_space.restrict(config.genes)
@@ -161,11 +174,12 @@ def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout
         print(f"roofline floor: {roofline.floor_ms:.3f} ms", file=out, flush=True)
 
         disk = DiskEvidence(run_dir, journaled={e.proposal.hash for e in resume.journal} if resume else set())
-        sinks = [disk, Progress(out, baseline_ms, config.search.max_evaluations)]
+        lineage = LineageSink(run_dir, mlflow_sink)  # lineage page and plots, after each generation and at the end
+        sinks = [disk, Progress(out, baseline_ms, config.search.max_evaluations), lineage]
         if mlflow_sink:
             mlflow_sink.log_baselines(baselines, roofline.floor_ms)
             sinks.append(_MlflowGeneration(mlflow_sink, disk))
-        search = Search(gene_space, config.search, team)
+        search = Search(gene_space, config.search, team, lessons=lessons)
         executor = pool
         if resume:
             executor = ReplayExecutor(pool, search, restore(search, resume))
@@ -183,6 +197,9 @@ def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout
         summary["mlflow_run_id"] = mlflow_sink.run_id if mlflow_sink else None
         summary["registered_model"] = None
         summary["stopped"] = stopped
+        summary["warm_start"] = lessons.describe() if lessons else None
+        write_lessons(run_dir / LESSONS_FILE, lessons_from_search(search, config.workload, config.preset,
+                                                                   f"{device.kind}:{device.name}", run_dir.name))
         if mlflow_sink and config.mlflow.register_model and summary["best_genome"] and not stopped:
             summary["registered_model"] = _register(mlflow_sink, summary, run_dir, config, out)
         write_json(run_dir / "summary.json", summary)
@@ -192,6 +209,8 @@ def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout
     finally:
         if disk:
             disk.close()
+        if lineage:
+            lineage.finish()
         if mlflow_sink:
             summary_path = run_dir / "summary.json"
             mlflow_sink.finish(json.loads(summary_path.read_text()) if summary_path.exists() else {}, run_dir, status)

@@ -4,6 +4,11 @@
 deduplicated against every genome already evaluated and trimmed to the evaluation budget.
 `tell()` records exactly one result per proposal; `end_generation()` feeds the agents what paid and
 returns the generation's report. Who evaluates (in-process, Ray pool) is the caller's business.
+
+With `learning` (the default) the search keeps what the evidence says: per-gene effects of every
+result (`evo.effects`, failures included), passed to the agents to steer their moves, and each
+agent's yield (children that beat their parent), by which the offspring are split among the agents.
+Lessons of earlier runs (`evo.lessons`) can seed all three: best genomes, agent statistics, effects.
 """
 from __future__ import annotations
 
@@ -15,13 +20,16 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from evo.effects import GeneEffects
 from evo.genome import GeneSpace
+from evo.lessons import Lessons
 from evo.population import Population, PopulationSettings
 from evo.records import STATUSES, EvalResult, Evaluated, Proposal
 from evo.seeds import derive_seed
 from operators.base import Outcome, Parent
 
-AGENT_NAMES = ("fusion", "scheduling", "memory", "integration")
+DOMAIN_AGENTS = ("fusion", "scheduling", "memory", "integration")
+AGENT_NAMES = (*DOMAIN_AGENTS, "optuna")  # optuna: TPE over the whole genome (operators/optuna_agent.py)
 
 
 @dataclass(frozen=True)
@@ -33,25 +41,31 @@ class SearchSettings:
     offspring: int = 8  # proposals per generation
     max_evaluations: int = 60  # genome evaluations in all (baselines not counted)
     max_wall_s: float = 540.0  # no new generation starts after this many seconds
-    agents: tuple[str, ...] = AGENT_NAMES  # agents taking part, offspring shared round-robin
+    agents: tuple[str, ...] = DOMAIN_AGENTS  # agents taking part (also: optuna)
     parents_per_agent: int = 3  # parents offered to each agent per generation
     seed_genes: dict[str, list] | None = None  # restrict random seeds (not agents), e.g. {backend_intra: [eager]}
     population: PopulationSettings = field(default_factory=PopulationSettings)
+    learning: bool = True  # agents steer by the per-gene effects of every result and the offspring are split
+    # by each agent's measured yield; false: per-move statistics only, offspring shared round-robin
 
     def __post_init__(self) -> None:
         for name, value in (("generations", self.generations), ("offspring", self.offspring),
                             ("max_evaluations", self.max_evaluations), ("parents_per_agent", self.parents_per_agent)):
             if value < 1:
                 raise ValueError(f"search.{name} must be >= 1, got {value}")
+        if not self.max_wall_s > 0:  # also refuses NaN
+            raise ValueError(f"search.max_wall_s must be a number of seconds > 0, got {self.max_wall_s}")
         unknown = [a for a in self.agents if a not in AGENT_NAMES]
         if unknown or not self.agents:
             raise ValueError(f"search.agents {list(self.agents)} invalid; choose from {list(AGENT_NAMES)}")
 
 
 class Team(Protocol):
-    def propose(self, requests: list[tuple[str, list[Parent], int, frozenset]], generation: int) -> list[list[Proposal]]: ...
-    def learn(self, outcomes: dict[str, list[Outcome]]) -> None: ...
+    def propose(self, requests: list[tuple[str, list[Parent], int, frozenset, GeneEffects | None]],
+                generation: int) -> list[list[Proposal]]: ...
+    def learn(self, outcomes: dict[str, list[Outcome]], results: tuple[Evaluated, ...] = ()) -> None: ...
     def state(self) -> dict[str, Any]: ...
+    def load_state(self, state: dict[str, Any]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -78,7 +92,7 @@ class GenerationReport:
 
 
 class Search:
-    def __init__(self, gene_space: GeneSpace, settings: SearchSettings, team: Team) -> None:
+    def __init__(self, gene_space: GeneSpace, settings: SearchSettings, team: Team, lessons: Lessons | None = None) -> None:
         self.gene_space = gene_space
         self.settings = settings
         self.team = team
@@ -91,6 +105,19 @@ class Search:
         self._current: list[Evaluated] = []
         self._started = time.monotonic()
         self._generation_started = self._started
+        self.effects = GeneEffects()  # evidence of every result, failures included
+        self.yields: dict[str, list[int]] = {a: [0, 0] for a in settings.agents}  # agent -> [children, wins]
+        self.lessons = lessons
+        if lessons is not None:
+            self._learn_from(lessons)
+
+    def _learn_from(self, lessons: Lessons) -> None:
+        """Start from what earlier runs learned: effects and yields as prior evidence, agents' statistics."""
+        self.effects.merge(lessons.effects)
+        for agent, (tries, wins) in lessons.yields.items():
+            if agent in self.yields:
+                self.yields[agent] = [tries, wins]
+        self.team.load_state({a: {"stats": s} for a, s in lessons.agent_stats.items() if a in self.settings.agents})
 
     # -- budget ---------------------------------------------------------------------------------
     @property
@@ -134,10 +161,17 @@ class Search:
         return proposals
 
     def _seeds(self, n: int) -> list[Proposal]:
-        default = self.gene_space.default()
         seeds = []
-        if default.hash not in self.known:
+        if self.lessons is not None:  # an earlier run's best engines first: timed again here, not trusted
+            for rank, genome, latency in self.lessons.legal_best(self.gene_space):
+                if genome.hash not in self.known:
+                    seeds.append(Proposal(genome, (), "seed", f"warm start: #{rank + 1} of lessons "
+                                          f"{self.lessons.describe()} ({latency:.3f} ms there)", self.generation,
+                                          move_kind="warm_start"))
+        default = self.gene_space.default()
+        if default.hash not in self.known and default.hash not in {s.hash for s in seeds}:
             seeds.append(Proposal(default, (), "seed", "default genome", self.generation, move_kind="seed"))
+        seeds = seeds[:n]
         return seeds + self._random(n - len(seeds), {s.hash for s in seeds}, "random genome")
 
     def _random(self, n: int, taken: set[str], move: str) -> list[Proposal]:
@@ -156,7 +190,8 @@ class Search:
         agents = list(self.settings.agents)
         if len(self.population) < 2 and "integration" in agents and len(agents) > 1:
             agents.remove("integration")  # recombination needs two parents
-        shares = [wanted // len(agents) + (1 if i < wanted % len(agents) else 0) for i in range(len(agents))]
+        shares = self._shares(agents, wanted)
+        effects = self.effects if self.settings.learning else None
         requests = []
         known = frozenset(self.known)
         for name, share in zip(agents, shares):
@@ -165,16 +200,34 @@ class Search:
             parents = self.population.select_parents(self.rng, self.settings.parents_per_agent)
             unique = list({p.proposal.hash: Parent(p.proposal.genome, p.fitness) for p in parents}.values())
             # Ask for a few spares: some children may already be known.
-            requests.append((name, unique, share + 2, known))
+            requests.append((name, unique, share + 2, known, effects))
         answers = self.team.propose(requests, self.generation)
         proposals: list[Proposal] = []
         taken: set[str] = set()
-        for (name, _, _, _), answer in zip(requests, answers):
+        for (name, *_), answer in zip(requests, answers):
             share = shares[agents.index(name)]
             fresh = [p for p in answer if p.hash not in self.known and p.hash not in taken][:share]
             taken.update(p.hash for p in fresh)
             proposals += fresh
         return proposals
+
+    def _shares(self, agents: list[str], wanted: int) -> list[int]:
+        """Offspring per agent: even shares, or with `learning` one each and the rest by a Thompson
+        draw of each agent's yield (Beta(wins+1, losses+1)), so agents whose children pay get more."""
+        n = len(agents)
+        if not self.settings.learning:  # round robin, starting one agent later each generation
+            return [wanted // n + (1 if (i - self.generation) % n < wanted % n else 0) for i in range(n)]
+        draws = np.array([self.rng.beta(self.yields.get(a, [0, 0])[1] + 1,
+                                        self.yields.get(a, [0, 0])[0] - self.yields.get(a, [0, 0])[1] + 1)
+                          for a in agents])
+        if wanted <= n:  # fewer offspring than agents: the best draws get one each
+            top = set(np.argsort(-draws, kind="stable")[:wanted].tolist())
+            return [int(i in top) for i in range(n)]
+        extra = (wanted - n) * draws / draws.sum()
+        shares = np.floor(extra).astype(int)
+        for i in np.argsort(-(extra - shares), kind="stable")[: wanted - n - int(shares.sum())]:
+            shares[i] += 1
+        return [1 + int(s) for s in shares]
 
     # -- tell -----------------------------------------------------------------------------------
     def tell(self, proposal: Proposal, result: EvalResult) -> Evaluated:
@@ -202,8 +255,9 @@ class Search:
                                      default=math.inf)
                 improved = item.fitness < parent_fitness
                 outcomes.setdefault(item.proposal.agent, []).append(Outcome(item.proposal.move_kind, improved))
-        if outcomes:
-            self.team.learn(outcomes)
+        self._account(current)
+        if current:
+            self.team.learn(outcomes, tuple(current))
         counts = {s: sum(1 for e in current if e.result.status == s) for s in STATUSES}
         ok = [e.fitness for e in current if math.isfinite(e.fitness)]
         report = GenerationReport(
@@ -230,6 +284,22 @@ class Search:
         for item in evaluated:
             self.known[item.proposal.hash] = item
             self.population.offer(item)
+        # the same order as end_generation accounts them, so effects and yields come out identical
+        self._account(sorted(evaluated, key=lambda e: (e.proposal.generation, e.proposal.index)))
+
+    def _account(self, items: list[Evaluated]) -> None:
+        """Add results to the gene effects and the agents' yields (children that beat their parent)."""
+        self.effects.observe(items)
+        for item in items:
+            if item.proposal.agent in self.yields:
+                if item.proposal.parents:
+                    parent = min((self.known[h].fitness for h in item.proposal.parents if h in self.known),
+                                 default=math.inf)
+                else:  # a whole-genome proposer (optuna) pays when it beats the best of earlier generations
+                    parent = min((e.fitness for e in self.known.values()
+                                  if e.proposal.generation < item.proposal.generation), default=math.inf)
+                self.yields[item.proposal.agent][0] += 1
+                self.yields[item.proposal.agent][1] += int(item.fitness < parent)
 
     def state(self) -> dict[str, Any]:
         return {
@@ -238,4 +308,7 @@ class Search:
             "population": [m.proposal.hash for m in self.population.members],
             "rng": self.rng.bit_generator.state,
             "agents": self.team.state(),
+            "agent_yields": {a: list(v) for a, v in self.yields.items()},
+            "gene_effects": self.effects.to_dict(),
+            "warm_start": self.lessons.describe() if self.lessons else None,
         }

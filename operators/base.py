@@ -3,7 +3,9 @@
 An agent changes only its own domain of the genome. Its moves are grouped into kinds (for a
 per-gene mutation, the gene's name); each kind keeps (tries, wins) where a win is a child that was
 correct and faster than its parent. Kinds are chosen by Thompson sampling over Beta(wins+1,
-losses+1), so moves that paid are tried more often while every kind keeps some chance.
+losses+1), so moves that paid are tried more often while every kind keeps some chance. Given the
+search's per-gene effect model (`evo.effects`, built from every result, failures and their messages
+included), an agent draws several moves and proposes the one a Thompson draw of the effects favours.
 """
 from __future__ import annotations
 
@@ -13,8 +15,11 @@ from typing import Any
 
 import numpy as np
 
+from evo.effects import GeneEffects
 from evo.genome import GeneSpace, Genome, GenomeError
-from evo.records import Proposal
+from evo.records import Evaluated, Proposal
+
+CANDIDATES = 8  # moves drawn per child when steering by effects; the most promising one is proposed
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,7 @@ class Agent:
         self.gene_space = gene_space
         self.rng = np.random.default_rng(seed)
         self.stats: dict[str, list[int]] = {}  # kind -> [tries, wins]
+        self._effects: GeneEffects | None = None  # set for the duration of a propose() call
 
     # -- to be provided by each agent -------------------------------------------------------
     def move_kinds(self, parent: Genome) -> list[str]:
@@ -63,16 +69,25 @@ class Agent:
 
     # -- shared machinery -----------------------------------------------------------------------
     def propose(self, parents: list[Parent], n: int, generation: int,
-                exclude: frozenset[str] = frozenset()) -> list[Proposal]:
+                exclude: frozenset[str] = frozenset(), effects: GeneEffects | None = None) -> list[Proposal]:
         """Up to `n` distinct children, cycling over `parents` (best first), none of them in `exclude`
-        (the genomes the search already knows)."""
+        (the genomes the search already knows). With `effects` (the evidence of every result so far),
+        each child is the most promising of `CANDIDATES` drawn moves by a Thompson draw of the
+        per-gene effects: moves toward values that were slow or failed are drawn less often."""
         proposals: list[Proposal] = []
         seen: set[str] = {p.genome.hash for p in parents} | set(exclude)
         attempts = 0
         while len(proposals) < n and parents and attempts < 20 * n:
             parent = parents[attempts % len(parents)]
             attempts += 1
-            move = self._draw_move(parent.genome)
+            self._effects = effects  # the `model` move reads it
+            if effects is None:
+                move = self._draw_move(parent.genome)
+            else:
+                drawn = [self._draw_move(parent.genome) for _ in range(CANDIDATES)]
+                fresh = {m.child.hash: m for m in drawn if m is not None and m.child.hash not in seen}
+                move = min(fresh.values(), key=lambda m: effects.sample_score(self.rng, parent.genome, m.child),
+                           default=None)
             if move is None or move.child.hash in seen:
                 continue
             seen.add(move.child.hash)
@@ -98,6 +113,11 @@ class Agent:
                 return move
         return None
 
+    def observe(self, results: tuple[Evaluated, ...]) -> None:
+        """Every result of a generation, whoever proposed it (failures included). Agents that model
+        the whole history (e.g. `operators.optuna_agent`) override this; the gene-effect model that
+        steers the others is kept by the search and passed to `propose`."""
+
     def learn(self, outcomes: list[Outcome]) -> None:
         for outcome in outcomes:
             tries_wins = self.stats.setdefault(outcome.move_kind, [0, 0])
@@ -119,10 +139,31 @@ class Agent:
         return {"stats": {k: list(v) for k, v in self.stats.items()}, "rng": self.rng.bit_generator.state}
 
     def load_state(self, state: dict[str, Any]) -> None:
+        """Restore saved state; a warm start passes only `stats` (earlier runs' move statistics)."""
         self.stats = {k: list(v) for k, v in state["stats"].items()}
-        self.rng.bit_generator.state = state["rng"]
+        if "rng" in state:
+            self.rng.bit_generator.state = state["rng"]
 
     # -- helpers for subclasses -----------------------------------------------------------------
+    def model_kinds(self) -> list[str]:
+        """["model"] once the effects hold a few ok results: a move that sets every gene of this
+        agent's domain to the value a Thompson draw of the effects favours (a jump of several genes,
+        which single-gene moves cannot make when genes only pay together)."""
+        return ["model"] if self._effects is not None and self._effects.ok >= 4 else []
+
+    def model_move(self, parent: Genome, rng: np.random.Generator) -> Move | None:
+        current = parent.domain(self.domain)
+        for _ in range(3):  # a draw may be illegal (e.g. sub-chunk larger than chunk): draw again
+            score = self._effects.draw(rng)
+            values = {g.name: min(g.values, key=lambda v, g=g: score(g.name, v))
+                      for g in self.gene_space.in_domain(self.domain)}
+            child = self.legal(parent, values)
+            if child is not None:
+                changed = ", ".join(f"{k}: {current[k]} -> {v}" for k, v in values.items() if current[k] != v)
+                return Move("model", f"model: {changed}", child)
+        return None
+
+
     def legal(self, parent: Genome, domain_values: dict[str, Any]) -> Genome | None:
         """The parent with this domain replaced, if legal and different; else None."""
         try:
@@ -136,9 +177,11 @@ class GeneMutationAgent(Agent):
     """Mutates one gene of its domain to another legal value; each gene is a move kind."""
 
     def move_kinds(self, parent: Genome) -> list[str]:
-        return [g.name for g in self.gene_space.in_domain(self.domain) if len(g.values) > 1]
+        return [g.name for g in self.gene_space.in_domain(self.domain) if len(g.values) > 1] + self.model_kinds()
 
     def apply(self, kind: str, parent: Genome, rng: np.random.Generator) -> Move | None:
+        if kind == "model":
+            return self.model_move(parent, rng)
         gene = self.gene_space.gene(kind)
         current = parent.domain(self.domain)
         alternatives = [v for v in gene.values if v != current[kind]]

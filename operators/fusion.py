@@ -40,10 +40,12 @@ class FusionAgent(Agent):
 
     def move_kinds(self, parent: Genome) -> list[str]:
         if not self._stages():  # a workload without the stage convention: only plain gene mutations
-            return ["gene"]
-        return ["fuse", "split", "backend"]
+            return ["gene"] + self.model_kinds()
+        return ["fuse", "split", "backend"] + self.model_kinds()
 
     def apply(self, kind: str, parent: Genome, rng: np.random.Generator) -> Move | None:
+        if kind == "model":
+            return self.model_move(parent, rng)
         genes = parent.domain("fusion")
         options = []
         if kind == "gene":

@@ -9,6 +9,7 @@ import itertools
 
 import numpy as np
 
+from evo.effects import GeneEffects
 from evo.genome import DOMAINS, Genome, GenomeError
 from evo.records import Proposal
 from operators.base import Agent, Move, Parent
@@ -25,7 +26,9 @@ class IntegrationAgent(Agent):
         raise NotImplementedError("integration works on two parents; use propose()")
 
     def propose(self, parents: list[Parent], n: int, generation: int,
-                exclude: frozenset[str] = frozenset()) -> list[Proposal]:
+                exclude: frozenset[str] = frozenset(), effects: GeneEffects | None = None) -> list[Proposal]:
+        """Up to `n` children of distinct parent pairs. Without `effects`, the first legal new mask of
+        each pair; with them, the legal new mask a Thompson draw of the gene effects favours."""
         proposals: list[Proposal] = []
         seen = {p.genome.hash for p in parents} | set(exclude)
         pairs = list(itertools.permutations(range(len(parents)), 2))
@@ -35,6 +38,7 @@ class IntegrationAgent(Agent):
                 break
             a, b = (parents[i] for i in pairs[int(pair_index)])
             # Each non-trivial mask takes some domains from a and the rest from b.
+            children = []
             for mask in self.rng.permutation(2 ** len(DOMAINS) - 2) + 1:
                 take_b = [bool(int(mask) >> i & 1) for i in range(len(DOMAINS))]
                 data = a.genome.to_dict()
@@ -47,10 +51,16 @@ class IntegrationAgent(Agent):
                     continue
                 if child.hash in seen:
                     continue
-                seen.add(child.hash)
-                taken = ", ".join(f"{d} from {(b if fb else a).genome.hash[:8]}" for d, fb in zip(DOMAINS, take_b))
-                proposals.append(Proposal(genome=child, parents=(a.genome.hash, b.genome.hash),
-                                          agent=self.name, move=taken, move_kind="recombine",
-                                          generation=generation))
-                break
+                children.append((child, take_b))
+                if effects is None:
+                    break
+            if not children:
+                continue
+            child, take_b = (children[0] if effects is None else
+                             min(children, key=lambda c: effects.sample_score(self.rng, a.genome, c[0])))
+            seen.add(child.hash)
+            taken = ", ".join(f"{d} from {(b if fb else a).genome.hash[:8]}" for d, fb in zip(DOMAINS, take_b))
+            proposals.append(Proposal(genome=child, parents=(a.genome.hash, b.genome.hash),
+                                      agent=self.name, move=taken, move_kind="recombine",
+                                      generation=generation))
         return proposals

@@ -18,11 +18,14 @@ class _AgentActor:
     def __init__(self, name: str, gene_space: GeneSpace, run_seed: int) -> None:
         self.agent = make_agent(name, gene_space, run_seed)
 
-    def propose(self, parents, n: int, generation: int, exclude: frozenset = frozenset()) -> list[Proposal]:
-        return self.agent.propose(parents, n, generation, exclude)
+    def propose(self, parents, n: int, generation: int, exclude: frozenset = frozenset(),
+                effects=None) -> list[Proposal]:
+        return self.agent.propose(parents, n, generation, exclude, effects)
 
-    def learn(self, outcomes: list[Outcome]) -> None:
-        self.agent.learn(outcomes)
+    def learn(self, outcomes: list[Outcome] | None, results: tuple = ()) -> None:
+        if outcomes:
+            self.agent.learn(outcomes)
+        self.agent.observe(results)
 
     def state(self) -> dict[str, Any]:
         return self.agent.state()
@@ -41,11 +44,12 @@ class RayTeam:
         self.actors = {name: actor.options(name=None).remote(name, gene_space, run_seed) for name in names}
 
     def propose(self, requests: list[Request], generation: int) -> list[list[Proposal]]:
-        refs = [self.actors[name].propose.remote(parents, n, generation, known) for name, parents, n, known in requests]
+        refs = [self.actors[name].propose.remote(parents, n, generation, known, effects)
+                for name, parents, n, known, effects in requests]
         return ray.get(refs)
 
-    def learn(self, outcomes: dict[str, list[Outcome]]) -> None:
-        ray.get([self.actors[name].learn.remote(items) for name, items in outcomes.items()])
+    def learn(self, outcomes: dict[str, list[Outcome]], results: tuple = ()) -> None:
+        ray.get([actor.learn.remote(outcomes.get(name), results) for name, actor in self.actors.items()])
 
     def state(self) -> dict[str, Any]:
         names = list(self.actors)

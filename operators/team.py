@@ -4,20 +4,22 @@ from __future__ import annotations
 from typing import Any
 
 from evo.genome import GeneSpace
-from evo.records import Proposal
+from evo.effects import GeneEffects
+from evo.records import Evaluated, Proposal
 from evo.seeds import derive_seed
 from operators.base import Agent, Outcome, Parent
 from operators.fusion import FusionAgent
 from operators.integration import IntegrationAgent
 from operators.memory_layout import MemoryLayoutAgent
+from operators.optuna_agent import OptunaAgent
 from operators.scheduling import SchedulingAgent
 
 AGENT_CLASSES: dict[str, type[Agent]] = {
-    cls.name: cls for cls in (FusionAgent, SchedulingAgent, MemoryLayoutAgent, IntegrationAgent)
+    cls.name: cls for cls in (FusionAgent, SchedulingAgent, MemoryLayoutAgent, IntegrationAgent, OptunaAgent)
 }
 
-# (agent name, parents, number of proposals wanted, hashes already known)
-Request = tuple[str, list[Parent], int, frozenset]
+# (agent name, parents, number of proposals wanted, hashes already known, the search's gene effects or None)
+Request = tuple[str, list[Parent], int, frozenset, GeneEffects | None]
 
 
 def make_agent(name: str, gene_space: GeneSpace, run_seed: int) -> Agent:
@@ -33,11 +35,15 @@ class LocalTeam:
         self.agents = {name: make_agent(name, gene_space, run_seed) for name in names}
 
     def propose(self, requests: list[Request], generation: int) -> list[list[Proposal]]:
-        return [self.agents[name].propose(parents, n, generation, known) for name, parents, n, known in requests]
+        return [self.agents[name].propose(parents, n, generation, known, effects)
+                for name, parents, n, known, effects in requests]
 
-    def learn(self, outcomes: dict[str, list[Outcome]]) -> None:
-        for name, items in outcomes.items():
-            self.agents[name].learn(items)
+    def learn(self, outcomes: dict[str, list[Outcome]], results: tuple[Evaluated, ...] = ()) -> None:
+        """Each agent's own move outcomes, and every result of the generation to every agent."""
+        for name, agent in self.agents.items():
+            if name in outcomes:
+                agent.learn(outcomes[name])
+            agent.observe(results)
 
     def state(self) -> dict[str, Any]:
         return {name: agent.state() for name, agent in self.agents.items()}

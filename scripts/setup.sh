@@ -8,4 +8,12 @@ PYTHON=${PYTHON:-python3}
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
 fi
+# '.[test]' brings triton (unpinned): on CPU its interpreter runs the Triton kernels' tests (3.9 today,
+# ~13 s, ~1 GB); on a GPU box the triton that came with torch already satisfies it and stays.
 .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+# Headless Chromium for the browser test of the lineage page (tests/test_lineage.py): installed with apt where
+# it is missing and apt can (root); elsewhere that test is skipped and says why.
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+    || echo "warning: could not install chromium; the lineage browser test will be skipped" >&2
+fi

@@ -26,9 +26,8 @@ WHY = {
     "bf16": ("tolerance 1.0e-05",),
     "fixed_seed": ("relative error",),
     "preset_shape_only": ("error",),
-    "half_written": ("non-finite",),
-    "half_written_stale": ("non-finite",),
-    "deferred": ("non-finite", "changed after the engine returned"),
+    "half_written": ("non-finite", "error"),
+    "deferred": ("non-finite", "error", "changed after the engine returned"),
     "calls_reference": ("engine called",),
     "calls_reference_swallowed": ("engine called",),
     "calls_baseline": ("engine called",),
@@ -45,7 +44,7 @@ WHY = {
     "batch1_only": ("error",),
     "heads_upto_preset": ("error",),
 }
-assert set(WHY) == set(cheats.CHEATS)
+assert set(WHY) == set(cheats.CHEATS) - {"half_written_stale"}  # caught with poison_memory on, below
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +70,7 @@ def kda_honest(kda_ev):
     return r
 
 
-@pytest.mark.parametrize("cheat", sorted(cheats.CHEATS))
+@pytest.mark.parametrize("cheat", sorted(WHY))
 def test_kda_cheat_is_rejected(kda_ev, cheat):
     r = _evaluate(kda_ev, cheat)
     assert r.status == INCORRECT, f"{cheat}: {r.status} {r.message}\n{r.error}"
@@ -79,7 +78,7 @@ def test_kda_cheat_is_rejected(kda_ev, cheat):
     assert not r.ok and math.isnan(r.latency_ms)
 
 
-@pytest.mark.parametrize("cheat", sorted(cheats.CHEATS))
+@pytest.mark.parametrize("cheat", sorted(WHY))
 def test_fake_cheat_is_rejected(fake_ev, cheat):
     r = _evaluate(fake_ev, cheat)
     assert r.status == INCORRECT, f"{cheat}: {r.status} {r.message}\n{r.error}"
@@ -87,22 +86,28 @@ def test_fake_cheat_is_rejected(fake_ev, cheat):
 
 
 @pytest.mark.parametrize("probe", sorted(cheats.PROBES))
-def test_kda_probes_gain_nothing(kda_ev, kda_honest, probe):
+def test_kda_probes_gain_nothing(kda_ev, probe):
     """A probe that thinks a call is timed returns zeros, caught because every call is checked. 'ok'
-    therefore means every call was answered honestly; and the clock is the judge's, not the engine's
-    (a 100x slowed clock in the engine's process changes nothing: 20x leaves room for a loaded machine)."""
+    therefore means every call was answered honestly; the clock is the judge's (a probe that slows the
+    engine process's clock 100x changes nothing the judge reads)."""
     r = _evaluate(kda_ev, probe)
     if r.status == OK:
         assert r.max_rel_error <= 1e-5, (probe, r.message)
-        assert r.latency_ms > kda_honest.latency_ms / 20, (probe, r.latency_ms, kda_honest.latency_ms)
+        assert r.latency_ms > r.roofline_floor_ms, (probe, r.latency_ms)
     else:
         assert r.status == INCORRECT and "all zeros" in r.message, r.message
 
 
-def test_kda_probe_of_the_poisoning_flags_cheats_on_every_call_when_poisoning_is_off():
-    ev = Evaluator("tests.cheats", "cpu_small", EvaluatorSettings(warmup=1, repeats=3, poison_memory=False),
+def test_with_poisoning_on_a_stale_block_and_the_flag_probe_are_caught_too():
+    """poison_memory on (for the engine process's whole life): an output left unwritten reads NaN even
+    where the allocator hands back the block that held the answer; and the flag probe sees constant
+    flags, so it computes honestly on every call."""
+    ev = Evaluator("tests.cheats", "cpu_small", EvaluatorSettings(warmup=1, repeats=3, poison_memory=True),
                    seed=5, name="cheat-kda")
-    assert _evaluate(ev, "probe_flags").status == OK  # the flags never change: it never cheats
+    stale = _evaluate(ev, "half_written_stale")
+    assert stale.status == INCORRECT and "non-finite" in stale.message, stale.message
+    probe = _evaluate(ev, "probe_flags")
+    assert probe.status == OK and probe.max_rel_error <= 1e-5, probe.message
 
 
 def test_a_patching_engine_does_not_outlive_itself(fake_ev):

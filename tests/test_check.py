@@ -25,7 +25,7 @@ def test_correct_engines_pass(impl):
     report = run_check(impl)
     assert report.passed, report.message
     assert 0 <= report.max_rel_error <= 1e-5
-    assert report.cases_run == 5  # 3 cases + a repeat of each stage's first case
+    assert report.cases_run == 6  # 4 cases + a repeat of each stage's first case
 
 
 @pytest.mark.parametrize("impl, words", [

@@ -25,7 +25,7 @@ from tests.run_checks import check_finished_run, journal
 from tests.waiting import wait_for
 
 PRESET = fake_workload.WORKLOAD.presets()["cpu"]
-SETTINGS = EvaluatorSettings(warmup=1, repeats=3, input_sets=2, eval_timeout_s=60.0)
+SETTINGS = EvaluatorSettings(warmup=1, repeats=3, eval_timeout_s=60.0)
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +126,7 @@ def test_a_search_on_the_cluster_keeps_the_single_node_invariants_while_nodes_co
         "search": {"seed": 5, "generations": 4, "offspring": 6, "max_evaluations": 24,
                    "population": {"size": 4, "elite": 1, "tournament": 2}},
         "evaluators": {"placement": "gpu"},
-        "evaluator": {"warmup": 1, "repeats": 3, "input_sets": 2, "eval_timeout_s": 60},
+        "evaluator": {"warmup": 1, "repeats": 3, "eval_timeout_s": 60},
         "mlflow": {"tracking_uri": uri, "experiment": "cluster"},
     })
     run_dir = tmp_path / "run"

@@ -10,7 +10,7 @@ from evo.workloads.kda import WORKLOAD as workload
 
 
 def test_kda_default_genome_is_ok_on_cpu_small():
-    ev = Evaluator("kda", "cpu_small", EvaluatorSettings(warmup=1, repeats=3, input_sets=2), seed=0, name="kda-test")
+    ev = Evaluator("kda", "cpu_small", EvaluatorSettings(warmup=1, repeats=3), seed=0, name="kda-test")
     space = workload.gene_space(workload.presets()["cpu_small"], ev.device_info())
     r = ev.evaluate(space.default().to_json())
     assert r.status == OK, f"{r.message}\n{r.error}"

@@ -31,7 +31,8 @@ def test_device_dependent_values() -> None:
     assert SPACE.gene("compute_dtype").values == ("float32",)
     gpu = W.gene_space(W.presets()["h200"], DeviceInfo("cuda", "H200"))
     assert gpu.gene("threads").values == (1,)
-    assert gpu.gene("compute_dtype").values == ("float32", "bfloat16")
+    # tfloat32 joins where the Triton engine can run (tests/test_kda_triton.py)
+    assert gpu.gene("compute_dtype").values[:2] == ("float32", "bfloat16")
 
 
 def test_default_is_eager_stable_and_legal() -> None:

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -19,23 +20,28 @@ import ray
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import start_local_ray
+from tests.listeners import exposed, listening, process_tree
 from tests.run_checks import check_finished_run, check_stopped_run, journal
 from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 ACTIVATE = "source .venv/bin/activate"
+# Terminal 1 keeps Ray private to this machine (every Ray process on 127.0.0.1) and behind a token.
+SECURE = "export RAY_AUTH_MODE=token RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0"
+TOKEN = "ray get-auth-token --generate > /dev/null"
+TOKEN_PRIVATE = "chmod 600 ~/.ray/auth_token"
 HEAD = ("RAY_JOB_STOP_WAIT_TIME_S=60 ray start --head --node-ip-address=127.0.0.1 --dashboard-host=127.0.0.1 "
         "--disable-usage-stats --block")
 MLFLOW = ("MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow server --host 127.0.0.1 --port 5000 "
           "--backend-store-uri sqlite:///mlflow-server.db --workers 1")
-EXPORT = ("export RAY_ADDRESS=http://127.0.0.1:8265 "
+EXPORT = ("export RAY_AUTH_MODE=token RAY_ADDRESS=http://127.0.0.1:8265 "
           """RUNTIME_ENV='{"env_vars": {"MLFLOW_TRACKING_URI": "http://127.0.0.1:5000"}}'""")
 SUBMIT = ('ray job submit --working-dir . --runtime-env-json "$RUNTIME_ENV" -- '
           "python -m evo run configs/kda_smoke.yaml --set out_dir=$PWD/runs")
 SUBMIT_NO_WAIT = ('ray job submit --no-wait --submission-id kda-cpu-1 --working-dir . --runtime-env-json "$RUNTIME_ENV" -- '
                   "python -m evo run configs/kda_cpu.yaml --set out_dir=$PWD/runs")
 LOGS, STATUS, STOP = "ray job logs --follow kda-cpu-1", "ray job status kda-cpu-1", "ray job stop kda-cpu-1"
-TERMINALS = [[ACTIVATE, HEAD], [ACTIVATE, MLFLOW], [ACTIVATE, EXPORT, SUBMIT, SUBMIT_NO_WAIT, LOGS, STATUS, STOP]]
+TERMINALS = [[ACTIVATE, SECURE, TOKEN, TOKEN_PRIVATE, HEAD], [ACTIVATE, MLFLOW], [ACTIVATE, EXPORT, SUBMIT, SUBMIT_NO_WAIT, LOGS, STATUS, STOP]]
 TRACKING = "http://127.0.0.1:5000"
 PORTS = {6379: "Ray GCS", 8265: "Ray dashboard and job server", 5000: "MLflow server"}
 
@@ -62,13 +68,13 @@ class Project:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(source.read_bytes())
         (path / ".venv").symlink_to(Path(sys.prefix))
-        self.env = {k: v for k, v in os.environ.items()
-                    if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS", "MLFLOW_TRACKING_URI", "VIRTUAL_ENV")}
+        self.env = {k: v for k, v in os.environ.items() if k not in (
+            "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
+            "RAY_ADDRESS", "MLFLOW_TRACKING_URI", "VIRTUAL_ENV")}
 
     def start(self, prelude: list[str], command: str, log: Path) -> subprocess.Popen:
         """A long-running command in its own process group (a terminal of its own)."""
-        return subprocess.Popen(["bash", "-c", " && ".join([*prelude, command])], cwd=self.path, env=self.env,
-                                stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+        return terminal(" && ".join([*prelude, command]), self.path, self.env, log)
 
     def run(self, prelude: list[str], command: str, timeout: float) -> subprocess.CompletedProcess:
         process = self.start(prelude, command, self.logs / "command.log")
@@ -77,6 +83,14 @@ class Project:
         finally:
             stop_group(process, signal.SIGKILL, 0)
         return subprocess.CompletedProcess(command, process.returncode, (self.logs / "command.log").read_text())
+
+
+def terminal(line: str, cwd: Path, env: dict, log: Path) -> subprocess.Popen:
+    """`bash -c line` as a terminal runs it: its own process group, and Ctrl-C (SIGINT) handled by default
+    even when pytest was started with SIGINT ignored (e.g. `pytest &` from a script), which every
+    process would otherwise inherit."""
+    return subprocess.Popen(["bash", "-c", line], cwd=cwd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def live_members(pgid: int) -> list[int]:
@@ -121,6 +135,14 @@ def http_ok(url: str) -> bool:
         return response.status == 200
 
 
+def http_answers(url: str) -> bool:
+    """The server is up: any HTTP answer, 401 of a request without Ray's token included."""
+    try:
+        return http_ok(url)
+    except urllib.error.HTTPError as error:
+        return error.code == 401
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """Terminals 1 and 2: the Ray head and the MLflow server, started in a copy of the project."""
@@ -132,11 +154,11 @@ def cluster(tmp_path_factory):
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 pytest.fail(f"port {port} ({what}) is already in use on 127.0.0.1: stop what holds it")
     project = Project(tmp_path_factory.mktemp("project"), tmp_path_factory.mktemp("terminals"))
-    head = project.start(TERMINALS[0][:1], HEAD, project.logs / "head.log")
+    head = project.start(TERMINALS[0][:-1], HEAD, project.logs / "head.log")
     store = project.start(TERMINALS[1][:1], MLFLOW, project.logs / "mlflow.log")
     project.head, project.store = head, store
     try:
-        wait_for(lambda: http_ok("http://127.0.0.1:8265/api/version"), 90, "the Ray job server", OSError)
+        wait_for(lambda: http_answers("http://127.0.0.1:8265/api/version"), 90, "the Ray job server", OSError)
         wait_for(lambda: http_ok(f"{TRACKING}/health"), 90, "the MLflow server", OSError)
         yield project
     finally:
@@ -201,6 +223,28 @@ def test_ray_job_stop_leaves_a_consistent_run_marked_killed(cluster):
                                   filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
     assert sorted(int(c.data.tags["generation"]) for c in children) == list(range(state["generation"]))
     assert all(c.info.status == "FINISHED" for c in children)  # each complete generation, as on disk
+
+
+def test_terminals_take_ctrl_c_even_when_pytest_ignores_it(tmp_path):
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as in `pytest &` from a script
+    try:
+        process = terminal("sleep 120", tmp_path, dict(os.environ), tmp_path / "sleep.log")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        assert stop_group(process, signal.SIGINT, 30), "a terminal ignored Ctrl-C"
+    finally:
+        stop_group(process, signal.SIGKILL, 0)
+
+
+def test_the_cluster_listens_on_loopback_only_and_wants_the_token(cluster):
+    processes = process_tree(cluster.head.pid)
+    found = listening(processes)
+    assert {name for _, name, _, _ in found} >= {"gcs_server", "raylet"}, found
+    assert exposed(processes) == [], found
+    with pytest.raises(urllib.error.HTTPError) as refused:  # the job API without the token
+        urllib.request.urlopen("http://127.0.0.1:8265/api/jobs/", timeout=10)
+    assert refused.value.code == 401
 
 
 def test_ctrl_c_stops_the_mlflow_server_and_the_cluster(cluster):

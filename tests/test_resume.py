@@ -21,7 +21,7 @@ CONFIG = {
     "search": {"seed": 3, "generations": 4, "offspring": 4, "max_evaluations": 16,
                "population": {"size": 4, "elite": 1, "tournament": 2}},
     "evaluators": {"count": 2, "threads": 1},
-    "evaluator": {"warmup": 1, "repeats": 3, "input_sets": 2, "eval_timeout_s": 60},
+    "evaluator": {"warmup": 1, "repeats": 3, "eval_timeout_s": 60},
 }
 
 

@@ -35,7 +35,7 @@ BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD = get_workload("kda")
 PRESET = WORKLOAD.presets()["cpu_small"]
-ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+ENV = dict(os.environ)  # conftest's: Ray on 127.0.0.1 only, with the session's token (the CLIs send it)
 MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
 
@@ -71,11 +71,13 @@ class Server:
              "--include-dashboard=true", "--disable-usage-stats"],
             env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
 
-    def deploy(self, engine: str, name: str) -> None:
+    def deploy(self, engine: str, name: str, **user_config) -> None:
+        """`serve deploy` of configs/serve.yaml naming `engine`, with `user_config` changes on top."""
         config = yaml.safe_load((ROOT / "configs" / "serve.yaml").read_text())
         config["http_options"]["port"] = self.http
-        config["applications"][0]["deployments"][0]["user_config"].update(
-            engine=engine, max_batch_size=8, batch_wait_timeout_s=0.02, max_request_bytes=MAX_REQUEST_BYTES)
+        config["applications"][0]["deployments"][0]["user_config"].update({
+            "engine": engine, "max_batch_size": 8, "batch_wait_timeout_s": 0.02, "max_request_bytes": MAX_REQUEST_BYTES,
+            "max_inflight_bytes": 8 * MAX_REQUEST_BYTES, **user_config})
         path = self.tmp / f"{name}.yaml"
         path.write_text(yaml.safe_dump(config))
         deadline = time.monotonic() + 60
@@ -186,7 +188,9 @@ def test_bad_requests_get_4xx_naming_the_field_and_the_replica_stays_healthy(ser
 def test_malformed_json_and_oversized_payloads(server):
     code, response = post(server, b'{"inputs": {"q": ')
     assert code == 400 and response["error"]["field"] == "body"
-    code, response = post(server, b" " * (MAX_REQUEST_BYTES + 10))
+    # Refused on its Content-Length, before the body is read (test_an_oversized_content_length_... below)
+    head = (f"POST /v1/infer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {MAX_REQUEST_BYTES + 10}\r\n\r\n").encode()
+    code, _, response = raw_http(server, head, b" " * 1024)
     assert code == 413 and response["error"]["field"] == "body", response
     assert get(server, "/healthz")[0] == 200
 
@@ -284,3 +288,127 @@ def test_load_run_reports_p50_p99_and_no_errors(server):
     print("load run:", report)
     assert report.requests == 200 and report.errors == 0, report.first_error
     assert 0 < report.p50_ms <= report.p99_ms
+
+
+def serve_status(server: Server) -> str:
+    done = subprocess.run([str(BIN / "serve"), "status", "--address", f"http://127.0.0.1:{server.dashboard}"],
+                          env=ENV, capture_output=True, text=True, timeout=60)
+    return done.stdout + done.stderr
+
+
+# Bad hot swaps: (user_config changes, words the refusal must contain). A broken engine is above.
+BAD_SWAPS = {
+    "wrong type": ({"max_batch_size": "eight"}, "max_batch_size"),
+    "unknown key": ({"max_batch_sise": 16}, "max_batch_sise"),
+    "bad engine": ({"engine": "/nonexistent/run-dir"}, "/nonexistent/run-dir"),
+}
+
+
+def test_bad_swaps_are_refused_and_serving_never_stops(server):
+    """8 clients during each kind of bad `serve deploy`: not one failed request, the old engine and
+    options keep serving, the refusal is reported under last_swap, the app stays RUNNING."""
+    old = get(server, "/v1/engine")[1]
+    with Clients(server) as clients:
+        for kind, (change, word) in BAD_SWAPS.items():
+            before = time.time()
+            config = {"engine": "default:kda/cpu_small", **change}
+            server.deploy(config.pop("engine"), kind.replace(" ", "-"), **config)
+            swap = wait_for(lambda: (s := get(server, "/v1/engine")[1]["last_swap"]) and s["at"] >= before - 1 and s,
+                            120, f"the {kind} swap to be refused", SERVER_NOT_READY)
+            assert swap["ok"] is False and word in swap["error"] and swap["kept"] == old["hash"], (kind, swap)
+            served = clients.ok
+            wait_for(lambda: clients.ok > served + 8, 60, f"requests after the {kind} swap", SERVER_NOT_READY)
+    assert clients.failures == [], clients.failures[:3]
+    info = get(server, "/v1/engine")[1]
+    assert info["hash"] == old["hash"] and info["batching"] == old["batching"] and info["limits"] == old["limits"]
+    status = serve_status(server)
+    assert "RUNNING" in status and "DEPLOY_FAILED" not in status, status[-2000:]
+    server.deploy("default:kda/cpu_small", "initial-again")  # a good config is taken as before
+
+
+def raw_http(server: Server, head: bytes, body: bytes = b"", timeout: float = 30) -> tuple[int, dict, dict]:
+    """Send exactly these bytes; (status, headers, JSON body) of the reply."""
+    with socket.create_connection(("127.0.0.1", server.http), timeout=timeout) as sock:
+        sock.sendall(head + body)
+        reply = b""
+        while b"\r\n\r\n" not in reply or len(reply.split(b"\r\n\r\n", 1)[1]) < _length(reply):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+    header, _, payload = reply.partition(b"\r\n\r\n")
+    lines = header.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    return int(lines[0].split()[1]), headers, json.loads(payload or b"{}")
+
+
+def _length(reply: bytes) -> int:
+    for line in reply.split(b"\r\n\r\n", 1)[0].split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return int(line.split(b":")[1])
+    return 1 << 62
+
+
+def test_an_oversized_content_length_is_refused_before_the_body_is_sent(server):
+    head = (f"POST /v1/infer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {50 * MAX_REQUEST_BYTES}\r\n\r\n").encode()
+    status, _, reply = raw_http(server, head, b'{"inputs": ')  # the rest of the body never comes
+    assert status == 413 and reply["error"]["field"] == "body" and "Content-Length" in reply["error"]["message"]
+
+
+def test_a_streamed_body_is_cut_at_the_limit(server):
+    connection = __import__("http.client").client.HTTPConnection("127.0.0.1", server.http, timeout=60)
+    chunks = (b" " * (1 << 20) for _ in range(MAX_REQUEST_BYTES // (1 << 20) + 2))  # no Content-Length
+    connection.request("POST", "/v1/infer", body=chunks, headers={"Content-Type": "application/json"},
+                       encode_chunked=True)
+    response = connection.getresponse()
+    reply = json.loads(response.read())
+    connection.close()
+    assert response.status == 413 and reply["error"]["field"] == "body", reply
+    assert get(server, "/healthz")[0] == 200
+
+
+def test_requests_beyond_the_inflight_budget_get_503_with_retry_after(server):
+    """With no time to wait for room (max_queue_wait_s: 0), a request that would pass the budget is refused."""
+    server.deploy("default:kda/cpu_small", "tight", max_inflight_bytes=MAX_REQUEST_BYTES, max_queue_wait_s=0)
+    wait_for(lambda: get(server, "/v1/engine")[1]["limits"]["max_inflight_bytes"] == MAX_REQUEST_BYTES, 60,
+             "the tighter in-flight budget", SERVER_NOT_READY)
+    _, body = request_body(7, T=600)  # ~3 MB of JSON numbers: two at once pass the 4 MB budget
+    assert MAX_REQUEST_BYTES / 2 < len(body) < MAX_REQUEST_BYTES
+    head = (f"POST /v1/infer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    replies = []
+    try:
+        for _ in range(10):  # rounds of 8 at once until two overlap (the first round, in practice)
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                replies += list(pool.map(lambda _: raw_http(server, head, body, timeout=120), range(8)))
+            if any(status == 503 for status, _, _ in replies):
+                break
+    finally:
+        server.deploy("default:kda/cpu_small", "initial-again")
+    busy = [(h, r) for status, h, r in replies if status == 503]
+    assert busy and all(status in (200, 503) for status, _, _ in replies), [s for s, _, _ in replies]
+    assert all(h.get("retry-after") == "1" and r["error"]["status"] == 503 and "max_inflight_bytes" in
+               r["error"]["message"] for h, r in busy)
+    assert sum(status == 200 for status, _, _ in replies) >= 1
+
+
+@pytest.mark.parametrize("method, path, status, field", [
+    ("GET", "/nope", 404, "path"), ("GET", "/v1/infer", 405, "method"), ("POST", "/healthz", 405, "method"),
+    ("DELETE", "/v1/engine", 405, "method")])
+def test_unknown_routes_and_wrong_methods_get_the_error_object(server, method, path, status, field):
+    request = urllib.request.Request(server.url + path, method=method, data=b"{}" if method == "POST" else None)
+    with pytest.raises(urllib.error.HTTPError) as error:
+        urllib.request.urlopen(request, timeout=30)
+    reply = json.loads(error.value.read())
+    assert error.value.code == status and set(reply) == {"error"}, reply
+    assert reply["error"]["field"] == field and reply["error"]["status"] == status and reply["error"]["message"]
+
+
+def test_the_cluster_and_serve_listen_on_loopback_only_or_behind_the_token(server):
+    from tests.listeners import exposed, listening, process_tree
+
+    processes = process_tree(server.process.pid)
+    found = listening(processes)
+    assert any(port == server.http for _, _, _, port in found), found  # Serve's proxy is among them
+    assert exposed(processes) == [], found

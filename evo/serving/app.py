@@ -15,9 +15,10 @@ the replica, leaving the app without a healthy one.
 
 Memory is bounded per replica: a body is refused on its Content-Length before it is read, read as a
 stream with a hard cap otherwise, and admitted only while the bytes of the requests in flight stay
-within `max_inflight_bytes` (503 with Retry-After beyond). Every error, unknown routes and wrong
-methods included, is the error object `{"error": {"field", "message", "status"}}`. Requests are batched with `@serve.batch`: requests with the same
-sequence length and tensor names run as one engine call, concatenated along the batch axis.
+within `max_inflight_bytes` (beyond, it waits unread up to `max_queue_wait_s`, then 503 with
+Retry-After). Every error, unknown routes and wrong methods included, is the error object
+`{"error": {"field", "message", "status"}}`. Requests are batched with `@serve.batch`: requests with
+the same sequence length and tensor names run as one engine call, concatenated along the batch axis.
 """
 # No `from __future__ import annotations` here: FastAPI must see real types (Request) on the routes.
 
@@ -50,7 +51,8 @@ USER_CONFIG_DEFAULTS: dict[str, Any] = {
     "engine": None,  # required: run directory, models:/NAME/VERSION, runs:/RUN_ID or default:WORKLOAD/PRESET
     "tracking_uri": None,  # MLflow store for models:/ and runs:/ sources; default $MLFLOW_TRACKING_URI or ./mlflow.db
     "max_request_bytes": 64 * 1024 * 1024,  # larger bodies get 413 (on Content-Length, before reading)
-    "max_inflight_bytes": 128 * 1024 * 1024,  # request bytes a replica holds at once; beyond: 503 + Retry-After
+    "max_inflight_bytes": 128 * 1024 * 1024,  # request bytes a replica holds at once; beyond, a request waits
+    "max_queue_wait_s": 0.0,  # how long a request may wait for room (unread) before its 503 + Retry-After
     "max_batch_size": 8,  # requests merged into one engine call
     "batch_wait_timeout_s": 0.005,  # how long a batch waits to fill
 }
@@ -74,9 +76,10 @@ def check_user_config(user_config: Any) -> dict[str, Any]:
     for key, low in (("max_request_bytes", 1), ("max_inflight_bytes", 1), ("max_batch_size", 1)):
         if type(config[key]) is not int or config[key] < low:
             raise ValueError(f"user_config {key!r} must be an integer >= {low}, got {config[key]!r}")
-    wait = config["batch_wait_timeout_s"]
-    if type(wait) not in (int, float) or not 0 <= wait <= 60:
-        raise ValueError(f"user_config 'batch_wait_timeout_s' must be a number of seconds in [0, 60], got {wait!r}")
+    for key in ("batch_wait_timeout_s", "max_queue_wait_s"):
+        wait = config[key]
+        if type(wait) not in (int, float) or not 0 <= wait <= 600:
+            raise ValueError(f"user_config {key!r} must be a number of seconds in [0, 600], got {wait!r}")
     if config["max_inflight_bytes"] < config["max_request_bytes"]:
         raise ValueError(f"user_config 'max_inflight_bytes' ({config['max_inflight_bytes']}) must be at least "
                          f"'max_request_bytes' ({config['max_request_bytes']}), or no maximum-size request fits")
@@ -249,6 +252,7 @@ class EngineServer:
         self.last_swap: dict[str, Any] | None = None
         self.stats = {"requests": 0, "batches": 0, "engine_calls": 0, "refused_busy": 0}
         self.inflight_bytes = 0  # bytes reserved by the requests this replica is reading or running
+        self._budget: asyncio.Condition | None = None  # admission: waits for inflight_bytes to fit
         if engine is not None:  # plain `serve.run(EngineServer.bind(engine=...))` without user_config
             config = check_user_config({**options, "engine": engine})
             self.loaded = load_engine(engine, config["tracking_uri"])
@@ -328,13 +332,13 @@ class EngineServer:
         except RequestError as exc:
             return JSONResponse(exc.to_dict(), status_code=exc.status)
         reserve = limit if declared is None else declared  # unknown length: the most it may grow to
-        if self.inflight_bytes and self.inflight_bytes + reserve > budget:
+        if not await self._admit(reserve, budget):
             self.stats["refused_busy"] += 1
             return error_response("body", f"the replica holds {self.inflight_bytes} bytes of requests in flight; "
-                                          f"this one ({reserve} bytes) would pass max_inflight_bytes {budget}: "
+                                          f"this one ({reserve} bytes) would pass max_inflight_bytes {budget} and "
+                                          f"waited max_queue_wait_s {self.config['max_queue_wait_s']} s: "
                                           f"retry after {RETRY_AFTER_S} s", 503,
                                   headers={"Retry-After": str(RETRY_AFTER_S)})
-        self.inflight_bytes += reserve
         try:
             try:
                 body = parse_body(await _read_capped(request, limit), max_bytes=limit)
@@ -353,9 +357,29 @@ class EngineServer:
             del inputs
             return JSONResponse(encode_outputs(outputs, encoding))
         finally:
-            self.inflight_bytes -= reserve
+            async with self._admission():
+                self.inflight_bytes -= reserve
+                self._admission().notify_all()
             if self.inflight_bytes == 0 and reserve > 4 * 1024 * 1024:
                 _release_memory()
+
+    def _admission(self) -> asyncio.Condition:
+        if self._budget is None:  # made on the replica's event loop, where requests run
+            self._budget = asyncio.Condition()
+        return self._budget
+
+    async def _admit(self, reserve: int, budget: int) -> bool:
+        """Wait (unread: the body stays in the sender's buffers) until `reserve` bytes fit the budget;
+        a request alone is always admitted. False after max_queue_wait_s."""
+        fits = lambda: not self.inflight_bytes or self.inflight_bytes + reserve <= budget  # noqa: E731
+        async with self._admission():
+            if not fits():
+                try:
+                    await asyncio.wait_for(self._admission().wait_for(fits), self.config["max_queue_wait_s"])
+                except asyncio.TimeoutError:
+                    return False
+            self.inflight_bytes += reserve
+            return True
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.005)
     async def _run_batch(self, requests: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:

@@ -114,7 +114,9 @@ def parse_body(body: bytes | bytearray | memoryview | str | dict, *, max_bytes: 
         raise RequestError("body", f"request body is {size} bytes; the limit is {max_bytes} bytes "
                                    f"(send fewer or smaller tensors, or use \"b64\" encoding)", 413)
     try:
-        obj = json.loads(bytes(body))  # NaN / Infinity literals parse to float; checked per tensor
+        # bytes and bytearray parse in place (no copy of a body that may be max_bytes long)
+        # NaN / Infinity literals parse to float; checked per tensor
+        obj = json.loads(body if isinstance(body, (bytes, bytearray)) else bytes(body))
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise RequestError("body", f"malformed JSON ({e}); expected an object "
                                    f"{{\"inputs\": {{name: tensor, ...}}}}", 400) from None
@@ -125,12 +127,15 @@ def parse_body(body: bytes | bytearray | memoryview | str | dict, *, max_bytes: 
 
 
 def decode_request(body: bytes | str | dict, specs: Iterable[TensorSpec], *, max_bytes: int,
-                   max_elements: int | None = None, extra_keys: Iterable[str] = ()) -> dict[str, torch.Tensor]:
+                   max_elements: int | None = None, extra_keys: Iterable[str] = (),
+                   consume: bool = False) -> dict[str, torch.Tensor]:
     """Validate and decode `{"inputs": {...}}` against `specs` -> {name: CPU tensor of its declared dtype}.
 
     Absent (or null) optional tensors are left out of the result. `max_elements` bounds the total element
     count of all tensors (413). Top-level keys other than "inputs" are rejected unless listed in
     `extra_keys` (e.g. a response "encoding" the endpoint reads itself from `parse_body`'s result).
+    With `consume`, each tensor's JSON is removed from `body["inputs"]` once decoded, so a server holds
+    one form of each tensor at a time, not its JSON lists and its tensor side by side.
     """
     specs = tuple(specs)
     obj = parse_body(body, max_bytes=max_bytes)
@@ -160,7 +165,10 @@ def decode_request(body: bytes | str | dict, specs: Iterable[TensorSpec], *, max
                                                  f"elements; the limit is {max_elements}", 413)
         _check_shape(header[0], spec, field, bindings)
         t = _decode_payload(entry, field, *header)
-        _check_values(t, spec, f"{field}.{'data' if 'data' in entry else 'b64'}")
+        payload = "data" if "data" in entry else "b64"
+        if consume:
+            del inputs[spec.name], entry  # its JSON lists (or base64 text) can be freed now
+        _check_values(t, spec, f"{field}.{payload}")
         out[spec.name] = t
     return out
 
@@ -317,13 +325,17 @@ def _decode_data(data: Any, field: str, shape: tuple[int, ...], dtype: str) -> t
         _check_nested(data, shape, field)
     else:
         _check_flat(data, shape, field)
+    # Straight to the dtype, one rounding step from the parsed float64 values (overflow becomes inf);
+    # bfloat16, which numpy lacks, goes through float64 so it is rounded once, to nearest even.
+    direct = {"float32": np.float32, "float64": np.float64}.get(dtype, np.float64)
     try:
-        arr = np.array(data, dtype=np.float64)
+        with np.errstate(over="ignore"):
+            arr = np.array(data, dtype=direct)
     except OverflowError:
         raise RequestError(field, "an integer is too large to convert to a float; send floats "
                                   "within the dtype's range") from None
-    # float64 -> dtype in one rounding step (bfloat16 rounds to nearest even; overflow becomes inf)
-    return torch.from_numpy(arr).reshape(shape).to(DTYPES[dtype][0])
+    t = torch.from_numpy(arr).reshape(shape)
+    return t if dtype in ("float32", "float64") else t.to(DTYPES[dtype][0])
 
 
 def _check_flat(data: list, shape: tuple[int, ...], field: str) -> None:

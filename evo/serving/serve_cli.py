@@ -10,6 +10,7 @@ from pathlib import Path
 import ray
 from ray import serve
 
+from evo import local_ray
 from evo.serving.app import build_app
 from evo.serving.source import SourceError, resolve
 
@@ -28,9 +29,9 @@ def serve_forever(engine: str, host: str, port: int, name: str, max_batch_size: 
     if own_ray:
         address = os.environ.get("RAY_ADDRESS")
         if address:
-            ray.init(address=address, log_to_driver=False)
-        else:
-            ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+            local_ray.join(address, log_to_driver=False)
+        else:  # listening on 127.0.0.1 only (evo.local_ray)
+            local_ray.init_local(include_dashboard=False, log_to_driver=False)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

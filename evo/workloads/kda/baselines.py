@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from evo.workloads.base import DeviceInfo, Engine, Preset
+from evo.workloads.kda.gpu_baselines import fla_engine, fla_kernels, head_blocked
 from evo.workloads.kda.reference import l2norm, recurrent_kda
 
 
@@ -106,9 +107,13 @@ def baselines(preset: Preset) -> dict[str, Callable[[DeviceInfo], Engine]]:
     """Name -> builder(DeviceInfo) -> engine, for each baseline available here."""
     out: dict[str, Callable[[DeviceInfo], Engine]] = {
         "eager_recurrent": lambda d: _Baseline(_eager_recurrent, d),
-        "chunk_pairwise_c64": lambda d: _Baseline(chunk_pairwise, d),
-        "chunk_pairwise_c64_compiled": lambda d: _Baseline(_compiled_chunk_pairwise(), d),
+        # heads in blocks: at the h200 preset the pairwise [.., C, C, K] temporaries need ~20 GiB at once
+        "chunk_pairwise_c64": lambda d: _Baseline(head_blocked(chunk_pairwise), d),
+        "chunk_pairwise_c64_compiled": lambda d: _Baseline(head_blocked(_compiled_chunk_pairwise()), d),
     }
     if _fla_available():
         out["fla_naive_chunk"] = lambda d: _Baseline(_fla_naive_chunk, d)
+    if preset.device == "cuda":  # fla's Triton kernels need a GPU
+        for name, kernel in fla_kernels().items():
+            out[name] = lambda d, kernel=kernel: _Baseline(fla_engine(kernel), d)
     return out

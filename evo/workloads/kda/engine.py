@@ -112,7 +112,19 @@ class KdaEngine:
         return self._buffers[key]
 
 
-def build(genome: Genome, preset: Preset, device: DeviceInfo) -> KdaEngine:
-    """Validate `genome` (GenomeError propagates) and compose its engine."""
+def build(genome: Genome, preset: Preset, device: DeviceInfo):
+    """Validate `genome` (GenomeError propagates) and compose its engine: the torch stage engine, or
+    the Triton engine (gene engine='triton'); either one CUDA-graph captured when cuda_graph=True."""
     gene_space(preset, device).validate(genome)
-    return KdaEngine(Plan.from_genome(genome), genome)
+    values = genome.values()
+    if values.get("engine", "torch") == "triton":
+        from evo.workloads.kda.triton.engine import build_triton  # imports triton only for Triton genomes
+
+        engine = build_triton(genome)
+    else:
+        engine = KdaEngine(Plan.from_genome(genome), genome)
+    if values.get("cuda_graph") is True:
+        from evo.workloads.kda.triton.cuda_graph import CudaGraphEngine
+
+        return CudaGraphEngine(engine, keep_outputs=bool(values["preallocate_outputs"]))
+    return engine

@@ -10,6 +10,8 @@ from typing import Mapping
 
 from evo.genome import Constraint, Gene, GeneSpace, Genome, Scalar
 from evo.workloads.base import DeviceInfo, Preset
+from evo.workloads.kda import triton as _triton
+from evo.workloads.kda.triton import genes as _triton_genes
 
 STAGES = ("gate", "l2norm", "intra", "recurrence", "output")
 FUSE_GENES = ("fuse_gate_l2norm", "fuse_l2norm_intra", "fuse_intra_recurrence", "fuse_recurrence_output")
@@ -93,6 +95,13 @@ def gene_space(preset: Preset, device: DeviceInfo) -> GeneSpace:
         Constraint("fused stages share one backend", _same_backend_when_fused),
         Constraint("sub_chunk_size divides chunk_size", _sub_chunk_divides_chunk),
     )
+    if _triton.runnable(device):  # the Triton engine joins as a genome choice (never on a plain CPU)
+        dtypes = _triton_genes.compute_dtypes(preset)
+        genes = [Gene(g.name, g.domain, dtypes, _triton_genes.default_compute_dtype(preset),
+                      g.doc + "; tfloat32: tf32 tensor cores (triton)")
+                 if g.name == "compute_dtype" else g for g in genes]
+        genes += _triton_genes.genes(preset, device)
+        constraints += _triton_genes.constraints()
     return GeneSpace("kda", tuple(genes), constraints)
 
 

@@ -1,0 +1,211 @@
+"""Lessons: what a search learned, kept per (workload, preset, device) so the next search starts from it.
+
+A lessons file (`lessons.yaml` in a run directory, also logged to the run's MLflow parent run) is
+small, versioned and readable by a person: the best genomes with their latencies, what pays off and
+what fails (with evidence counts and the commonest failure messages), the agents' move statistics
+and yields, and the raw per-gene effects the search reads back. A warm-started run's lessons include
+the earlier runs' evidence, so lessons accumulate run after run.
+
+`python -m evo run CONFIG --warm-start SOURCE` reads lessons from a run directory, a lessons file,
+or an MLflow experiment (the newest run of the same workload and preset that logged lessons).
+"""
+from __future__ import annotations
+
+import math
+import tempfile
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from evo.effects import GeneEffects
+from evo.genome import GeneSpace, Genome, GenomeError
+
+FORMAT = 1
+FILE = "lessons.yaml"
+KEEP_BEST = 5
+
+
+class LessonsError(ValueError):
+    """Lessons that cannot be used here; the message says what was found and what was expected."""
+
+
+@dataclass(frozen=True)
+class Lessons:
+    workload: str
+    preset: str
+    device: str  # "<kind>:<name>" as results record it: timings of other devices are never reused
+    best: tuple[tuple[dict, float], ...]  # (genome, latency_ms), fastest first
+    agent_stats: dict[str, dict[str, list[int]]]  # agent -> move kind -> [tries, wins]
+    yields: dict[str, list[int]]  # agent -> [children, children that beat their parent]
+    effects: GeneEffects = field(compare=False)
+    sources: tuple[str, ...] = ()  # runs this evidence comes from, oldest first
+    evaluations: int = 0
+
+    def describe(self) -> str:
+        return f"{self.workload}/{self.preset} on {self.device} from {', '.join(self.sources) or '?'}"
+
+    def legal_best(self, space: GeneSpace) -> list[tuple[int, Genome, float]]:
+        """(rank, genome, latency) of the best genomes that are legal in `space` (a config may restrict it)."""
+        out = []
+        for rank, (data, latency) in enumerate(self.best):
+            try:
+                out.append((rank, space.validate(Genome.from_dict(data)), latency))
+            except GenomeError:
+                continue
+        return out
+
+    def check(self, workload: str, preset: str, device: str, where: str) -> Lessons:
+        if (self.workload, self.preset, self.device) != (workload, preset, device):
+            raise LessonsError(
+                f"{where}: lessons are for workload={self.workload!r} preset={self.preset!r} device={self.device!r}, "
+                f"this run is workload={workload!r} preset={preset!r} device={device!r}; warm-start only from runs "
+                f"of the same workload, preset and device")
+        return self
+
+    # -- the file -------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        rows = self.effects.table()
+        timed = sorted((r for r in rows if r["ok"] >= 2 and r["latency_vs_mean_pct"] is not None),
+                       key=lambda r: r["latency_vs_mean_pct"])
+        pays = [r for r in timed if r["latency_vs_mean_pct"] < 0]
+        slow = [r for r in reversed(timed) if r["latency_vs_mean_pct"] > 0]
+        fails = sorted((r for r in rows if r["failed"] >= 2 and r["failed"] >= r["results"] / 2),
+                       key=lambda r: -r["failed"] / r["results"])
+        return {
+            "format": FORMAT,
+            "workload": self.workload, "preset": self.preset, "device": self.device,
+            "written": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "sources": list(self.sources), "evaluations": self.evaluations,
+            "best": [{"hash": Genome.from_dict(g).hash, "latency_ms": round(lat, 4), "genome": g}
+                     for g, lat in self.best],
+            "pays_off": [f"{r['gene']}={r['value']}: {r['latency_vs_mean_pct']:+.1f}% vs the mean engine "
+                         f"({r['ok']} ok results)" for r in pays[:8]],
+            "slow": [f"{r['gene']}={r['value']}: {r['latency_vs_mean_pct']:+.1f}% vs the mean engine "
+                     f"({r['ok']} ok results)" for r in slow[:8]],
+            "fails": [f"{r['gene']}={r['value']}: {r['failed']} of {r['results']} failed {r['failures']}"
+                      + (f"; e.g. {max(r['messages'], key=r['messages'].get)!r}" if r["messages"] else "")
+                      for r in fails[:8]],
+            "agents": {a: {"children": self.yields.get(a, [0, 0])[0], "beat_parent": self.yields.get(a, [0, 0])[1],
+                           "moves": {k: list(v) for k, v in sorted(self.agent_stats.get(a, {}).items())}}
+                       for a in sorted(set(self.yields) | set(self.agent_stats))},
+            "gene_effects": self.effects.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str) -> Lessons:
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            got = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise LessonsError(f"{where}: lessons format {got!r}; this version reads format {FORMAT}")
+        try:
+            agents = data.get("agents") or {}
+            return cls(
+                workload=data["workload"], preset=data["preset"], device=data["device"],
+                best=tuple((b["genome"], float(b["latency_ms"])) for b in data.get("best") or []),
+                agent_stats={a: {k: list(v) for k, v in (s.get("moves") or {}).items()} for a, s in agents.items()},
+                yields={a: [int(s["children"]), int(s["beat_parent"])] for a, s in agents.items()},
+                effects=GeneEffects.from_dict(data["gene_effects"]),
+                sources=tuple(data.get("sources") or ()), evaluations=int(data.get("evaluations") or 0))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise LessonsError(f"{where}: lessons file is corrupt ({type(exc).__name__}: {exc})") from exc
+
+
+def from_search(search, workload: str, preset: str, device: str, source: str) -> Lessons:
+    """What `search` (an `evo.search.Search`) knows now, including the lessons it was warm-started with."""
+    earlier = search.lessons
+    best: dict[str, tuple[dict, float]] = {}
+    if earlier is not None:
+        best = {Genome.from_dict(g).hash: (g, lat) for g, lat in earlier.best}
+    for item in search.known.values():  # this run's timings replace an earlier run's for the same genome
+        if math.isfinite(item.fitness):
+            best[item.proposal.hash] = (item.proposal.genome.to_dict(), item.fitness)
+    top = sorted(best.values(), key=lambda b: b[1])[:KEEP_BEST]
+    team = search.team.state()
+    return Lessons(
+        workload=workload, preset=preset, device=device, best=tuple(top),
+        agent_stats={a: {k: list(v) for k, v in s.get("stats", {}).items()} for a, s in team.items()},
+        yields={a: list(v) for a, v in search.yields.items()},
+        effects=search.effects,
+        sources=(*(earlier.sources if earlier else ()), source),
+        evaluations=(earlier.evaluations if earlier else 0) + search.evaluations,
+    )
+
+
+def write(path: Path, lessons: Lessons) -> Path:
+    path = Path(path)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(f"# Lessons of engine-factory searches on {lessons.workload}/{lessons.preset}, {lessons.device}.\n"
+                   "# pays_off / slow / fails / agents are for people; best, agents and gene_effects seed the next search\n"
+                   "# (python -m evo run CONFIG --warm-start RUN_DIR|LESSONS_FILE|MLFLOW_EXPERIMENT).\n"
+                   + "".join(_dump(key, value) for key, value in lessons.to_dict().items()))
+    tmp.replace(path)
+    return path
+
+
+def _dump(key: str, value: Any) -> str:
+    """One top-level key: the sentences in block style, genomes and effect rows one per line."""
+    flow = None if key in ("best", "gene_effects") else False
+    return yaml.safe_dump({key: value}, sort_keys=False, width=200, default_flow_style=flow)
+
+
+def read(path: Path) -> Lessons:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise LessonsError(f"{path}: cannot read lessons ({type(exc).__name__}: {exc})") from exc
+    return Lessons.from_dict(data, str(path))
+
+
+def load(source: str, tracking_uri: str | None = None) -> Lessons:
+    """Lessons from a run directory, a lessons file, or the newest MLflow run of an experiment that logged them."""
+    path = Path(source)
+    if path.is_dir():
+        if not (path / FILE).exists():
+            raise LessonsError(f"{path} has no {FILE}: it is not a finished run directory of this version "
+                               f"(runs write {FILE} when they end); pass another run directory or an experiment")
+        return read(path / FILE)
+    if path.is_file():
+        return read(path)
+    return _from_mlflow(source, tracking_uri)
+
+
+def _from_mlflow(experiment: str, tracking_uri: str | None) -> Lessons:
+    from mlflow.tracking import MlflowClient
+
+    from evo.mlflow_sink import tracking_uri as default_uri
+
+    client = MlflowClient(tracking_uri=default_uri(tracking_uri))
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        raise LessonsError(f"--warm-start {experiment!r} is neither a run directory, a lessons file nor an MLflow "
+                           f"experiment in {default_uri(tracking_uri)}")
+    runs = client.search_runs([found.experiment_id], filter_string="attributes.status = 'FINISHED'",
+                              order_by=["attributes.start_time DESC"], max_results=50)
+    for run in runs:
+        if run.data.tags.get("mlflow.parentRunId"):
+            continue
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                return read(Path(client.download_artifacts(run.info.run_id, FILE, tmp)))
+        except Exception:  # this run logged no lessons: try the next older one
+            continue
+    raise LessonsError(f"no finished run of MLflow experiment {experiment!r} has logged {FILE}")
+
+
+WARM_FILE = "warm_start.yaml"  # the lessons a run was warm-started with, kept so a resume uses them again
+
+
+def for_run(run_dir: Path, lessons: Lessons | None, resumed: bool, workload: str, preset: str,
+            device: str) -> Lessons | None:
+    """The lessons a run starts from: on resume, the ones it was started with; else `lessons`, checked
+    against this run's workload, preset and device and copied into the run directory."""
+    saved = Path(run_dir) / WARM_FILE
+    if resumed:
+        return read(saved) if saved.exists() else None
+    if lessons is None:
+        return None
+    lessons.check(workload, preset, device, "--warm-start")
+    write(saved, lessons)
+    return lessons

@@ -1,0 +1,78 @@
+"""Start or join Ray without opening this machine to the network.
+
+Ray 2.60 turns a node IP of 127.0.0.1 into the machine's address and then listens on every interface
+(GCS, raylet, workers, agents), whatever `_node_ip_address` or `--node-ip-address` says. It keeps
+the loopback address only when it believes it runs a single-machine cluster, which its
+`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` setting says on any platform. So:
+
+  - a local Ray (the in-process one of `evo run`, `evo serve` and the tests) gets that setting and
+    127.0.0.1: every Ray process listens on loopback only; Ray's token authentication stays on
+    (Ray's default for a new local Ray: it uses $RAY_AUTH_TOKEN, or ~/.ray/auth_token, which Ray
+    creates; we keep that file readable by its owner only);
+  - joining a cluster ($RAY_ADDRESS or `ray.address`) uses the cluster's token when one is on this
+    machine (~/.ray/auth_token, $RAY_AUTH_TOKEN_PATH, $RAY_AUTH_TOKEN), as the CLI needs it.
+
+Ray reads the setting when it is imported: `prepare_local()` sets it for this process (also after
+the import) and for the Ray processes it starts.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+LOOPBACK_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+LOCALHOST = "127.0.0.1"
+
+
+def prepare_local() -> None:
+    """Make the next local Ray this process starts listen on 127.0.0.1 only."""
+    os.environ.update(LOOPBACK_ONLY)
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None:  # ray already imported: it read the setting at import time
+        constants.ENABLE_RAY_CLUSTER = False
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 and IPv4-mapped loopback (::ffff:127.0.0.1)."""
+    try:
+        address = ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        return host == "localhost"
+    mapped = getattr(address, "ipv4_mapped", None)
+    return address.is_loopback or bool(mapped and mapped.is_loopback)
+
+
+def init_local(**kwargs: Any) -> None:
+    """A new in-process local Ray on 127.0.0.1 (even if `ray start` ran on this machine: address="local")."""
+    prepare_local()
+    import ray
+
+    ray.init(address="local", _node_ip_address=LOCALHOST, **kwargs)
+    node_ip = ray.util.get_node_ip_address()
+    _owner_only(Path.home() / ".ray" / "auth_token")
+    if not is_loopback(node_ip):
+        ray.shutdown()
+        raise RuntimeError(f"the local Ray came up on {node_ip}, not on loopback: refusing to run with it open "
+                           f"to the network ({LOOPBACK_ONLY} was not honoured by this Ray version)")
+
+
+def join(address: str, **kwargs: Any) -> None:
+    """Join the cluster at `address`, sending its token when this machine holds one."""
+    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
+
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)  # no-op when RAY_AUTH_MODE is set
+    import ray
+
+    ray.init(address=address, **kwargs)
+
+
+def _owner_only(path: Path) -> None:
+    """Ray writes the token file with the umask's permissions; the token is a password."""
+    try:
+        if path.exists() and path.stat().st_mode & 0o077:
+            path.chmod(0o600)
+    except OSError:
+        pass

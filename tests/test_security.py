@@ -1,0 +1,103 @@
+"""Every way the project starts Ray listens on loopback only (or behind Ray's token): the test session's
+in-process Ray, `evo run`'s and `evo serve`'s in-process Ray with Serve's proxy. (The `ray start` of the
+Serve tests and of the README's cluster commands are checked in tests/test_serving.py and
+tests/test_ray_job.py.) Each subprocess runs with the environment of a user's shell: no Ray settings
+but the token, so what keeps it private is the project's code."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from evo.local_ray import is_loopback
+from tests.listeners import exposed, listening, process_tree
+from tests.waiting import wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+# A user's shell: none of the settings conftest gives the test session, only a token (so no test writes
+# ~/.ray/auth_token; without one Ray creates that file).
+USER_ENV = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
+                                                             "RAY_ADDRESS")}
+
+
+def test_addresses_that_count_as_loopback():
+    assert all(map(is_loopback, ["127.0.0.1", "127.0.1.1", "::1", "::ffff:127.0.0.1", "localhost"]))
+    assert not any(map(is_loopback, ["0.0.0.0", "::", "192.0.2.2", "::ffff:192.0.2.2", "10.0.0.1"]))
+
+
+def test_the_test_sessions_ray_listens_on_loopback_only(ray_local):
+    ray_local.get(ray_local.remote(lambda: 1).remote())  # a worker process, with its own listener
+    processes = process_tree(os.getpid())
+    assert listening(processes), "found no listener of the session's Ray"
+    assert exposed(processes) == []
+
+
+def start(tmp_path: Path, args: list[str]) -> tuple[subprocess.Popen, Path]:
+    log = tmp_path / "out.log"
+    process = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=USER_ENV, stdin=subprocess.PIPE,
+                               stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    return process, log
+
+
+def stop(process: subprocess.Popen) -> None:
+    for sig, grace in ((signal.SIGINT, 30), (signal.SIGKILL, 10)):  # the process group this test started
+        try:
+            os.killpg(process.pid, sig)
+            process.wait(timeout=grace)
+            break
+        except ProcessLookupError:
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    try:
+        os.killpg(process.pid, signal.SIGKILL)  # Ray's helpers left in the group
+    except ProcessLookupError:
+        pass
+
+
+START_RAY = """
+import ray, sys
+from evo.config import RaySettings, RunConfig
+from evo.run import start_ray
+from ray._raylet import AuthenticationMode, get_authentication_mode
+start_ray(RunConfig(ray=RaySettings(num_cpus=1)))
+ray.get(ray.remote(lambda: 1).remote())
+print("ready", ray.util.get_node_ip_address(), get_authentication_mode() == AuthenticationMode.TOKEN, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_evo_runs_local_ray_listens_on_loopback_only_with_token_auth(tmp_path):
+    process, log = start(tmp_path, ["-c", START_RAY])
+    try:
+        line = wait_for(lambda: next((l for l in log.read_text().splitlines() if l.startswith("ready")), None), 120,
+                        "evo.run.start_ray to start a local Ray")
+        assert line.split()[1:] == ["127.0.0.1", "True"], log.read_text()[-2000:]
+        processes = process_tree(process.pid)
+        found = listening(processes)
+        assert {name for _, name, _, _ in found} >= {"gcs_server", "raylet"}, found
+        assert exposed(processes) == [], found
+    finally:
+        stop(process)
+
+
+def test_evo_serve_listens_on_loopback_only(tmp_path):
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    process, log = start(tmp_path, ["-m", "evo", "serve", "default:kda/cpu_small", "--port", str(port)])
+    try:
+        def healthy():
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as response:
+                return json.loads(response.read())["status"] == "ok"
+        wait_for(healthy, 240, "evo serve to answer /healthz", OSError)
+        processes = process_tree(process.pid)
+        found = listening(processes)
+        assert any(p == port for _, _, _, p in found), found  # Serve's HTTP proxy is one of them
+        assert exposed(processes) == [], found
+    finally:
+        stop(process)
