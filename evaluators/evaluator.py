@@ -38,7 +38,7 @@ from evo.workloads import get_workload
 from evo.workloads.base import CheckCase, DeviceInfo, MachineRates, Preset, Workload
 from evaluators import device as devices
 from evaluators.check import SeedStream, compare_outputs, expected_dtypes
-from evaluators.sandbox import EngineProcess, EngineProcessError
+from evaluators.sandbox import CallResult, EngineProcess, EngineProcessError
 from evaluators.settings import EvaluatorSettings
 from evaluators.timing import Timing, measure_rates, num_threads, summarize
 from evaluators.zygote import Zygote
@@ -273,8 +273,14 @@ class Evaluator:
     def _run_plan(self, process: EngineProcess, plan: list[_Call], deadline: float, null_ms: float
                   ) -> tuple[list[_Verdict], Timing | None]:
         """Run the plan (stop at the first failing call); the verdicts and the timing of the timed calls
-        (each call's wall time less `null_ms`, the judge's cost of a call without an engine)."""
+        (each call's wall time less `null_ms`, the judge's cost of a call without an engine).
+
+        On the CPU the outputs are compared after the whole plan ran (every call is still checked, in
+        plan order): a float64 reference computed between two calls would evict the engine's working
+        set from the caches the calls share and make every engine look slower than it runs."""
+        defer = self.device == "cpu"
         verdicts: list[_Verdict] = []
+        pending: list[tuple[_Call, dict, CallResult]] = []
         samples: list[float] = []
         timing_calls = 0
         extra = 0
@@ -286,10 +292,19 @@ class Evaluator:
                 timing_calls += 1
                 warm = timing_calls <= self.settings.warmup
                 call = _Call(call.case, True, f"{'warm-up' if warm else 'timed'} call {timing_calls} ({call.case.name})")
-            verdict = self._checked(process, call, deadline)
-            verdicts.append(verdict)
-            if verdict.status is not None:
-                return verdicts, None
+            inputs, result, failure = self._call(process, call, deadline)
+            if failure is None and defer:
+                pending.append((call, inputs, result))
+                verdict = _Verdict(None, elapsed_ms=result.elapsed_s * 1e3)
+            else:
+                verdicts += self._compare_all(pending)
+                pending = []
+                if verdicts and verdicts[-1].status is not None:
+                    return verdicts, None
+                verdict = failure or self._compare(call, inputs, result)
+                verdicts.append(verdict)
+                if verdict.status is not None:
+                    return verdicts, None
             if call.timing and timing_calls > self.settings.warmup:
                 samples.append(max(verdict.elapsed_ms - null_ms, 0.0))
                 total_s += verdict.elapsed_ms / 1e3
@@ -297,14 +312,31 @@ class Evaluator:
             if not queue and min_s is not None and total_s < min_s and extra < 10_000:
                 extra += 1
                 queue.append(_Call(self._timing_case, True, ""))
+        verdicts += self._compare_all(pending)
+        if verdicts and verdicts[-1].status is not None:
+            return verdicts, None
         return verdicts, summarize(samples) if samples else None
 
+    def _compare_all(self, pending: list[tuple[_Call, dict, CallResult]]) -> list[_Verdict]:
+        """Verdicts of deferred calls, in order, up to and including the first failing one."""
+        verdicts = []
+        for call, inputs, result in pending:
+            verdicts.append(self._compare(call, inputs, result))
+            if verdicts[-1].status is not None:
+                break
+        return verdicts
+
     def _checked(self, process: EngineProcess, call: _Call, deadline: float, first: bool = False) -> _Verdict:
-        """One call on fresh inputs, checked against the reference. Raises EngineProcessError."""
+        """One call on fresh inputs, checked against the reference at once. Raises EngineProcessError."""
+        inputs, result, failure = self._call(process, call, deadline, first)
+        return failure or self._compare(call, inputs, result)
+
+    def _call(self, process: EngineProcess, call: _Call, deadline: float, first: bool = False
+              ) -> tuple[dict, CallResult, _Verdict | None]:
+        """One call on fresh inputs: (inputs, what the judge saw, a failure found without the reference
+        or None). Raises EngineProcessError."""
         inputs = self._draw(call.case)
-        reference = self.workload.reference(inputs)
-        specs = {name: (tuple(reference[name].shape), dtype) for name, dtype in self._dtypes.items()}
-        self._spec_cache.setdefault(_case_key(call.case), specs)
+        specs = self._specs(call.case)
         remaining = deadline - time.perf_counter()
         if remaining <= 0:
             raise EngineProcessError("timeout", "the evaluation ran out of time before " + call.where)
@@ -312,24 +344,33 @@ class Evaluator:
         reply, where = result.reply, call.where
         if result.forbidden or reply.get("forbidden"):
             calls = ", ".join(sorted(set(result.forbidden))) or "a forbidden function"
-            return _Verdict(INCORRECT, f"{where}: engine called {calls}: {_FORBIDDEN_ADVICE}")
+            return inputs, result, _Verdict(INCORRECT, f"{where}: engine called {calls}: {_FORBIDDEN_ADVICE}")
         if reply.get("op") == "raised":
             if first:
                 status = BUILD_ERROR if reply.get("compile_error") else RUNTIME_ERROR
-                return _Verdict(status, _summary("first call failed", reply), str(reply.get("traceback", "")))
+                return inputs, result, _Verdict(status, _summary("first call failed", reply),
+                                                str(reply.get("traceback", "")))
             kind = "out of memory" if reply.get("oom") else reply.get("type", "an error")
             text = str(reply.get("message", "")).strip().splitlines()
-            return _Verdict(RUNTIME_ERROR, f"engine raised {kind} on {where}: {text[0] if text else ''}"[:500],
-                            str(reply.get("traceback", "")))
+            return inputs, result, _Verdict(RUNTIME_ERROR, f"engine raised {kind} on {where}: {text[0] if text else ''}"[:500],
+                                            str(reply.get("traceback", "")))
         if reply.get("op") != "returned":
-            return _Verdict(INCORRECT, f"{where}: engine process answered {str(reply.get('op'))[:40]!r}, not a result")
+            return inputs, result, _Verdict(INCORRECT, f"{where}: engine process answered"
+                                                       f" {str(reply.get('op'))[:40]!r}, not a result")
         if result.inputs_changed:
-            return _Verdict(INCORRECT, f"{where}: engine modified its inputs in place: {list(result.inputs_changed)}")
+            return inputs, result, _Verdict(INCORRECT, f"{where}: engine modified its inputs in place:"
+                                                       f" {list(result.inputs_changed)}")
         if reply.get("problem"):
-            return _Verdict(INCORRECT, f"{where}: {str(reply['problem'])[:500]}")
+            return inputs, result, _Verdict(INCORRECT, f"{where}: {str(reply['problem'])[:500]}")
         if result.late:
-            return _Verdict(INCORRECT, f"{where}: outputs {list(result.late)} changed after the engine returned"
-                                       " (work deferred past return, e.g. a kernel or thread still writing)")
+            return inputs, result, _Verdict(INCORRECT, f"{where}: outputs {list(result.late)} changed after the engine"
+                                                       " returned (work deferred past return, e.g. a kernel or thread"
+                                                       " still writing)")
+        return inputs, result, None
+
+    def _compare(self, call: _Call, inputs: dict, result: CallResult) -> _Verdict:
+        """The call's outputs against the float64 reference of its inputs."""
+        reference = self.workload.reference(inputs)
         problem, rel = compare_outputs(result.outputs, reference, self._dtypes, self._tolerance,
                                        self.settings.elementwise_factor)
         fingerprint = _fingerprint(result.outputs)
@@ -337,8 +378,8 @@ class Evaluator:
             if fingerprint in self._seen:
                 problem = (f"returned exactly the outputs of an earlier call ({self._seen[fingerprint]}) on different"
                            f" inputs (cached or stale result): {problem}")
-            return _Verdict(INCORRECT, f"{where}: {problem}", rel_error=rel)
-        self._seen.setdefault(fingerprint, where)
+            return _Verdict(INCORRECT, f"{call.where}: {problem}", rel_error=rel)
+        self._seen.setdefault(fingerprint, call.where)
         return _Verdict(None, elapsed_ms=result.elapsed_s * 1e3, rel_error=rel)
 
     def _draw(self, case: CheckCase) -> dict:
