@@ -25,7 +25,7 @@ class Slot:
 
     @property
     def nbytes(self) -> int:
-        return numel(self.shape) * torch.empty((), dtype=dtype_of(self.dtype)).element_size()
+        return numel(self.shape) * dtype_of(self.dtype).itemsize
 
 
 def dtype_of(name: str) -> torch.dtype:

@@ -126,7 +126,7 @@ def check_engine(
                 return CheckReport(False, worst, f"{where}: outputs {late} changed after the engine returned"
                                    f" (work deferred past return, e.g. a background thread still writing)", run)
             problem, rel = compare_outputs(first, reference, dtypes, tolerance, elementwise_factor)
-            worst = _worse(worst, rel)
+            worst = worse(worst, rel)
             if problem:
                 if previous is not None and not _changed_outputs(first, previous):
                     problem = ("returned exactly the outputs of the previous call on different inputs"
@@ -176,7 +176,7 @@ def compare_outputs(
             return f"output {name!r} is all zeros (reference norm {ref_norm:.3e})", 1.0
         err = out64 - ref64
         rel = float(torch.linalg.vector_norm(err)) / max(ref_norm, torch.finfo(torch.float64).tiny)
-        worst = _worse(worst, rel)
+        worst = worse(worst, rel)
         if rel > tolerance:
             return f"output {name!r} norm-wise relative error {rel:.3e} > tolerance {tolerance:.1e}", worst
         max_err = float(err.abs().max()) if err.numel() else 0.0
@@ -189,7 +189,7 @@ def compare_outputs(
     return "", worst
 
 
-def _worse(a: float, b: float) -> float:
+def worse(a: float, b: float) -> float:
     """The larger error, ignoring nan (nan means 'not measured')."""
     if math.isnan(a):
         return b

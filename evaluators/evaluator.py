@@ -37,7 +37,7 @@ from evo.records import BUILD_ERROR, INCORRECT, OK, RUNTIME_ERROR, SUSPECT, TIME
 from evo.workloads import get_workload
 from evo.workloads.base import CheckCase, DeviceInfo, MachineRates, Preset, Workload
 from evaluators import device as devices
-from evaluators.check import SeedStream, compare_outputs, expected_dtypes
+from evaluators.check import SeedStream, compare_outputs, expected_dtypes, worse
 from evaluators.sandbox import CallResult, EngineProcess, EngineProcessError
 from evaluators.settings import EvaluatorSettings
 from evaluators.timing import Timing, measure_rates, num_threads, summarize
@@ -231,7 +231,7 @@ class Evaluator:
         except EngineProcessError as exc:
             return self._failed(genome_hash, start, exc, "evaluation", self._limit(), **stamp)
         for verdict in verdicts:
-            worst = _worse(worst, verdict.rel_error)
+            worst = worse(worst, verdict.rel_error)
         stamp["max_rel_error"] = worst
         failed = next((v for v in verdicts if v.status is not None), None)
         if failed is not None:
@@ -461,13 +461,6 @@ def _fingerprint(outputs: Mapping[str, torch.Tensor] | None) -> tuple:
         raw = value.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()
         parts.append((name, tuple(value.shape), hashlib.blake2b(raw, digest_size=16).hexdigest()))
     return tuple(parts)
-
-
-def _worse(a: float, b: float) -> float:
-    """The larger error, ignoring nan (nan means 'not measured')."""
-    if math.isnan(a):
-        return b
-    return a if math.isnan(b) else max(a, b)
 
 
 def _summary(what: str, reply: Mapping[str, object]) -> str:

@@ -30,6 +30,7 @@ import torch
 import torch.multiprocessing  # noqa: F401 - registers the reductions that share tensors with the child
 
 from evaluators import arena as arenas
+from evaluators.timing import sync
 from evaluators.zygote import Zygote
 from evo.workloads.base import DeviceInfo, Preset
 
@@ -158,7 +159,7 @@ class EngineProcess:
         late: tuple[str, ...] = ()
         if copies is not None and self.device.type == "cuda" and self.settle_s > 0:
             time.sleep(self.settle_s)
-            _sync(self.device)
+            sync(str(self.device))
             late = tuple(k for k, s in out_slots.items()
                          if not torch.equal(arenas.view(self._out_arena, s), copies[k]))
         return CallResult(elapsed, reply, copies, changed, late, tuple(forbidden))
@@ -181,7 +182,7 @@ class EngineProcess:
                    "arenas": (self._in_arena, self._out_arena) if new else None}
         payload = ForkingPickler.dumps(message)
         deadline = time.monotonic() + timeout_s
-        _sync(self.device)
+        sync(str(self.device))
         self._thaw()
         start = time.perf_counter()
         self._send(payload, deadline)
@@ -316,8 +317,3 @@ def _state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return ""
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
