@@ -32,6 +32,7 @@ from typing import Mapping
 import numpy as np
 import torch
 
+from evo.code import CodeError, check_sources, code_hash
 from evo.genome import Genome, GenomeError
 from evo.records import BUILD_ERROR, INCORRECT, OK, RUNTIME_ERROR, SUSPECT, TIMEOUT, EvalResult
 from evo.workloads import get_workload
@@ -119,8 +120,9 @@ class Evaluator:
             "cores": list(self.cores) if self.cores is not None else None,
         }
 
-    def evaluate(self, genome_json: str) -> EvalResult:
-        """Build, check and time the engine a genome describes."""
+    def evaluate(self, genome_json: str, sources: Mapping[str, str] | None = None) -> EvalResult:
+        """Build, check and time the engine a genome describes. `sources` maps code hash -> source for the
+        genome's code genes (`evo.code`): checked here (compiled, never run), run only in the engine's process."""
         start = time.perf_counter()
         try:
             genome = Genome.from_json(genome_json)
@@ -132,7 +134,19 @@ class Evaluator:
         except GenomeError as exc:
             return self._result(genome.hash, BUILD_ERROR, start, message=f"invalid genome: {exc}",
                                 error=f"GenomeError: {exc}")
-        return self._evaluate(genome.hash, start, {"genome_json": genome.to_json(), "guarded": True})
+        try:
+            code = self._code(genome, sources or {})
+        except CodeError as exc:
+            return self._result(genome.hash, BUILD_ERROR, start, message=f"invalid engine code: {exc}",
+                                error=f"CodeError: {exc}")
+        return self._evaluate(genome.hash, start, {"genome_json": genome.to_json(), "guarded": True, "sources": code})
+
+    def _code(self, genome: Genome, sources: Mapping[str, str]) -> dict[str, str]:
+        """{hash: source} of the genome's code genes, each present, matching its hash and checked."""
+        stages = getattr(self.workload, "open_stages", None)
+        stages = stages(self.preset, self._info) if stages else ()
+        chosen = check_sources(genome.values(), sources, stages)
+        return {code_hash(source): source for source in chosen.values()}
 
     def evaluate_baseline(self, baseline: str) -> EvalResult:
         """Build, check and time a named baseline exactly like a genome's engine (baselines may call

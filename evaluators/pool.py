@@ -89,6 +89,7 @@ class EvaluatorPool:
         self.kind = placement_kind(placement, preset.name, preset.device)
         self.on_event = on_event
         self.should_stop = lambda: False  # polled at least once a second: stop dispatching when true
+        self.sources_of: Callable[[Proposal], dict[str, str]] = lambda p: dict(p.sources)  # code hash -> source
         self.watch_interval_s, self.node_wait_s = watch_interval_s, node_wait_s
         self.slots: list[_Slot] = []
         self.device_type: str | None = None  # the device every timing of this run comes from
@@ -215,7 +216,7 @@ class EvaluatorPool:
         return {key: result for key, result in self._dispatch(jobs, hash_of=lambda n: f"baseline:{n}")}
 
     def run(self, proposals: list[Proposal]) -> Iterator[tuple[Proposal, EvalResult]]:
-        jobs = [(p, "evaluate", p.genome.to_json()) for p in proposals]
+        jobs = [(p, "evaluate", p.genome.to_json(), self.sources_of(p)) for p in proposals]
         yield from self._dispatch(jobs, hash_of=lambda p: p.hash)
 
     def _dispatch(self, jobs, hash_of) -> Iterator[tuple[Any, EvalResult]]:
@@ -238,7 +239,7 @@ class EvaluatorPool:
                     break
                 if id(slot) not in busy:
                     job = queue.popleft()
-                    running[getattr(slot.actor, job[1]).remote(job[2])] = (job, slot, time.monotonic())
+                    running[getattr(slot.actor, job[1]).remote(*job[2:])] = (job, slot, time.monotonic())
             if not running and not self.ready_slots():  # nothing can take work: wait a while for evaluators
                 lost_since = lost_since or time.monotonic()
                 if time.monotonic() - lost_since > self.node_wait_s:

@@ -90,7 +90,7 @@ class EngineProcess:
         self.pid, self.conn = self._zygote.spawn(preload)
 
     def configure(self, workload: Any, preset: Preset, info: DeviceInfo, *, genome_json: str | None = None,
-                  baseline: str | None = None, guarded: bool = True) -> None:
+                  baseline: str | None = None, guarded: bool = True, sources: Mapping[str, str] | None = None) -> None:
         """Tell the launched process its environment, cores, threads and which engine it will build."""
         if self.pid is None:
             self.launch()
@@ -103,7 +103,7 @@ class EngineProcess:
             "cores": sorted(os.sched_getaffinity(0)),
             "threads": self.threads, "device": str(self.device), "poison": self.poison,
             "workload": workload_bytes, "workload_name": workload_name, "preset": preset, "info": info,
-            "genome": genome_json, "baseline": baseline, "guarded": guarded,
+            "genome": genome_json, "baseline": baseline, "guarded": guarded, "sources": dict(sources or {}),
         }
         self._send(ForkingPickler.dumps(spec), math.inf)
 
@@ -131,9 +131,11 @@ class EngineProcess:
         return {**reply, "forbidden_calls": forbidden}
 
     def start(self, workload: Any, preset: Preset, info: DeviceInfo, *, genome_json: str | None = None,
-              baseline: str | None = None, guarded: bool = True, timeout_s: float = math.inf) -> dict:
+              baseline: str | None = None, guarded: bool = True, sources: Mapping[str, str] | None = None,
+              timeout_s: float = math.inf) -> dict:
         """`configure` then `build` (no calibration)."""
-        self.configure(workload, preset, info, genome_json=genome_json, baseline=baseline, guarded=guarded)
+        self.configure(workload, preset, info, genome_json=genome_json, baseline=baseline, guarded=guarded,
+                       sources=sources)
         return self.build(timeout_s)
 
     def close(self) -> None:

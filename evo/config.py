@@ -19,6 +19,7 @@ from evaluators.placement import PLACEMENTS
 from evaluators.settings import EvaluatorSettings
 from evo.population import PopulationSettings
 from evo.search import SearchSettings
+from operators.code_settings import CodeAgentSettings
 
 
 class ConfigError(ValueError):
@@ -69,6 +70,7 @@ class RunConfig:
     evaluator: EvaluatorSettings = field(default_factory=EvaluatorSettings)
     mlflow: MlflowSettings = field(default_factory=MlflowSettings)
     ray: RaySettings = field(default_factory=RaySettings)
+    code_agent: CodeAgentSettings = field(default_factory=CodeAgentSettings)  # used when search.agents has "code"
 
     def to_dict(self) -> dict[str, Any]:
         return _to_plain(self)
@@ -111,9 +113,9 @@ def config_from_dict(data: Mapping[str, Any]) -> RunConfig:
 
 
 def _build(cls: type, data: Any, where: str) -> Any:
-    if cls is EvaluatorSettings:
+    if cls in (EvaluatorSettings, CodeAgentSettings):
         try:
-            return EvaluatorSettings.from_dict(data)
+            return cls.from_dict(data)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{where}: {exc}") from exc
     if not isinstance(data, Mapping):
@@ -156,6 +158,8 @@ def _convert(hint: Any, value: Any, where: str) -> Any:
 
 
 def _to_plain(obj: Any) -> Any:
+    if isinstance(obj, CodeAgentSettings):
+        return obj.to_dict()
     if dataclasses.is_dataclass(obj):
         return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, (list, tuple)):

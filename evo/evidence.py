@@ -8,6 +8,7 @@ Run directory layout:
   state.json                  search state after the last complete generation (agent statistics, RNG)
   best_genome.json            the best genome so far
   summary.json                best genome, latencies, speedups, evaluations, count per status
+  code/<hash>.py              engine sources named by genomes' code genes (evo.code.CodeStore)
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ SCHEMA = pa.schema([
     ("latency_ms", pa.float64()), ("latency_spread_ms", pa.float64()), ("max_rel_error", pa.float64()),
     ("build_s", pa.float64()), ("eval_s", pa.float64()), ("device", pa.string()), ("threads", pa.int32()),
     ("evaluator", pa.string()), ("versions", pa.string()), ("roofline_floor_ms", pa.float64()),
+    ("notes", pa.string()),  # the proposing agent's JSON notes (code agent: prompt artifact, tokens, cost)
 ])
 
 
@@ -46,6 +48,7 @@ def evidence_row(item: Evaluated) -> dict[str, Any]:
         "latency_spread_ms": r.latency_spread_ms, "max_rel_error": r.max_rel_error, "build_s": r.build_s,
         "eval_s": r.eval_s, "device": r.device, "threads": r.threads, "evaluator": r.evaluator,
         "versions": json.dumps(r.versions, sort_keys=True), "roofline_floor_ms": r.roofline_floor_ms,
+        "notes": p.notes,
     }
 
 
@@ -109,7 +112,8 @@ class DiskEvidence:
 def evaluated_from_row(row: dict[str, Any]) -> Evaluated:
     """The inverse of `evidence_row`: every EvalResult field the row has (JSON nulls back to NaN)."""
     proposal = Proposal(genome=Genome.from_json(row["genome"]), parents=tuple(row["parents"]), agent=row["agent"],
-                        move=row["move"], generation=row["generation"], move_kind=row["move_kind"], index=row["index"])
+                        move=row["move"], generation=row["generation"], move_kind=row["move_kind"], index=row["index"],
+                        notes=row.get("notes") or "")
     values = {f.name: row[f.name] for f in dataclasses.fields(EvalResult) if f.name in row}
     values["versions"] = json.loads(values.get("versions") or "{}")
     return Evaluated(proposal, EvalResult.from_dict(values))

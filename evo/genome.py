@@ -17,6 +17,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
+from evo.code import is_code_hash
+
 DOMAINS: tuple[str, ...] = ("fusion", "scheduling", "memory")
 Scalar = bool | int | float | str | None
 
@@ -136,6 +138,20 @@ class Gene:
 
 
 @dataclass(frozen=True)
+class CodeGene:
+    """A gene whose value is the content hash of a source file (see `evo.code`), for a stage the workload
+    marks as open. Omitted from a genome, the stage runs its hand-written implementation."""
+
+    name: str
+    domain: str
+    doc: str
+
+    def __post_init__(self) -> None:
+        if self.domain not in DOMAINS:
+            raise ValueError(f"code gene {self.name!r}: domain {self.domain!r} not in {DOMAINS}")
+
+
+@dataclass(frozen=True)
 class Constraint:
     """A rule over several genes. `violation` returns a message when the genome breaks it."""
 
@@ -150,6 +166,10 @@ class GeneSpace:
     workload: str
     genes: tuple[Gene, ...]
     constraints: tuple[Constraint, ...] = ()
+    code_genes: tuple[CodeGene, ...] = ()  # optional genes holding code hashes (absent: hand-written code)
+
+    def code_gene_names(self) -> tuple[str, ...]:
+        return tuple(g.name for g in self.code_genes)
 
     def gene(self, name: str) -> Gene:
         for gene in self.genes:
@@ -165,13 +185,16 @@ class GeneSpace:
 
     def make(self, values: Mapping[str, Scalar]) -> Genome:
         """A validated genome from flat gene values; missing genes take their defaults."""
-        known = {g.name for g in self.genes}
+        known = {g.name for g in self.genes} | set(self.code_gene_names())
         unknown = sorted(set(values) - known)
         if unknown:
             raise GenomeError(f"unknown genes {unknown} for workload {self.workload!r}; allowed: {sorted(known)}")
         domains: dict[str, dict[str, Scalar]] = {d: {} for d in DOMAINS}
         for gene in self.genes:
             domains[gene.domain][gene.name] = values.get(gene.name, gene.default)
+        for gene in self.code_genes:
+            if values.get(gene.name) is not None:
+                domains[gene.domain][gene.name] = values[gene.name]
         return self.validate(Genome.from_dict({"workload": self.workload, **domains}))
 
     def validate(self, genome: Genome) -> Genome:
@@ -181,10 +204,16 @@ class GeneSpace:
         for domain in DOMAINS:
             given = genome.domain(domain)
             declared = {g.name: g for g in self.in_domain(domain)}
+            code = {g.name for g in self.code_genes if g.domain == domain}
             for name in given:
-                if name not in declared:
+                if name in code:
+                    if not is_code_hash(given[name]):
+                        raise GenomeError(f"code gene {name!r} has value {given[name]!r}; it takes the content hash "
+                                          f"of a source (16 lowercase hex digits), or is omitted for the hand-written "
+                                          f"implementation")
+                elif name not in declared:
                     raise GenomeError(
-                        f"unknown gene {name!r} in domain {domain!r}; allowed in {domain}: {sorted(declared)}"
+                        f"unknown gene {name!r} in domain {domain!r}; allowed in {domain}: {sorted(declared | code)}"
                     )
             for name, gene in declared.items():
                 if name not in given:
@@ -231,14 +260,15 @@ class GeneSpace:
             default = gene.default if _legal(gene.default, values) else values[0]
             narrowed.append(Gene(name, gene.domain, values, default, gene.doc))
         genes.update({g.name: g for g in narrowed})
-        return GeneSpace(self.workload, tuple(genes[g.name] for g in self.genes), self.constraints)
+        return GeneSpace(self.workload, tuple(genes[g.name] for g in self.genes), self.constraints, self.code_genes)
 
     def describe(self) -> list[dict[str, Any]]:
         """The gene table (for docs, configs and logs)."""
         return [
             {"gene": g.name, "domain": g.domain, "values": list(g.values), "default": g.default, "doc": g.doc}
             for g in self.genes
-        ]
+        ] + [{"gene": g.name, "domain": g.domain, "values": ["<code hash>"], "default": None, "doc": g.doc}
+             for g in self.code_genes]
 
 
 def _legal(value: Any, allowed: Iterable[Scalar]) -> bool:

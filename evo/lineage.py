@@ -185,8 +185,19 @@ def candidate_table(evaluated: list[Evaluated] | tuple[Evaluated, ...], known: d
         rows.append({"index": p.index, "hash": p.hash, "parents": ",".join(p.parents), "agent": p.agent, "move": p.move,
                      "status": r.status, "latency_ms": latency, "parent_latency_ms": parent_ms,
                      "latency_change_ms": latency - parent_ms if r.ok and parent_ms is not None else None,
-                     "evaluator": r.evaluator, "message": r.message[:300]})
+                     "evaluator": r.evaluator, "message": r.message[:300], **_code_columns(p)})
     return rows
+
+
+def _code_columns(p) -> dict[str, Any]:
+    """A code agent's candidate: its code hash, tokens, cost and where its diff and prompt are (else empty)."""
+    try:
+        notes = json.loads(p.notes) if p.notes else {}
+    except json.JSONDecodeError:
+        notes = {}
+    return {"code_hash": notes.get("code_hash", ""), "tokens": notes.get("tokens_in", 0) + notes.get("tokens_out", 0),
+            "cost_usd": notes.get("cost_usd", 0.0),
+            "code_diff": f"diffs/{p.hash}.diff" if notes.get("code_hash") else "", "prompt": notes.get("prompt", "")}
 
 
 def candidate_tags(rows: list[dict[str, Any]]) -> dict[str, str]:

@@ -27,10 +27,11 @@ class LocalExecutor:
 
     def __init__(self, evaluator) -> None:
         self.evaluator = evaluator
+        self.sources_of = lambda proposal: dict(proposal.sources)  # code hash -> source (evo.code)
 
     def run(self, proposals: list[Proposal]) -> Iterator[tuple[Proposal, EvalResult]]:
         for proposal in proposals:
-            yield proposal, self.evaluator.evaluate(proposal.genome.to_json())
+            yield proposal, self.evaluator.evaluate(proposal.genome.to_json(), self.sources_of(proposal))
 
 
 def run_search(search: Search, executor: Executor, sinks: Iterable[Sink] = (),

@@ -98,7 +98,10 @@ class MlflowSink:
     def on_result(self, evaluated) -> None:
         pass  # results reach MLflow per generation, after the Parquet file is on disk
 
-    def on_generation(self, report: GenerationReport, search: Search, parquet: Path | None = None) -> None:
+    def on_generation(self, report: GenerationReport, search: Search, parquet: Path | None = None,
+                      extra: list[tuple[Path, str]] = ()) -> None:
+        """`extra`: more files of the run directory for this generation's run, with their artifact folders
+        (the code agent's diffs, sources and prompt records, see evo.code_evidence)."""
         step, now, ref = report.generation, _now(), f"{self.session}/gen:{report.generation}"
         values = {
             "best_latency_ms": report.best_latency_ms,
@@ -127,6 +130,8 @@ class MlflowSink:
                     params={"generation": str(step), "candidates": str(len(report.evaluated))})
         if parquet is not None:
             self._artifact(ref, Path(parquet), "evidence")
+        for path, folder in extra:
+            self._artifact(ref, Path(path), folder)
         self._artifact(ref, write_candidate_table(table, self.run_dir / "lineage" / f"gen_{step:04d}" / CANDIDATES_FILE), None)
         self.outbox.add({"op": "terminate", "run": ref, "status": "FINISHED", "end_time": _now()})
         self.outbox.pump()
@@ -150,9 +155,10 @@ class MlflowSink:
         final["fraction_of_roofline"] = roofline.get("fraction_of_floor")
         metrics = [(k, float(v), now, 0) for k, v in final.items() if v is not None and math.isfinite(v)]
         self._batch(self.parent, metrics=metrics, tags={"best_hash": str(summary.get("best_hash")), "run_dir": str(run_dir)})
-        for name in ("summary.json", "best_genome.json", "baselines.json", "config.yaml", "lessons.yaml"):
+        for name in ("summary.json", "best_genome.json", "baselines.json", "config.yaml", "lessons.yaml",
+                     "code_lessons.md", "agent/log.jsonl"):
             if (Path(run_dir) / name).exists():
-                self._artifact(self.parent, Path(run_dir) / name, None)
+                self._artifact(self.parent, Path(run_dir) / name, str(Path(name).parent) if "/" in name else None)
         self.outbox.add({"op": "terminate", "run": self.parent, "status": status, "end_time": _now()})
         if self.outbox.drain(self.finish_wait_s):
             return True

@@ -32,6 +32,8 @@ class Proposal:
     generation: int
     move_kind: str = ""  # the agent's statistic this move counts towards (e.g. "chunk_size")
     index: int = 0  # position within the generation, so arrival order does not matter
+    sources: tuple[tuple[str, str], ...] = ()  # (code hash, source) of new code the genome's code genes name
+    notes: str = ""  # JSON of what the proposing agent reports about it (a code agent: prompts, tokens, cost)
 
     @property
     def hash(self) -> str:

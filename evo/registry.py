@@ -20,13 +20,14 @@ class EnginePyfunc(mlflow.pyfunc.PythonModel):
     """predict({"q": array, ...}) -> {"o": array, "final_state": array} with the engine on CPU."""
 
     def load_context(self, context) -> None:
+        from evo.code import build_engine
         from evo.workloads import get_workload
         from evo.workloads.base import DeviceInfo
 
         record = EngineRecord.from_dict(json.loads(Path(context.artifacts["engine"]).read_text()), "pyfunc")
         workload = get_workload(record.workload)
         preset = workload.presets()[record.preset]
-        self.engine = workload.build(record.genome, preset, DeviceInfo("cpu", "cpu", 1))
+        self.engine = build_engine(workload, record.genome, preset, DeviceInfo("cpu", "cpu", 1), record.sources)
         self.dtype = preset.dtype
 
     # No type hints on predict: MLflow would read them as a (list-of-rows) schema.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ import yaml
 from evaluators.pool import EvaluatorPool
 from evo import local_ray
 from evo.config import RunConfig
+from evo.code import CodeStore
+from evo.code_evidence import CodeDiffs, SourceResolver
 from evo.evidence import DiskEvidence, write_baselines, write_json
 from evo.lessons import FILE as LESSONS_FILE, Lessons, for_run as warm_lessons, from_search as lessons_from_search
 from evo.lessons import write as write_lessons
@@ -35,7 +38,12 @@ from evo.stop import STOP, install_handlers
 from evo.serving.source import record_from_summary
 from evo.summary import best_baseline, make_summary
 from evo.workloads import get_workload
+from evo.workloads.base import DeviceInfo
+from operators.code_agent import CODE_DIR
+from operators.code_lessons import lessons_path
 from operators.ray_team import RayTeam
+
+CODE_LESSONS_FILE = "code_lessons.md"  # the code agent's lessons file as it stood at the end of the run
 
 
 @dataclass(frozen=True)
@@ -88,16 +96,29 @@ class Progress:
 
 
 class _MlflowGeneration:
-    """Adapter so MLflow gets each generation after its Parquet file is on disk."""
+    """Adapter so MLflow gets each generation after its Parquet file (and its code diffs) are on disk."""
 
-    def __init__(self, sink: MlflowSink, disk: DiskEvidence) -> None:
-        self.sink, self.disk = sink, disk
+    def __init__(self, sink: MlflowSink, disk: DiskEvidence, diffs: CodeDiffs | None) -> None:
+        self.sink, self.disk, self.diffs = sink, disk, diffs
 
     def on_result(self, evaluated) -> None:
         pass
 
     def on_generation(self, report: GenerationReport, search: Search) -> None:
-        self.sink.on_generation(report, search, self.disk.generation_path(report.generation))
+        extra = self.diffs.files.pop(report.generation, []) if self.diffs else []
+        self.sink.on_generation(report, search, self.disk.generation_path(report.generation), extra)
+
+
+def code_agent_options(config: RunConfig, run_dir: Path, device: DeviceInfo) -> dict:
+    """The code agent's keyword arguments (operators.code_agent.CodeAgent): settings, where it writes, and
+    its API key read here from the variable the config names (never written to the config or MLflow)."""
+    settings = config.code_agent
+    key_env = settings.llm.api_key_env
+    kind = device.kind if device.kind == "cpu" else f"{device.kind}-{device.name}"
+    lessons_dir = Path(settings.lessons_dir or Path(config.out_dir) / "lessons").resolve()
+    return {"settings": settings, "workload": config.workload, "preset": config.preset, "device": device,
+            "run_dir": str(run_dir), "lessons_path": str(lessons_path(lessons_dir, config.workload, kind)),
+            "environ": {key_env: os.environ[key_env]} if key_env in os.environ else {}}
 
 
 def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout,
@@ -148,7 +169,14 @@ def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout
         if missing:
             raise ValueError(f"baselines {missing} are not available here; available: {available}")
         # Start everything that costs CPU (agent processes, the MLflow store) before any timing.
-        team = RayTeam(list(config.search.agents), gene_space, config.search.seed)
+        store = CodeStore(run_dir / CODE_DIR)
+        pool.sources_of = SourceResolver(store, gene_space.code_gene_names())
+        options = {}
+        if "code" in config.search.agents:
+            options["code"] = code_agent_options(config, run_dir, device)
+            print(f"code agent: {config.code_agent.llm.model} at {config.code_agent.llm.base_url}; lessons "
+                  f"{options['code']['lessons_path']}", file=out, flush=True)
+        team = RayTeam(list(config.search.agents), gene_space, config.search.seed, options)
         if config.mlflow.enabled:
             uri = tracking_uri(config.mlflow.tracking_uri)
             tags = {"workload": config.workload, "preset": config.preset, "run_dir": str(run_dir), "device": device.name}
@@ -175,10 +203,14 @@ def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout
 
         disk = DiskEvidence(run_dir, journaled={e.proposal.hash for e in resume.journal} if resume else set())
         lineage = LineageSink(run_dir, mlflow_sink)  # lineage page and plots, after each generation and at the end
-        sinks = [disk, Progress(out, baseline_ms, config.search.max_evaluations), lineage]
+        diffs = None
+        if gene_space.code_genes:
+            stages = workload.open_stages(preset, device)
+            diffs = CodeDiffs(run_dir, store, tuple(s for s in stages if s.gene in gene_space.code_gene_names()))
+        sinks = [disk, *([diffs] if diffs else []), Progress(out, baseline_ms, config.search.max_evaluations), lineage]
         if mlflow_sink:
             mlflow_sink.log_baselines(baselines, roofline.floor_ms)
-            sinks.append(_MlflowGeneration(mlflow_sink, disk))
+            sinks.append(_MlflowGeneration(mlflow_sink, disk, diffs))
         search = Search(gene_space, config.search, team, lessons=lessons)
         executor = pool
         if resume:
@@ -200,6 +232,10 @@ def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout
         summary["warm_start"] = lessons.describe() if lessons else None
         write_lessons(run_dir / LESSONS_FILE, lessons_from_search(search, config.workload, config.preset,
                                                                    f"{device.kind}:{device.name}", run_dir.name))
+        if "code" in options:  # the code agent's lessons as they stand at the end of this run, for MLflow
+            team.wait_idle(config.code_agent.llm.timeout_s)
+            shutil.copyfile(options["code"]["lessons_path"], run_dir / CODE_LESSONS_FILE)
+        summary["best_sources"] = _best_sources(summary, store, gene_space)
         if mlflow_sink and config.mlflow.register_model and summary["best_genome"] and not stopped:
             summary["registered_model"] = _register(mlflow_sink, summary, run_dir, config, out)
         write_json(run_dir / "summary.json", summary)
@@ -219,6 +255,14 @@ def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout
                 part.close()
         if own_ray:
             ray.shutdown()
+
+
+def _best_sources(summary: dict, store: CodeStore, gene_space) -> dict[str, str]:
+    """{hash: source} of the best genome's code genes: serving builds the engine from them."""
+    if not summary.get("best_genome"):
+        return {}
+    values = {k: v for domain in ("fusion", "scheduling", "memory") for k, v in summary["best_genome"][domain].items()}
+    return store.sources_for(values, gene_space.code_gene_names())
 
 
 def _register(sink: MlflowSink, summary: dict, run_dir: Path, config: RunConfig, out: TextIO) -> str | None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -29,7 +29,9 @@ from evo.seeds import derive_seed
 from operators.base import Outcome, Parent
 
 DOMAIN_AGENTS = ("fusion", "scheduling", "memory", "integration")
-AGENT_NAMES = (*DOMAIN_AGENTS, "optuna")  # optuna: TPE over the whole genome (operators/optuna_agent.py)
+# optuna: TPE over the whole genome (operators/optuna_agent.py); code: a language model edits the source of
+# the workload's open stages (operators/code_agent.py, configured in the run config's code_agent section)
+AGENT_NAMES = (*DOMAIN_AGENTS, "optuna", "code")
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ class SearchSettings:
     offspring: int = 8  # proposals per generation
     max_evaluations: int = 60  # genome evaluations in all (baselines not counted)
     max_wall_s: float = 540.0  # no new generation starts after this many seconds
-    agents: tuple[str, ...] = DOMAIN_AGENTS  # agents taking part (also: optuna)
+    agents: tuple[str, ...] = DOMAIN_AGENTS  # agents taking part (also: optuna, code)
     parents_per_agent: int = 3  # parents offered to each agent per generation
     seed_genes: dict[str, list] | None = None  # restrict random seeds (not agents), e.g. {backend_intra: [eager]}
     population: PopulationSettings = field(default_factory=PopulationSettings)
@@ -152,11 +154,7 @@ class Search:
             proposals = self._offspring(wanted)
         if len(proposals) < wanted:  # agents ran dry (all children known): explore at random
             proposals += self._random(wanted - len(proposals), {p.hash for p in proposals}, "random restart")
-        proposals = [
-            Proposal(genome=p.genome, parents=p.parents, agent=p.agent, move=p.move, move_kind=p.move_kind,
-                     generation=self.generation, index=i)
-            for i, p in enumerate(proposals[:wanted])
-        ]
+        proposals = [replace(p, generation=self.generation, index=i) for i, p in enumerate(proposals[:wanted])]
         self.pending = {p.hash: p for p in proposals}
         return proposals
 

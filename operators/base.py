@@ -118,6 +118,13 @@ class Agent:
         the whole history (e.g. `operators.optuna_agent`) override this; the gene-effect model that
         steers the others is kept by the search and passed to `propose`."""
 
+    def close(self) -> None:
+        """Stop background work, if the agent has any (the code agent's model calls)."""
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for background work to finish; whether it did (no background work: True)."""
+        return True
+
     def learn(self, outcomes: list[Outcome]) -> None:
         for outcome in outcomes:
             tries_wins = self.stats.setdefault(outcome.move_kind, [0, 0])
@@ -165,9 +172,11 @@ class Agent:
 
 
     def legal(self, parent: Genome, domain_values: dict[str, Any]) -> Genome | None:
-        """The parent with this domain replaced, if legal and different; else None."""
+        """The parent with this domain replaced, if legal and different; else None. The parent's code
+        genes (evo.code) are kept unless `domain_values` names them."""
+        code = {g: v for g, v in parent.domain(self.domain).items() if g in self.gene_space.code_gene_names()}
         try:
-            child = self.gene_space.validate(parent.with_domain(self.domain, domain_values))
+            child = self.gene_space.validate(parent.with_domain(self.domain, {**code, **domain_values}))
         except GenomeError:
             return None
         return None if child.hash == parent.hash else child

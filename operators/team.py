@@ -8,6 +8,7 @@ from evo.effects import GeneEffects
 from evo.records import Evaluated, Proposal
 from evo.seeds import derive_seed
 from operators.base import Agent, Outcome, Parent
+from operators.code_agent import CodeAgent
 from operators.fusion import FusionAgent
 from operators.integration import IntegrationAgent
 from operators.memory_layout import MemoryLayoutAgent
@@ -15,24 +16,28 @@ from operators.optuna_agent import OptunaAgent
 from operators.scheduling import SchedulingAgent
 
 AGENT_CLASSES: dict[str, type[Agent]] = {
-    cls.name: cls for cls in (FusionAgent, SchedulingAgent, MemoryLayoutAgent, IntegrationAgent, OptunaAgent)
+    cls.name: cls for cls in (FusionAgent, SchedulingAgent, MemoryLayoutAgent, IntegrationAgent, OptunaAgent, CodeAgent)
 }
 
 # (agent name, parents, number of proposals wanted, hashes already known, the search's gene effects or None)
 Request = tuple[str, list[Parent], int, frozenset, GeneEffects | None]
 
 
-def make_agent(name: str, gene_space: GeneSpace, run_seed: int) -> Agent:
+def make_agent(name: str, gene_space: GeneSpace, run_seed: int, options: dict[str, Any] | None = None) -> Agent:
+    """Agent `name`; `options` are its keyword arguments beyond the gene space and seed (the code agent's
+    settings, workload, run directory and lessons file)."""
     if name not in AGENT_CLASSES:
         raise ValueError(f"unknown agent {name!r}; available: {sorted(AGENT_CLASSES)}")
-    return AGENT_CLASSES[name](gene_space, derive_seed(run_seed, f"agent:{name}"))
+    return AGENT_CLASSES[name](gene_space, derive_seed(run_seed, f"agent:{name}"), **(options or {}))
 
 
 class LocalTeam:
     """Agents as plain objects in this process (tests, single-process runs)."""
 
-    def __init__(self, names: list[str], gene_space: GeneSpace, run_seed: int) -> None:
-        self.agents = {name: make_agent(name, gene_space, run_seed) for name in names}
+    def __init__(self, names: list[str], gene_space: GeneSpace, run_seed: int,
+                 options: dict[str, dict[str, Any]] | None = None) -> None:
+        options = options or {}
+        self.agents = {name: make_agent(name, gene_space, run_seed, options.get(name)) for name in names}
 
     def propose(self, requests: list[Request], generation: int) -> list[list[Proposal]]:
         return [self.agents[name].propose(parents, n, generation, known, effects)
@@ -52,5 +57,9 @@ class LocalTeam:
         for name, agent_state in state.items():
             self.agents[name].load_state(agent_state)
 
+    def wait_idle(self, timeout_s: float) -> bool:
+        return all(agent.wait_idle(timeout_s) for agent in self.agents.values())
+
     def close(self) -> None:
-        pass
+        for agent in self.agents.values():
+            agent.close()

@@ -10,7 +10,8 @@ import time
 
 import torch
 
-from evo.genome import Gene, GeneSpace, Genome
+from evo.code import CodeError, OpenStage, load_module
+from evo.genome import CodeGene, Gene, GeneSpace, Genome
 from evo.workloads.base import CheckCase, DeviceInfo, Engine, MachineRates, Preset, Roofline
 
 IMPLS = (
@@ -39,6 +40,25 @@ IMPLS = (
 )
 
 SEEN_SEEDS: list[int] = []  # every seed make_inputs was given, in order
+
+# The open stage: a code gene whose source replaces the running sum (evo.code), for code-agent tests.
+SUM_SEED = '''"""The running sum of the fake workload: o[b, t] = initial_state[b] + sum over u <= t of x[b, u].
+
+x: [B, T, D]; initial_state: [B, D] or None. Return o, [B, T, D], in x's dtype.
+"""
+import torch
+
+
+def running_sum(x, initial_state):
+    # EVOLVE-BLOCK-START
+    o = x.cumsum(1)
+    # EVOLVE-BLOCK-END
+    if initial_state is not None:
+        o = o + initial_state[:, None, :]
+    return o
+'''
+SUM_STAGE = OpenStage(gene="code_sum", stage="running_sum", entry="running_sum", params=("x", "initial_state"),
+                      language="torch", doc="the running sum over time", seed=lambda: SUM_SEED)
 
 
 def _engine(impl: str, threads: int) -> Engine:
@@ -97,6 +117,14 @@ def _engine(impl: str, threads: int) -> Engine:
     return engine
 
 
+def _code_engine(running_sum) -> Engine:
+    def engine(x: torch.Tensor, initial_state: torch.Tensor | None = None) -> dict:
+        o = running_sum(x, initial_state)
+        return {"o": o, "final_state": o[:, -1].clone()}
+
+    return engine
+
+
 class FakeWorkload:
     name = "fake"
     input_names = ("x", "initial_state")
@@ -118,7 +146,11 @@ class FakeWorkload:
                 Gene("threads", "scheduling", (0, 1, 2), 0, "engine.num_threads (0: unset)"),
                 Gene("pad", "memory", (False, True), False, "unused"),
             ),
+            code_genes=(CodeGene(SUM_STAGE.gene, "fusion", SUM_STAGE.doc),),
         )
+
+    def open_stages(self, preset: Preset, device: DeviceInfo) -> tuple[OpenStage, ...]:
+        return (SUM_STAGE,)
 
     def free_axes(self, preset: Preset) -> dict[str, tuple[int, ...]]:
         return {"B": (1, preset.shape["B"]), "T": (8, preset.shape["T"]), "D": (preset.shape["D"], preset.shape["D"] + 1)}
@@ -148,7 +180,12 @@ class FakeWorkload:
             o = o + inputs["initial_state"].double()[:, None, :]
         return {"o": o, "final_state": o[:, -1]}
 
-    def build(self, genome: Genome, preset: Preset, device: DeviceInfo) -> Engine:
+    def build(self, genome: Genome, preset: Preset, device: DeviceInfo, sources: dict | None = None) -> Engine:
+        digest = genome.values().get(SUM_STAGE.gene)
+        if digest is not None:
+            if not sources or digest not in sources:
+                raise CodeError(f"no source for {SUM_STAGE.gene}={digest}")
+            return _code_engine(load_module(sources[digest], SUM_STAGE).running_sum)
         impl = genome["impl"]
         if impl == "raise_build":
             raise RuntimeError("deliberate failure at build time")

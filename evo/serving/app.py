@@ -40,6 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from evaluators.check import SeedStream, check_engine
 from evaluators.settings import EvaluatorSettings
+from evo.code import build_engine
 from evo.serving.codec import ENCODINGS, RequestError, decode_request, encode_outputs, kda_input_specs, parse_body
 from evo.serving.source import EngineRecord, resolve
 from evo.workloads import get_workload
@@ -141,7 +142,7 @@ def load_engine(source: str, tracking_uri: str | None = None) -> LoadedEngine:
     if record.workload not in INPUT_SPECS:
         raise EngineRejected(f"no HTTP input schema for workload {record.workload!r}; known: {sorted(INPUT_SPECS)}")
     try:
-        engine = workload.build(record.genome, preset, info)
+        engine = build_engine(workload, record.genome, preset, info, record.sources)
         settings = EvaluatorSettings()
         with torch.no_grad():
             report = check_engine(engine, workload, preset, workload.check_cases(preset),

@@ -37,6 +37,7 @@ class EngineRecord:
     speedups: dict[str, float] = field(default_factory=dict)
     device: str = ""
     mlflow_run_id: str | None = None
+    sources: dict[str, str] = field(default_factory=dict)  # code hash -> source of the genome's code genes
 
     def to_dict(self) -> dict[str, Any]:
         from evo.workloads import get_workload
@@ -45,13 +46,15 @@ class EngineRecord:
         return {"workload": self.workload, "preset": self.preset, "genome": self.genome.to_dict(),
                 "preset_spec": {"shape": dict(preset.shape), "dtype": preset.dtype, "device": preset.device},
                 "hash": self.genome.hash, "source": self.source, "latency_ms": self.latency_ms,
-                "speedups": self.speedups, "device": self.device, "mlflow_run_id": self.mlflow_run_id}
+                "speedups": self.speedups, "device": self.device, "mlflow_run_id": self.mlflow_run_id,
+                "sources": dict(self.sources)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str) -> EngineRecord:
         return cls(workload=data["workload"], preset=data["preset"], genome=Genome.from_dict(data["genome"]),
                    source=source, latency_ms=data.get("latency_ms"), speedups=data.get("speedups") or {},
-                   device=data.get("device", ""), mlflow_run_id=data.get("mlflow_run_id"))
+                   device=data.get("device", ""), mlflow_run_id=data.get("mlflow_run_id"),
+                   sources=dict(data.get("sources") or {}))
 
 
 def record_from_summary(summary: dict[str, Any], source: str) -> EngineRecord:
@@ -60,7 +63,8 @@ def record_from_summary(summary: dict[str, Any], source: str) -> EngineRecord:
     return EngineRecord(workload=summary["workload"], preset=summary["preset"],
                         genome=Genome.from_dict(summary["best_genome"]), source=source,
                         latency_ms=summary.get("best_latency_ms"), speedups=summary.get("speedups") or {},
-                        device=summary.get("device", ""), mlflow_run_id=summary.get("mlflow_run_id"))
+                        device=summary.get("device", ""), mlflow_run_id=summary.get("mlflow_run_id"),
+                        sources=dict(summary.get("best_sources") or {}))
 
 
 def resolve(source: str, tracking_uri: str | None = None) -> EngineRecord:
