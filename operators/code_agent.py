@@ -197,7 +197,7 @@ class CodeAgent(Agent):
             with self._lock:
                 self.failures[kind] = self.failures.get(kind, 0) + 1
             return
-        new_hash = code_hash(new_source)
+        new_hash = self.store.put(new_source)  # text only: the agent reads it back for critiques and children
         notes = {"model": self.settings.llm.model, **used.to_dict(), "repairs": len(record["exchanges"]) - 1,
                  "prompt": artifact, "stage": stage.gene, "code_hash": new_hash,
                  "parent_code": code_hash(parent_source), "rationale": change.rationale}
