@@ -93,6 +93,7 @@ class CodeAgent(Agent):
         self.history: dict[str, Evaluated] = {}  # every result seen, by genome hash
         self.mine: dict[str, _Mine] = {}  # own proposals awaiting their result
         self.ready: list[Proposal] = []
+        self.handed: dict[str, Proposal] = {}  # given to the search at the last propose, by hash
         self.best_ms = math.inf
         self._known: set[str] = set()
         self._lock = threading.RLock()
@@ -109,9 +110,11 @@ class CodeAgent(Agent):
         with self._lock:
             self._known |= set(exclude)
             self._futures = [f for f in self._futures if not f.done()]
-            fresh = [p for p in self.ready if p.hash not in self._known]
+            # what the search took last time but did not evaluate (it asks for spares) is offered again
+            returned = [p for h, p in self.handed.items() if h not in self._known]
+            fresh = [p for p in returned + self.ready if p.hash not in self._known]
             handed, self.ready = fresh[:n], fresh[n:]
-            self._known |= {p.hash for p in handed}
+            self.handed = {p.hash: p for p in handed}
             queued = sum(1 for f in self._futures)
             for i in range(max(0, self.settings.queue - queued)):
                 if not parents or self.settings.budget.exhausted(self.spent):
@@ -303,7 +306,8 @@ class CodeAgent(Agent):
     def state(self) -> dict[str, Any]:
         with self._lock:
             return {**super().state(), "spent": self.spent.to_dict(), "jobs": self.jobs, "failures": dict(self.failures),
-                    "ready": [_proposal_dict(p) for p in self.ready],
+                    "ready": [_proposal_dict(p) for p in [*self.handed.values(), *self.ready]
+                              if p.hash not in self._known],
                     "mine": {h: asdict(m) for h, m in self.mine.items()}}
 
     def load_state(self, state: dict[str, Any]) -> None:

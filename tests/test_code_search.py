@@ -1,0 +1,146 @@
+"""End to end: a search on the KDA CPU preset with the code agent in the team, against a scripted
+OpenAI-compatible server. The driver is killed with SIGKILL after a generation and resumed; then a
+second run reads the lessons of the first. Checks the evidence (code hashes, prompts, tokens, costs),
+MLflow (code diffs per generation, lessons), the agent's saved state and the lessons file."""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+
+from evo.code import START_MARK
+from tests.llm_server import ScriptedLlmServer, Step
+from tests.run_checks import journal
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "sk-scripted-key-do-not-log-42"
+EAGER = {f"backend_{s}": ["eager"] for s in ("gate", "l2norm", "intra", "recurrence", "output")}
+
+
+class ScriptedModel:
+    """Replies like a (very cautious) model: each proposal adds a comment line inside the first marked
+    block of the source it was shown, so every child is new, applies and stays correct. The first
+    proposal's edit does not apply (a repair is needed). Critiques get a numbered lesson."""
+
+    def __init__(self) -> None:
+        self.numbers = itertools.count(1)
+        self.lock = threading.Lock()
+        self.first = True
+
+    def __call__(self, body: dict) -> Step:
+        critique = "review one experiment" in body["messages"][0]["content"]
+        with self.lock:
+            n = next(self.numbers)
+            first = self.first and not critique
+            self.first = self.first and not first
+        if critique:
+            return Step(f"Scripted lesson {n}: a comment changes no latency; look for fewer kernel launches.")
+        if first:
+            return Step(json.dumps({"rationale": "try a line that is not there",
+                                    "edits": [{"search": "no such line\n", "replace": "x\n"}]}))
+        source = re.search(r"```python\n(.*?)\n```", body["messages"][1]["content"], re.S).group(1) + "\n"
+        block = source.split(START_MARK + "\n", 1)[1]
+        line = next(l for l in block.splitlines(keepends=True) if l.strip())
+        indent = line[: len(line) - len(line.lstrip())]
+        return Step(json.dumps({"rationale": f"variant {n}: annotate the first step",
+                                "edits": [{"search": line, "replace": f"{indent}# scripted variant {n}\n{line}"}]}))
+
+
+def config(tmp: Path, url: str, name: str, generations: int, budget: int) -> Path:
+    data = {
+        "workload": "kda", "preset": "cpu_small", "name": name, "baselines": ["eager_recurrent"], "genes": EAGER,
+        "search": {"seed": 1, "generations": generations, "offspring": 4, "max_evaluations": budget,
+                   "agents": ["scheduling", "code"], "population": {"size": 4, "elite": 1, "tournament": 2}},
+        "evaluators": {"count": 2, "threads": 1},
+        "evaluator": {"warmup": 1, "repeats": 3, "eval_timeout_s": 120, "build_timeout_s": 60},
+        "mlflow": {"tracking_uri": f"sqlite:///{tmp / 'mlflow.db'}", "experiment": "code", "register_model": False},
+        "code_agent": {"llm": {"base_url": url, "model": "scripted", "api_key_env": "SCRIPTED_LLM_KEY",
+                               "timeout_s": 20, "max_retries": 1,
+                               "prices": {"scripted": {"input_per_mtok": 3.0, "output_per_mtok": 15.0}}},
+                       "lessons_dir": str(tmp / "lessons"), "queue": 2},
+    }
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def evo(*args: str, crash_at: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "SCRIPTED_LLM_KEY": KEY}
+    env.pop("EVO_CRASH_AT", None)
+    if crash_at:
+        env["EVO_CRASH_AT"] = crash_at
+    process = subprocess.Popen([sys.executable, "-m", "evo", *args], cwd=ROOT, env=env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=420)
+    finally:
+        try:  # Ray's helper processes share the driver's process group
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(process.args, process.returncode, output)
+
+
+def test_a_search_with_the_code_agent_survives_a_kill_and_teaches_the_next_run(tmp_path):
+    model = ScriptedModel()
+    with ScriptedLlmServer(model) as server:
+        run_dir = tmp_path / "first"
+        killed = evo("run", str(config(tmp_path, server.url, "first", 4, 14)), "--out", str(run_dir),
+                     crash_at="evidence:3")
+        assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:]
+        checkpoint = json.loads((run_dir / "state.json").read_text())["agents"]["code"]
+        resumed = evo("resume", str(run_dir))
+        assert resumed.returncode == 0, resumed.stdout[-3000:]
+        first_requests = len(server.requests)
+
+        rows = journal(run_dir)
+        hashes = [r["genome_hash"] for r in rows]
+        assert len(hashes) == len(set(hashes)) == 14  # nothing evaluated twice, the budget kept
+        mine = [r for r in rows if r["agent"] == "code"]
+        assert mine, "no candidate of the code agent was evaluated"
+        for row in mine:
+            genome, notes = json.loads(row["genome"]), json.loads(row["notes"])
+            digest = genome["fusion"][notes["stage"]]
+            assert digest == notes["code_hash"] and (run_dir / "code" / f"{digest}.py").exists()
+            assert notes["tokens_in"] > 0 and notes["tokens_out"] > 0 and notes["cost_usd"] > 0
+            assert (run_dir / notes["prompt"]).exists()
+        assert any(json.loads(r["notes"])["repairs"] >= 1 for r in mine) or \
+            "could not be used" in json.dumps(server.requests)  # the first edit did not apply: repaired
+
+        state = json.loads((run_dir / "state.json").read_text())["agents"]["code"]
+        assert state["spent"]["calls"] >= checkpoint["spent"]["calls"] > 0  # the agent's spend survived the kill
+        lessons = (tmp_path / "lessons" / "kda-cpu.md").read_text()
+        assert "Scripted lesson" in lessons and any(r["genome_hash"] in lessons for r in mine)
+        assert (run_dir / "code_lessons.md").exists()
+        for path in (run_dir / "agent").iterdir():
+            assert KEY not in path.read_text()
+
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+        experiment = client.get_experiment_by_name("code")
+        runs = client.search_runs([experiment.experiment_id])
+        diffs = [a.path for r in runs if "mlflow.parentRunId" in r.data.tags
+                 for a in client.list_artifacts(r.info.run_id, "diffs")]
+        assert any(p.endswith(".diff") for p in diffs), "no code diff reached MLflow"
+        one = next(r for r in runs if "mlflow.parentRunId" in r.data.tags and client.list_artifacts(r.info.run_id, "diffs"))
+        diff_path = client.download_artifacts(one.info.run_id, client.list_artifacts(one.info.run_id, "diffs")[0].path,
+                                              str(tmp_path / "dl"))
+        assert "+" in Path(diff_path).read_text() and "scripted variant" in Path(diff_path).read_text()
+        parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+        assert any(a.path == "code_lessons.md" for r in parents for a in client.list_artifacts(r.info.run_id))
+
+        second = evo("run", str(config(tmp_path, server.url, "second", 2, 6)), "--out", str(tmp_path / "second"))
+        assert second.returncode == 0, second.stdout[-3000:]
+        later = [json.dumps(r["messages"]) for r in server.requests[first_requests:]
+                 if "review one experiment" not in r["messages"][0]["content"]]
+        assert later and any("Scripted lesson" in text for text in later), "the second run did not read the lessons"
