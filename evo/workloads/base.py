@@ -103,6 +103,13 @@ class Workload(Protocol):
 
     def build(self, genome: Genome, preset: Preset, device: DeviceInfo) -> Engine: ...
 
+    # Optional: genomes that carry code (`evo.code`). `open_stages(preset, device) -> (OpenStage, ...)`
+    # names the stages whose implementation a code gene may replace (the gene space declares one
+    # `CodeGene` per open stage); such a workload's builder is then `build(genome, preset, device,
+    # sources=None)`, where `sources` maps code hash -> source for the code genes the genome sets. The
+    # evaluator passes `sources` only when they are non-empty, so workloads without open stages keep
+    # the three-argument `build`.
+
     def baselines(self, preset: Preset) -> dict[str, Callable[[DeviceInfo], Engine]]:
         """Name -> builder of each baseline engine that is available here."""
 

@@ -2,18 +2,20 @@
 
 `WORKLOAD` satisfies `evo.workloads.base.Workload`. Modules: reference (float64 oracle), inputs
 (presets, distributions, check cases), genes (gene space and Plan), stages (the chunked math),
-engine (genome -> engine), baselines, roofline.
+engine (genome -> engine), open_code (the stages a genome may carry as code), baselines, roofline.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping
 
+from evo.code import OpenStage
 from evo.genome import GeneSpace, Genome
 from evo.workloads.base import CheckCase, DeviceInfo, Engine, MachineRates, Preset, Roofline
 from evo.workloads.kda import baselines as _baselines
 from evo.workloads.kda import engine as _engine
 from evo.workloads.kda import genes as _genes
 from evo.workloads.kda import inputs as _inputs
+from evo.workloads.kda import open_code as _open_code
 from evo.workloads.kda import reference as _reference
 from evo.workloads.kda import roofline as _roofline
 
@@ -53,8 +55,14 @@ class KdaWorkload:
                                                   "_compiled_chunk_pairwise", "_eager_recurrent",
                                                   "_fla_naive_chunk", "recurrent_kda", "baselines"))]
 
-    def build(self, genome: Genome, preset: Preset, device: DeviceInfo) -> Engine:
-        return _engine.build(genome, preset, device)
+    def open_stages(self, preset: Preset, device: DeviceInfo) -> tuple[OpenStage, ...]:
+        """Intra, the recurrence's per-chunk state update and output (torch engine; genes code_*)."""
+        return _open_code.open_stages(preset, device)
+
+    def build(self, genome: Genome, preset: Preset, device: DeviceInfo,
+              sources: Mapping[str, str] | None = None) -> Engine:
+        """`sources`: code hash -> source for the code genes `genome` sets (see `open_stages`)."""
+        return _engine.build(genome, preset, device, sources)
 
     def baselines(self, preset: Preset) -> dict[str, Callable[[DeviceInfo], Engine]]:
         return _baselines.baselines(preset)

@@ -1,17 +1,21 @@
 """Build a KDA engine from a genome: stage functions composed into fused groups, each group run
-by its backend (the BACKENDS registry is the seam where "triton" or "cupy" slot in)."""
+by its backend (the BACKENDS registry is the seam where "triton" or "cupy" slot in). Each stage's
+implementation comes from an `impl` mapping: the hand-written `stages.HAND_WRITTEN`, with the entries
+of open stages whose code the genome carries replaced (`open_code.implementations`)."""
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
 
 from evo.genome import Genome
 from evo.workloads.base import DeviceInfo, Preset
+from evo.workloads.kda import open_code
 from evo.workloads.kda import stages
 from evo.workloads.kda.genes import Plan, gene_space
+from evo.workloads.kda.stages import Impl
 
 GroupFn = Callable[[dict], dict]
 
@@ -28,12 +32,9 @@ def _compile(fn: GroupFn) -> GroupFn:
 BACKENDS: dict[str, Callable[[GroupFn], GroupFn]] = {"eager": _eager, "compile": _compile}
 
 
-def _steps(group: tuple[str, ...], plan: Plan) -> list[Callable[[dict], dict]]:
+def _steps(group: tuple[str, ...], plan: Plan, impl: Impl) -> list[Callable[[dict], dict]]:
     """The step functions of one fused group that contains no recurrence."""
-    steps = []
-    for stage in group:
-        steps.append(functools.partial(getattr(stages, stage), plan=plan))
-    return steps
+    return [functools.partial(impl[stage], plan=plan) for stage in group]
 
 
 def _chain(steps: list[Callable[[dict], dict]]) -> GroupFn:
@@ -46,18 +47,18 @@ def _chain(steps: list[Callable[[dict], dict]]) -> GroupFn:
     return run
 
 
-def _group_fn(group: tuple[str, ...], backend: str, plan: Plan) -> GroupFn:
+def _group_fn(group: tuple[str, ...], backend: str, plan: Plan, impl: Impl) -> GroupFn:
     """One fused group on its backend. Intra or output fused with the recurrence run inside its
     chunk loop, and the backend then applies to the loop's step; gate and l2norm fused with them
     run before the loop as one function on the same backend."""
     wrap = BACKENDS[backend]
     if "recurrence" not in group:
-        return wrap(_chain(_steps(group, plan)))
+        return wrap(_chain(_steps(group, plan, impl)))
     before = tuple(s for s in group if s in ("gate", "l2norm"))
     in_loop = {"intra_in_loop": "intra" in group, "output_in_loop": "output" in group}
-    step = wrap(functools.partial(stages.chunk_step, plan=plan, **in_loop))
+    step = wrap(functools.partial(stages.loop_step, plan=plan, impl=impl, **in_loop))
     loop = functools.partial(stages.recurrence, plan=plan, step=step, **in_loop)
-    return _chain(([wrap(_chain(_steps(before, plan)))] if before else []) + [loop])
+    return _chain(([wrap(_chain(_steps(before, plan, impl)))] if before else []) + [loop])
 
 
 def _to_chunks(x: torch.Tensor, C: int, pad: int, head_major: bool) -> torch.Tensor:
@@ -74,12 +75,12 @@ def _to_chunks(x: torch.Tensor, C: int, pad: int, head_major: bool) -> torch.Ten
 class KdaEngine:
     """engine(q, k, v, g, beta, initial_state=None) -> {"o": [B,T,H,V] input dtype, "final_state": [B,H,K,V] float32}."""
 
-    def __init__(self, plan: Plan, genome: Genome | None = None) -> None:
+    def __init__(self, plan: Plan, genome: Genome | None = None, impl: Impl = stages.HAND_WRITTEN) -> None:
         self.plan = plan
         self.genome = genome
         self.num_threads: int | None = plan.threads
         self.groups = plan.groups()
-        self._fns = [_group_fn(group, backend, plan) for group, backend in self.groups]
+        self._fns = [_group_fn(group, backend, plan, impl) for group, backend in self.groups]
         self._buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, q, k, v, g, beta, initial_state=None) -> dict:
@@ -112,17 +113,20 @@ class KdaEngine:
         return self._buffers[key]
 
 
-def build(genome: Genome, preset: Preset, device: DeviceInfo):
+def build(genome: Genome, preset: Preset, device: DeviceInfo, sources: Mapping[str, str] | None = None):
     """Validate `genome` (GenomeError propagates) and compose its engine: the torch stage engine, or
-    the Triton engine (gene engine='triton'); either one CUDA-graph captured when cuda_graph=True."""
+    the Triton engine (gene engine='triton'); either one CUDA-graph captured when cuda_graph=True.
+    `sources` maps code hash -> source for the code genes the genome sets (CodeError when one is
+    missing, mismatched or not allowed); their entry points replace the hand-written stages."""
     gene_space(preset, device).validate(genome)
     values = genome.values()
     if values.get("engine", "torch") == "triton":
         from evo.workloads.kda.triton.engine import build_triton  # imports triton only for Triton genomes
 
-        engine = build_triton(genome)
+        engine = build_triton(genome)  # code genes were refused for it by validation
     else:
-        engine = KdaEngine(Plan.from_genome(genome), genome)
+        impl = {**stages.HAND_WRITTEN, **open_code.implementations(values, sources or {}, preset, device)}
+        engine = KdaEngine(Plan.from_genome(genome), genome, impl)
     if values.get("cuda_graph") is True:
         from evo.workloads.kda.triton.cuda_graph import CudaGraphEngine
 

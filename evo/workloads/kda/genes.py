@@ -1,7 +1,8 @@
 """The KDA gene space and the plan an engine is built from.
 
 Stages, in order: gate (chunk-local cumulative sum of g), l2norm, intra (intra-chunk matrices and
-the unit-lower-triangular solve), recurrence (the inter-chunk state loop), output.
+the unit-lower-triangular solve), recurrence (the inter-chunk state loop), output. Intra, the
+recurrence's state update and output are open (`open_code`): optional code genes may replace them.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Mapping
 
 from evo.genome import Constraint, Gene, GeneSpace, Genome, Scalar
 from evo.workloads.base import DeviceInfo, Preset
+from evo.workloads.kda import open_code as _open_code
 from evo.workloads.kda import triton as _triton
 from evo.workloads.kda.triton import genes as _triton_genes
 
@@ -88,6 +90,15 @@ def _sub_chunk_divides_chunk(values: Mapping[str, Scalar]) -> str | None:
     return None
 
 
+def _code_needs_torch_engine(values: Mapping[str, Scalar]) -> str | None:
+    if values.get("engine", "torch") != "torch":
+        code = sorted(g.name for g in _open_code.code_genes() if values.get(g.name) is not None)
+        if code:
+            return (f"code genes apply to the torch engine, got engine={values.get('engine')!r} with {code}; "
+                    "set engine='torch' or drop the code genes")
+    return None
+
+
 def gene_space(preset: Preset, device: DeviceInfo) -> GeneSpace:
     """Genes legal for `preset` on `device` (names are a contract with operators and configs)."""
     genes = _fusion_genes() + _scheduling_genes(device) + _memory_genes(preset)
@@ -101,8 +112,9 @@ def gene_space(preset: Preset, device: DeviceInfo) -> GeneSpace:
                       g.doc + "; tfloat32: tf32 tensor cores (triton)")
                  if g.name == "compute_dtype" else g for g in genes]
         genes += _triton_genes.genes(preset, device)
-        constraints += _triton_genes.constraints()
-    return GeneSpace("kda", tuple(genes), constraints)
+        constraints += _triton_genes.constraints() + (
+            Constraint("code genes apply to the torch engine", _code_needs_torch_engine),)
+    return GeneSpace("kda", tuple(genes), constraints, _open_code.code_genes())
 
 
 @dataclass(frozen=True)

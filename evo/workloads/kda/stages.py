@@ -7,11 +7,16 @@ chunk inside the state loop. Within a chunk with start state S0 and inclusive cu
     A[t,i] = beta_t sum_k k_t k_i exp(G_t - G_i)  (i < t)     M[t,i] = sum_k q_t k_i exp(G_t - G_i)  (i <= t)
     W  = (I + A)^-1 diag(beta) (K * Gamma)        U0 = (I + A)^-1 diag(beta) V
     U  = U0 - W S0     O = (Q * Gamma) S0 + M U     S_next = diag(Gamma_C) S0 + (K * exp(G_C - G))^T U
-Each stage takes the context dict and returns the entries it adds.
+Each stage takes the context dict and returns the entries it adds; the recurrence's unit is the
+per-chunk state update `chunk_step`, which `loop_step` composes with intra and output when they are
+fused into the loop. Intra, the state update and output are open (see `open_code.py`): a genome may carry
+source code that replaces them.
 """
 from __future__ import annotations
 
 import functools
+from types import MappingProxyType
+from typing import Callable, Mapping
 
 import torch
 
@@ -19,6 +24,7 @@ from evo.workloads.kda.genes import Plan
 from evo.workloads.kda.reference import L2NORM_EPS
 
 Ctx = dict
+Impl = Mapping[str, Callable]  # stage name -> implementation (see HAND_WRITTEN)
 
 
 # ---- gate and l2norm -------------------------------------------------------------------------
@@ -156,12 +162,9 @@ def _output(Qg: torch.Tensor, M: torch.Tensor, U: torch.Tensor, S: torch.Tensor,
 CHUNK_NAMES = ("q", "k", "v", "beta", "G", "gC", "gammaC", "W", "U0", "M", "Qg", "Kd")
 
 
-def chunk_step(c: Ctx, S: torch.Tensor, plan: Plan, intra_in_loop: bool, output_in_loop: bool) -> Ctx:
-    """One chunk of the state loop, two fused multiply-adds (baddbmm over B*H): the next state "S",
-    and the chunk's output "O" (output_in_loop) or what the batched output pass needs ("U", plus
-    "M"/"Qg" when intra ran here)."""
-    if intra_in_loop:
-        c = {**c, **intra(c, plan)}
+def chunk_step(c: Ctx, S: torch.Tensor, plan: Plan) -> Ctx:
+    """The state update of one chunk, two fused multiply-adds (baddbmm over B*H): the next state "S"
+    and the corrected values "U" = U0 - W S0 the output needs."""
     Kd = c["Kd"] if "Kd" in c else gated_k(c["k"], c["G"], c["gC"])
     if plan.state_layout == "vk":
         U = torch.baddbmm(c["U0"], c["W"], S.transpose(1, 2), alpha=-1)  # U0 - W S0: [BH, C, V]
@@ -169,10 +172,19 @@ def chunk_step(c: Ctx, S: torch.Tensor, plan: Plan, intra_in_loop: bool, output_
     else:
         U = torch.baddbmm(c["U0"], c["W"], S, alpha=-1)
         S_next = torch.baddbmm(S * c["gammaC"].unsqueeze(2), Kd.transpose(1, 2), U)
+    return {"S": S_next, "U": U}
+
+
+def loop_step(c: Ctx, S: torch.Tensor, plan: Plan, impl: Impl, intra_in_loop: bool, output_in_loop: bool) -> Ctx:
+    """One chunk of the state loop: intra (when fused into the loop), the state update
+    (impl["recurrence"]), then the chunk's output "O" (output_in_loop) or what the batched output
+    pass needs ("U", plus "M"/"Qg" when intra ran here)."""
+    if intra_in_loop:
+        c = {**c, **impl["intra"](c, plan)}
+    step = impl["recurrence"](c, S, plan)
     if output_in_loop:
-        Qg = c["Qg"] if "Qg" in c else gated_q(c["q"], c["G"])
-        return {"S": S_next, "O": _output(Qg, c["M"], U, S, plan)}
-    out = {"S": S_next, "U": U}
+        return {"S": step["S"], "O": impl["output"]({**c, "U": step["U"], "S_starts": S}, plan)["O"]}
+    out = {"S": step["S"], "U": step["U"]}
     if intra_in_loop:  # the batched output pass needs what intra made inside the loop
         out["M"] = c["M"]
         if "Qg" in c:
@@ -181,11 +193,12 @@ def chunk_step(c: Ctx, S: torch.Tensor, plan: Plan, intra_in_loop: bool, output_
 
 
 def recurrence(ctx: Ctx, plan: Plan, intra_in_loop: bool, output_in_loop: bool, step=None) -> Ctx:
-    """The state loop over chunks. `step` is `chunk_step` bound to this plan; a compiled backend
+    """The state loop over chunks. `step` is `loop_step` bound to this plan; a compiled backend
     compiles the step, so the loop is never unrolled into one graph per sequence length. Without
     output_in_loop it hands U and the per-chunk start states to one batched output pass."""
     if step is None:
-        step = functools.partial(chunk_step, plan=plan, intra_in_loop=intra_in_loop, output_in_loop=output_in_loop)
+        step = functools.partial(loop_step, plan=plan, impl=HAND_WRITTEN, intra_in_loop=intra_in_loop,
+                                 output_in_loop=output_in_loop)
     B, H = ctx["S0"].shape[:2]
     S = ctx["S0"].reshape(B * H, *ctx["S0"].shape[2:])  # [BH, K, V] float32 ([BH, V, K] for vk)
     chunks = _chunks(ctx, CHUNK_NAMES, B * H)
@@ -204,5 +217,12 @@ def recurrence(ctx: Ctx, plan: Plan, intra_in_loop: bool, output_in_loop: bool, 
 
 
 def output(ctx: Ctx, plan: Plan) -> Ctx:
+    """O = Qg S + M U, batched over chunks ([B, H, N, C, V]) or for one chunk inside the loop ([BH, C, V])."""
     Qg = ctx["Qg"] if "Qg" in ctx else gated_q(ctx["q"], ctx["G"])
-    return {"O": _output(Qg, ctx["M"], ctx["U"], ctx["S_starts"], plan)}  # [B, H, N, C, V]
+    return {"O": _output(Qg, ctx["M"], ctx["U"], ctx["S_starts"], plan)}
+
+
+# The hand-written implementation of each stage; for the recurrence, its per-chunk state update (the
+# loop driver `recurrence` and `loop_step` wrap it). An open stage's code replaces an entry (engine.build).
+HAND_WRITTEN: Mapping[str, Callable] = MappingProxyType(
+    {"gate": gate, "l2norm": l2norm, "intra": intra, "recurrence": chunk_step, "output": output})
