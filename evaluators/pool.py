@@ -216,7 +216,8 @@ class EvaluatorPool:
         return {key: result for key, result in self._dispatch(jobs, hash_of=lambda n: f"baseline:{n}")}
 
     def run(self, proposals: list[Proposal]) -> Iterator[tuple[Proposal, EvalResult]]:
-        jobs = [(p, "evaluate", p.genome.to_json(), self.sources_of(p)) for p in proposals]
+        # (proposal, method, genome JSON[, sources]): only genomes with code genes need sources
+        jobs = [(p, "evaluate", p.genome.to_json(), *filter(None, [self.sources_of(p)])) for p in proposals]
         yield from self._dispatch(jobs, hash_of=lambda p: p.hash)
 
     def _dispatch(self, jobs, hash_of) -> Iterator[tuple[Any, EvalResult]]:

@@ -23,6 +23,7 @@ import hashlib
 import linecache
 import os
 import re
+import sys
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,6 +157,8 @@ def load_module(source: str, stage: OpenStage) -> types.ModuleType:
     linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
     module = types.ModuleType(name)
     module.__file__ = filename
+    # registered before it runs: torch.compile and @dataclass look a function's module up by name
+    module = sys.modules.setdefault(name, module)
     exec(compile(source, filename, "exec"), module.__dict__)  # noqa: S102 - the isolated engine process
     return module
 

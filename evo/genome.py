@@ -213,7 +213,7 @@ class GeneSpace:
                                           f"implementation")
                 elif name not in declared:
                     raise GenomeError(
-                        f"unknown gene {name!r} in domain {domain!r}; allowed in {domain}: {sorted(declared | code)}"
+                        f"unknown gene {name!r} in domain {domain!r}; allowed in {domain}: {sorted(set(declared) | code)}"
                     )
             for name, gene in declared.items():
                 if name not in given:

@@ -31,7 +31,9 @@ class LocalExecutor:
 
     def run(self, proposals: list[Proposal]) -> Iterator[tuple[Proposal, EvalResult]]:
         for proposal in proposals:
-            yield proposal, self.evaluator.evaluate(proposal.genome.to_json(), self.sources_of(proposal))
+            sources = self.sources_of(proposal)  # only genomes with code genes need sources
+            genome = proposal.genome.to_json()
+            yield proposal, self.evaluator.evaluate(genome, sources) if sources else self.evaluator.evaluate(genome)
 
 
 def run_search(search: Search, executor: Executor, sinks: Iterable[Sink] = (),

@@ -116,10 +116,11 @@ class CodeAgent(Agent):
             handed, self.ready = fresh[:n], fresh[n:]
             self.handed = {p.hash: p for p in handed}
             queued = sum(1 for f in self._futures)
+            codable = [p for p in parents if self._codable(p.genome)]  # e.g. not the Triton engine's genomes
             for i in range(max(0, self.settings.queue - queued)):
-                if not parents or self.settings.budget.exhausted(self.spent):
+                if not codable or self.settings.budget.exhausted(self.spent):
                     break
-                parent = parents[i % len(parents)]
+                parent = codable[i % len(codable)]
                 self.jobs += 1
                 job = _Job(self.jobs, parent, self._pick_stage(), int(self.rng.integers(2**31)))
                 self._futures.append(self._pool.submit(self._guard, self._propose_one, job))
@@ -220,6 +221,13 @@ class CodeAgent(Agent):
                 raise EditError("this exact code was already evaluated; propose a different change")
         return child
 
+    def _codable(self, genome: Genome) -> bool:
+        """Whether a child of this genome may carry code at all (the workload's constraints decide)."""
+        gene = next(iter(self.stages))
+        data = genome.to_dict()
+        data[self.domains[gene]][gene] = "0" * 16
+        return self.gene_space.is_legal(Genome.from_dict(data))
+
     def _source_of(self, genome: Genome, stage: OpenStage) -> str:
         digest = genome.values().get(stage.gene)
         return self.store.get(digest) if digest else stage.seed()
@@ -260,11 +268,11 @@ class CodeAgent(Agent):
             messages = critique_messages(stage, mine.rationale, diff, item, parent)
             try:
                 reply = self.client.chat(messages, seed=int(item.proposal.hash[:7], 16))
-                self._spend(Usage(), reply.usage)
+                record["usage"] = self._spend(Usage(), reply.usage).to_dict()
                 lesson_text = reply.text.strip()
                 record["exchanges"].append({"messages": messages, "reply": reply.text, "usage": reply.usage.to_dict()})
             except LlmError as exc:
-                self._spend(Usage(), exc.usage)
+                record["usage"] = self._spend(Usage(), exc.usage).to_dict()
                 lesson_text = f"critique failed ({exc.kind}: {exc.message})"
                 record["exchanges"].append({"messages": messages, "error": lesson_text, "usage": exc.usage.to_dict()})
         critique_artifact = self._write_record({**record, "outcome": lesson_text})

@@ -8,13 +8,17 @@ the script and the recorded `requests` live in the test's process.
 """
 from __future__ import annotations
 
+import itertools
 import json
+import re
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Mapping, Sequence
+
+from evo.code import START_MARK
 
 CHAT_PATH = "/v1/chat/completions"
 
@@ -217,3 +221,32 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(data)
         except (BrokenPipeError, ConnectionResetError):  # the client gave up (timed out) first
             pass
+
+
+class CommentingModel:
+    """Replies like a (very cautious) model: each proposal adds a comment line inside the first marked
+    block of the source it was shown, so every child is new, applies and stays correct. The first
+    proposal's edit does not apply (a repair is needed). Critiques get a numbered lesson."""
+
+    def __init__(self) -> None:
+        self.numbers = itertools.count(1)
+        self.lock = threading.Lock()
+        self.first = True
+
+    def __call__(self, body: dict) -> Step:
+        critique = "review one experiment" in body["messages"][0]["content"]
+        with self.lock:
+            n = next(self.numbers)
+            first = self.first and not critique
+            self.first = self.first and not first
+        if critique:
+            return Step(f"Scripted lesson {n}: a comment changes no latency; look for fewer kernel launches.")
+        if first:
+            return Step(json.dumps({"rationale": "try a line that is not there",
+                                    "edits": [{"search": "no such line\n", "replace": "x\n"}]}))
+        source = re.search(r"```python\n(.*?)\n```", body["messages"][1]["content"], re.S).group(1) + "\n"
+        block = source.split(START_MARK + "\n", 1)[1]
+        line = next(l for l in block.splitlines(keepends=True) if l.strip())
+        indent = line[: len(line) - len(line.lstrip())]
+        return Step(json.dumps({"rationale": f"variant {n}: annotate the first step",
+                                "edits": [{"search": line, "replace": f"{indent}# scripted variant {n}\n{line}"}]}))

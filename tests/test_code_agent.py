@@ -204,3 +204,18 @@ def test_failed_results_reach_the_next_prompt(tmp_path):
         one_round(agent)
         agent.close()
     assert "max relative error 3.2e-01" in server.requests[-1]["messages"][1]["content"]
+
+
+def test_the_config_section_is_checked_and_round_trips(tmp_path):
+    from evo.config import ConfigError, config_from_dict, load_config
+
+    config = load_config(ROOT_CONFIG, ["code_agent.budget.max_calls=7", "code_agent.llm.model=m"])
+    assert config.code_agent.budget.max_calls == 7 and config.code_agent.llm.model == "m"
+    assert config_from_dict(config.to_dict()).code_agent == config.code_agent  # what config.yaml of a run holds
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['bogus'\].*allowed"):
+        load_config(ROOT_CONFIG, ["code_agent.bogus=1"])
+    with pytest.raises(ConfigError, match="api_key_env"):
+        load_config(ROOT_CONFIG, ["code_agent.llm.api_key_env=sk-live-123"])
+
+
+ROOT_CONFIG = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "configs" / "kda_code_agent.yaml")

@@ -147,3 +147,57 @@ def test_cheats_written_as_code_are_rejected(ev, cheat):
     assert result.status != OK, f"{cheat} was accepted: {result.message}"
     if status:
         assert result.status == status, result.message
+
+
+# -- KDA: agent-written stage code that cheats, judged by the same evaluator ---------------------------
+KDA_BODY = '    return {"O": inter + (M @ ctx["U"].to(M.dtype)).float()}\n'
+KDA_CHEATS = {
+    # reaches the float64 oracle at run time (no name the static check refuses): the guard reports it
+    "calls_reference": ('    ref = getattr(getattr(torch, "sy" + "s"), "mod" + "ules")["evo.workloads.kda.reference"]\n'
+                        "    try:\n        ref.reference({})\n    except Exception:\n        pass\n" + KDA_BODY,
+                        "reference"),
+    # remembers its first answer per shape and returns it for every later call
+    "cached_per_shape": ("    key = tuple(ctx['U'].shape)\n    if key not in _cache:\n"
+                         '        _cache[key] = inter + (M @ ctx["U"].to(M.dtype)).float()\n'
+                         '    return {"O": _cache[key].clone()}\n', None),
+    # skips the intra-chunk term on long sequences (right only where the cascade is short)
+    "skips_work_when_long": ('    if ctx["U"].shape[-3] > 2:\n        return {"O": inter}\n' + KDA_BODY, None),
+}
+
+
+@pytest.fixture(scope="module")
+def kda_code_ev():
+    return Evaluator("kda", "cpu_small", EvaluatorSettings(warmup=1, repeats=3), seed=5, name="kda-code-ev")
+
+
+def _kda_code(ev: Evaluator, source: str):
+    from evo.workloads import get_workload
+
+    space = get_workload("kda").gene_space(ev.preset, ev.device_info())
+    genome = space.make({"code_output": code_hash(source)})
+    return ev.evaluate(genome.to_json(), {code_hash(source): source})
+
+
+def test_kda_seed_code_passes_the_judge(kda_code_ev):
+    from evo.workloads import get_workload
+
+    (stage,) = [s for s in get_workload("kda").open_stages(kda_code_ev.preset, kda_code_ev.device_info())
+                if s.gene == "code_output"]
+    result = _kda_code(kda_code_ev, stage.seed())
+    assert result.status == OK, result.message
+
+
+@pytest.mark.parametrize("cheat", sorted(KDA_CHEATS))
+def test_kda_cheats_written_as_code_are_rejected(kda_code_ev, cheat):
+    from evo.workloads import get_workload
+
+    (stage,) = [s for s in get_workload("kda").open_stages(kda_code_ev.preset, kda_code_ev.device_info())
+                if s.gene == "code_output"]
+    body, words = KDA_CHEATS[cheat]
+    source = stage.seed().replace(KDA_BODY, body).replace("import torch\n", "import torch\n\n_cache = {}\n", 1)
+    assert source != stage.seed()
+    check_source(source, stage)
+    result = _kda_code(kda_code_ev, source)
+    assert result.status == INCORRECT, f"{cheat}: {result.status} {result.message}"
+    if words:
+        assert words in result.message, result.message

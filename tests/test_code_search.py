@@ -4,55 +4,22 @@ second run reads the lessons of the first. Checks the evidence (code hashes, pro
 MLflow (code diffs per generation, lessons), the agent's saved state and the lessons file."""
 from __future__ import annotations
 
-import itertools
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 import yaml
 
-from evo.code import START_MARK
-from tests.llm_server import ScriptedLlmServer, Step
+from tests.llm_server import CommentingModel, ScriptedLlmServer
 from tests.run_checks import journal
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-scripted-key-do-not-log-42"
 EAGER = {f"backend_{s}": ["eager"] for s in ("gate", "l2norm", "intra", "recurrence", "output")}
-
-
-class ScriptedModel:
-    """Replies like a (very cautious) model: each proposal adds a comment line inside the first marked
-    block of the source it was shown, so every child is new, applies and stays correct. The first
-    proposal's edit does not apply (a repair is needed). Critiques get a numbered lesson."""
-
-    def __init__(self) -> None:
-        self.numbers = itertools.count(1)
-        self.lock = threading.Lock()
-        self.first = True
-
-    def __call__(self, body: dict) -> Step:
-        critique = "review one experiment" in body["messages"][0]["content"]
-        with self.lock:
-            n = next(self.numbers)
-            first = self.first and not critique
-            self.first = self.first and not first
-        if critique:
-            return Step(f"Scripted lesson {n}: a comment changes no latency; look for fewer kernel launches.")
-        if first:
-            return Step(json.dumps({"rationale": "try a line that is not there",
-                                    "edits": [{"search": "no such line\n", "replace": "x\n"}]}))
-        source = re.search(r"```python\n(.*?)\n```", body["messages"][1]["content"], re.S).group(1) + "\n"
-        block = source.split(START_MARK + "\n", 1)[1]
-        line = next(l for l in block.splitlines(keepends=True) if l.strip())
-        indent = line[: len(line) - len(line.lstrip())]
-        return Step(json.dumps({"rationale": f"variant {n}: annotate the first step",
-                                "edits": [{"search": line, "replace": f"{indent}# scripted variant {n}\n{line}"}]}))
 
 
 def config(tmp: Path, url: str, name: str, generations: int, budget: int) -> Path:
@@ -91,7 +58,7 @@ def evo(*args: str, crash_at: str | None = None) -> subprocess.CompletedProcess:
 
 
 def test_a_search_with_the_code_agent_survives_a_kill_and_teaches_the_next_run(tmp_path):
-    model = ScriptedModel()
+    model = CommentingModel()
     with ScriptedLlmServer(model) as server:
         run_dir = tmp_path / "first"
         killed = evo("run", str(config(tmp_path, server.url, "first", 4, 14)), "--out", str(run_dir),

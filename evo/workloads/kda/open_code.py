@@ -9,7 +9,6 @@ hand-written stages wherever those run (their own group, fused into the chunk lo
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -68,9 +67,7 @@ def implementations(values: Mapping[str, object], sources: Mapping[str, str], pr
     impl = {}
     for stage in stages:
         if stage.gene in chosen:
-            module = load_module(chosen[stage.gene], stage)
-            # torch.compile imports a traced function's module by name; the name carries the code hash
-            sys.modules.setdefault(module.__name__, module)
+            module = load_module(chosen[stage.gene], stage)  # registered in sys.modules for torch.compile
             entry = getattr(module, stage.entry, None)
             if not callable(entry):
                 raise CodeError(f"gene {stage.gene}: the source's {stage.entry} is not a function after it ran; "
