@@ -22,7 +22,9 @@ import json
 import multiprocessing
 import os
 import pickle
+import resource
 import signal
+import socket
 import traceback
 import warnings
 from typing import Any, Mapping
@@ -33,6 +35,7 @@ from evaluators import arena as arenas
 from evaluators.guard import ForbiddenCall, install_guards
 
 _PR_SET_PDEATHSIG = 1
+_CLONE_NEWNET = 0x40000000
 _TEXT_CHARS = 2000
 _TRACEBACK_CHARS = 4000
 
@@ -55,12 +58,32 @@ def die_with_parent() -> None:
         pass
 
 
+def cut_network() -> str:
+    """No network for this process: a network namespace of its own, which has no interfaces (the judge's
+    pipe and shared memory are not network); where the OS refuses that, Python-level sockets refuse to
+    connect, bind or send. Returns which of the two is in effect."""
+    if ctypes.CDLL(None, use_errno=True).unshare(_CLONE_NEWNET) == 0:
+        return "namespace"
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise PermissionError("engines may not use the network (evaluator setting engine_network is false)")
+
+    for name in ("connect", "connect_ex", "bind", "sendto", "sendmsg"):
+        setattr(socket.socket, name, refuse)
+    socket.create_connection = refuse
+    return "python"
+
+
 def _configure(spec: dict) -> None:
     os.environ.clear()
     os.environ.update(spec["env"])
     multiprocessing.current_process().authkey = spec["authkey"]  # to fetch shared arenas from the judge
     if spec["cores"]:
         os.sched_setaffinity(0, spec["cores"])
+    if spec.get("memory_bytes"):
+        resource.setrlimit(resource.RLIMIT_AS, (spec["memory_bytes"], spec["memory_bytes"]))
+    if not spec.get("network", True):
+        cut_network()
     torch.set_num_threads(spec["threads"])
     if spec["poison"]:
         torch.use_deterministic_algorithms(True, warn_only=True)

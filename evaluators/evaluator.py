@@ -190,7 +190,9 @@ class Evaluator:
             # The judge's own work (drawing inputs, the reference) runs on one thread, so no idle worker
             # thread of its pool spins on the engine's cores while a call is timed.
             with num_threads(1), EngineProcess(self.device, threads=self._info.threads, settle_s=self.settings.settle_s,
-                                               poison=self.settings.poison_memory) as process:
+                                               poison=self.settings.poison_memory,
+                                               memory_bytes=int(self.settings.engine_memory_gb * 2**30),
+                                               network=self.settings.engine_network) as process:
                 process.launch(preload=(type(self.workload).__module__,))
                 return self._judge(process, genome_hash, start, engine)
         finally:

@@ -62,11 +62,14 @@ class CallResult:
 class EngineProcess:
     """One engine in its own process. Use as a context manager; `close()` kills the process group."""
 
-    def __init__(self, device: str, *, threads: int | None = None, settle_s: float = 0.0, poison: bool = False) -> None:
+    def __init__(self, device: str, *, threads: int | None = None, settle_s: float = 0.0, poison: bool = False,
+                 memory_bytes: int | None = None, network: bool = True) -> None:
         self.device = torch.device(device)
         self.threads = threads or torch.get_num_threads()
         self.settle_s = settle_s
         self.poison = poison
+        self.memory_bytes = memory_bytes  # RLIMIT_AS of the engine's process (CPU engines), None: unlimited
+        self.network = network
         self.pid: int | None = None
         self.conn: Any = None
         self._zygote: Zygote | None = None
@@ -102,6 +105,7 @@ class EngineProcess:
             "env": dict(os.environ), "authkey": bytes(multiprocessing.current_process().authkey),
             "cores": sorted(os.sched_getaffinity(0)),
             "threads": self.threads, "device": str(self.device), "poison": self.poison,
+            "memory_bytes": self.memory_bytes if self.device.type == "cpu" else None, "network": self.network,
             "workload": workload_bytes, "workload_name": workload_name, "preset": preset, "info": info,
             "genome": genome_json, "baseline": baseline, "guarded": guarded, "sources": dict(sources or {}),
         }

@@ -97,6 +97,19 @@ class EvaluatorSettings:
         " wall time per call",
         lambda x: isinstance(x, bool),
     )
+    engine_memory_gb: float = _option(
+        16.0,
+        "address-space limit (RLIMIT_AS, GiB) of each engine's process on a CPU evaluator: an engine that"
+        " allocates more fails with an out-of-memory error (runtime_error); CUDA engines are bounded by their"
+        " GPU's memory instead (the CUDA driver reserves more address space than any limit would allow)",
+        _positive,
+    )
+    engine_network: bool = _option(
+        False,
+        "whether engine processes may use the network; false: each starts in a network namespace of its own"
+        " with no interfaces (where the OS refuses that, Python's socket connect/bind/send raise instead)",
+        lambda x: isinstance(x, bool),
+    )
     min_timing_s: float | None = _option(
         None,
         "if set, keep timing past `repeats` until the timed calls add up to this many seconds",

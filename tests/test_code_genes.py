@@ -201,3 +201,22 @@ def test_kda_cheats_written_as_code_are_rejected(kda_code_ev, cheat):
     assert result.status == INCORRECT, f"{cheat}: {result.status} {result.message}"
     if words:
         assert words in result.message, result.message
+
+
+# -- limits of the engine's process: no network, bounded memory -----------------------------------------
+def test_engine_code_has_no_network(ev):
+    # a module reachable without an import (torch imports socket) tries to reach this machine's loopback
+    block = ('    s = getattr(torch, "multiprocessing").reductions.multiprocessing.connection.socket\n'
+             '    s.create_connection(("127.0.0.1", 9), timeout=1)\n    o = x.cumsum(1)\n')
+    source = edited(block)
+    result = _evaluate(ev, source)
+    assert result.status == "runtime_error", result.message
+    assert "unreachable" in result.message.lower() or "network" in result.message.lower(), result.message
+
+
+def test_engine_code_cannot_take_more_memory_than_allowed(monkeypatch):
+    monkeypatch.setitem(evo.workloads._MODULES, "fake", fw.__name__)
+    small = Evaluator("fake", "cpu", EvaluatorSettings(warmup=1, repeats=3, engine_memory_gb=2.0), seed=3)
+    result = _evaluate(small, edited("    big = torch.ones(3 * 2**30, dtype=torch.uint8)\n    o = x.cumsum(1)\n"))
+    assert result.status == "runtime_error" and "memory" in result.message.lower(), result.message
+    assert _evaluate(small, edited("    o = torch.cumsum(x, dim=1)\n")).status == OK  # the limit leaves room
