@@ -12,7 +12,7 @@ import pytest
 from evaluators.evaluator import Evaluator
 from evaluators.settings import EvaluatorSettings
 from evo.code import code_hash
-from evo.records import OK, EvalResult, Evaluated
+from evo.records import OK, Evaluated
 from evo.workloads.base import DeviceInfo
 from operators.base import Parent
 from operators.code_agent import CodeAgent
@@ -195,15 +195,31 @@ def test_an_agent_without_open_stages_says_so(tmp_path):
                   preset="cpu", device=DeviceInfo("cpu", "cpu"), run_dir=str(tmp_path), lessons_path=str(tmp_path / "l.md"))
 
 
-def test_failed_results_reach_the_next_prompt(tmp_path):
-    with ScriptedLlmServer([GOOD]) as server:
-        agent = make_agent(server, tmp_path)
+def test_wrong_code_is_judged_incorrect_and_its_message_reaches_the_lesson_and_the_next_prompt(tmp_path, monkeypatch):
+    import evo.workloads
+
+    monkeypatch.setitem(evo.workloads._MODULES, "fake", fw.__name__)
+    wrong = Step(edit(replace="    o = x.cumsum(1) * 1.01\n", rationale="scale it"))
+
+    def model(body: dict) -> Step:
+        if "review one experiment" in body["messages"][0]["content"]:
+            return Step("Scaling breaks correctness.")
+        return wrong if sum("review" not in r["messages"][0]["content"] for r in server.requests) <= 1 else GOOD
+
+    with ScriptedLlmServer(model) as server:
+        agent = make_agent(server, tmp_path, critique=True)
         (proposal,) = one_round(agent)
-        failed = EvalResult(proposal.hash, "incorrect", message="max relative error 3.2e-01 on case 'preset'")
-        agent.observe((Evaluated(proposal, failed),))
+        result = Evaluator("fake", "cpu", EvaluatorSettings(warmup=1, repeats=3), seed=1).evaluate(
+            proposal.genome.to_json(), dict(proposal.sources))
+        assert result.status == "incorrect", result.message
+        agent.observe((Evaluated(proposal, result),))
+        assert agent.wait_idle(60)
         one_round(agent)
         agent.close()
-    assert "max relative error 3.2e-01" in server.requests[-1]["messages"][1]["content"]
+    lessons = (tmp_path / "lessons" / "fake-cpu.md").read_text()
+    assert "· running_sum · incorrect" in lessons and "Scaling breaks correctness." in lessons
+    last_prompt = server.requests[-1]["messages"][1]["content"]
+    assert f"sibling {proposal.hash}" in last_prompt and result.message[:60] in last_prompt
 
 
 def test_the_config_section_is_checked_and_round_trips(tmp_path):
