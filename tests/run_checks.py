@@ -1,6 +1,10 @@
 """Invariants every finished or stopped run directory keeps, wherever it ran (one node or a cluster)."""
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -8,6 +12,29 @@ import pyarrow.parquet as pq
 from evo.evidence import read_generations
 from evo.genome import Genome
 from evo.records import STATUSES
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_evo(*args: str, crash_at: str | None = None, env: dict[str, str] | None = None,
+            timeout_s: float = 240) -> subprocess.CompletedProcess:
+    """`python -m evo ARGS` in its own session (with EVO_CRASH_AT=crash_at: killed there by SIGKILL);
+    whatever it leaves running (Ray's helpers share its process group) is stopped by that group."""
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", **(env or {})}
+    env.pop("EVO_CRASH_AT", None)
+    if crash_at:
+        env["EVO_CRASH_AT"] = crash_at
+    process = subprocess.Popen([sys.executable, "-m", "evo", *args], cwd=ROOT, env=env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout_s)
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(process.args, process.returncode, output)
 
 
 def journal(run_dir: Path) -> list[dict]:

@@ -5,19 +5,16 @@ MLflow (code diffs per generation, lessons), the agent's saved state and the les
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.llm_server import CommentingModel, ScriptedLlmServer
-from tests.run_checks import journal
+from tests.run_checks import journal, run_evo
 
-ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-scripted-key-do-not-log-42"
 EAGER = {f"backend_{s}": ["eager"] for s in ("gate", "l2norm", "intra", "recurrence", "output")}
 
@@ -41,20 +38,7 @@ def config(tmp: Path, url: str, name: str, generations: int, budget: int) -> Pat
 
 
 def evo(*args: str, crash_at: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "SCRIPTED_LLM_KEY": KEY}
-    env.pop("EVO_CRASH_AT", None)
-    if crash_at:
-        env["EVO_CRASH_AT"] = crash_at
-    process = subprocess.Popen([sys.executable, "-m", "evo", *args], cwd=ROOT, env=env, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=420)
-    finally:
-        try:  # Ray's helper processes share the driver's process group
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return subprocess.CompletedProcess(process.args, process.returncode, output)
+    return run_evo(*args, crash_at=crash_at, env={"SCRIPTED_LLM_KEY": KEY}, timeout_s=420)
 
 
 def test_a_search_with_the_code_agent_survives_a_kill_and_teaches_the_next_run(tmp_path):

@@ -1,10 +1,8 @@
 """kill -9 of the driver at several points, then `python -m evo resume`: nothing is evaluated twice,
 nothing recorded is lost, the run completes its budget. Plus clear errors for unusable run directories."""
 import json
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -12,9 +10,8 @@ import pytest
 import yaml
 
 from evo.resume import RunDirError, load_run
-from tests.run_checks import journal
+from tests.run_checks import journal, run_evo
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIG = {
     "workload": "tests.fake_workload", "preset": "cpu", "name": "crash", "baselines": ["torch_cumsum"],
     "genes": {"impl": ["cumsum", "loop", "zeros", "nan", "noisy", "slow_build"]},
@@ -26,20 +23,7 @@ CONFIG = {
 
 
 def evo(tmp: Path, *args: str, crash_at: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    env.pop("EVO_CRASH_AT", None)
-    if crash_at:
-        env["EVO_CRASH_AT"] = crash_at
-    process = subprocess.Popen([sys.executable, "-m", "evo", *args], cwd=ROOT, env=env, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=240)
-    finally:
-        try:  # Ray's helper processes share the driver's process group: stop them by that group id
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return subprocess.CompletedProcess(process.args, process.returncode, output)
+    return run_evo(*args, crash_at=crash_at)
 
 
 @pytest.mark.parametrize("crash_at, with_mlflow", [("propose:2", False), ("evaluate:6", True), ("evidence:2", False)])
