@@ -115,7 +115,7 @@ class CodeAgent(Agent):
             fresh = [p for p in returned + self.ready if p.hash not in self._known]
             handed, self.ready = fresh[:n], fresh[n:]
             self.handed = {p.hash: p for p in handed}
-            queued = sum(1 for f in self._futures)
+            queued = len(self._futures)
             codable = [p for p in parents if self._codable(p.genome)]  # e.g. not the Triton engine's genomes
             for i in range(max(0, self.settings.queue - queued)):
                 if not codable or self.settings.budget.exhausted(self.spent):
