@@ -9,8 +9,8 @@ import time
 import yaml
 from mlflow.tracking import MlflowClient
 
-from tests.run_checks import check_stopped_run, journal
-from tests.test_resume import CONFIG, ROOT, evo
+from tests.run_checks import ROOT, check_stopped_run, journal
+from tests.test_resume import CONFIG, evo
 
 
 def test_sigterm_stops_cleanly_and_the_run_resumes(tmp_path):
