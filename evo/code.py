@@ -63,8 +63,9 @@ class OpenStage:
     """A stage whose implementation a genome may replace with source code.
 
     `gene` is the genome gene holding the code hash; `entry` the function the source must define, with
-    exactly the parameter names `params`; `seed` returns the hand-written implementation as a
-    self-contained source (the starting point of every code lineage)."""
+    exactly the parameter names `params`; `also_defines` names further top-level functions or constants
+    the engine reads from the module (e.g. the other kernels of a Triton source); `seed` returns the
+    hand-written implementation as a self-contained source (the starting point of every code lineage)."""
 
     gene: str
     stage: str
@@ -74,6 +75,7 @@ class OpenStage:
     doc: str
     seed: Callable[[], str]
     allowed_imports: tuple[str, ...] = ALLOWED_IMPORTS
+    also_defines: tuple[str, ...] = ()
 
     def signature(self) -> str:
         return f"def {self.entry}({', '.join(self.params)})"
@@ -109,7 +111,7 @@ def check_source(source: str, stage: OpenStage) -> None:
                 raise CodeError(f"line {node.lineno}: attribute {node.attr!r} is not allowed in engine code (it "
                                 f"reaches other code's internals); forbidden attributes: {list(FORBIDDEN_ATTRIBUTES)}")
         for module in modules:
-            if module.split(".")[0] not in stage.allowed_imports:
+            if module.split(".")[0] not in stage.allowed_imports and module != "__future__":
                 raise CodeError(f"line {node.lineno}: import of {module!r} is not allowed; engine code may import "
                                 f"only {list(stage.allowed_imports)} (and their submodules)")
     entries = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == stage.entry]
@@ -123,6 +125,22 @@ def check_source(source: str, stage: OpenStage) -> None:
             or args.kwonlyargs:
         raise CodeError(f"entry point {stage.entry} of {stage.gene} must be {stage.signature()}; "
                         f"found def {stage.entry}({ast.unparse(args)})")
+    missing = [name for name in stage.also_defines if name not in _top_level_names(tree)]
+    if missing:
+        raise CodeError(f"source for {stage.gene} must also define {missing} at top level (the engine reads "
+                        f"{list(stage.also_defines)} besides {stage.entry})")
+
+
+def _top_level_names(tree: ast.Module) -> set[str]:
+    """Names a module binds at top level by def, class or plain assignment."""
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return names
 
 
 def check_sources(genome_values: Mapping[str, object], sources: Mapping[str, str],

@@ -116,13 +116,14 @@ class CodeAgent(Agent):
             handed, self.ready = fresh[:n], fresh[n:]
             self.handed = {p.hash: p for p in handed}
             queued = len(self._futures)
-            codable = [p for p in parents if self._codable(p.genome)]  # e.g. not the Triton engine's genomes
+            # the stages each parent's children may carry code for (e.g. Triton kernels only under engine=triton)
+            codable = [(p, stages) for p in parents if (stages := self._codable(p.genome))]
             for i in range(max(0, self.settings.queue - queued)):
                 if not codable or self.settings.budget.exhausted(self.spent):
                     break
-                parent = codable[i % len(codable)]
+                parent, stages = codable[i % len(codable)]
                 self.jobs += 1
-                job = _Job(self.jobs, parent, self._pick_stage(), int(self.rng.integers(2**31)))
+                job = _Job(self.jobs, parent, self._pick_stage(stages), int(self.rng.integers(2**31)))
                 self._futures.append(self._pool.submit(self._guard, self._propose_one, job))
         return [replace(p, generation=generation) for p in handed]
 
@@ -221,12 +222,15 @@ class CodeAgent(Agent):
                 raise EditError("this exact code was already evaluated; propose a different change")
         return child
 
-    def _codable(self, genome: Genome) -> bool:
-        """Whether a child of this genome may carry code at all (the workload's constraints decide)."""
-        gene = next(iter(self.stages))
-        data = genome.to_dict()
-        data[self.domains[gene]][gene] = "0" * 16
-        return self.gene_space.is_legal(Genome.from_dict(data))
+    def _codable(self, genome: Genome) -> list[str]:
+        """The code genes a child of this genome may set (the workload's constraints decide)."""
+        legal = []
+        for gene in self.stages:
+            data = genome.to_dict()
+            data[self.domains[gene]][gene] = "0" * 16
+            if self.gene_space.is_legal(Genome.from_dict(data)):
+                legal.append(gene)
+        return legal
 
     def _source_of(self, genome: Genome, stage: OpenStage) -> str:
         digest = genome.values().get(stage.gene)
@@ -243,8 +247,8 @@ class CodeAgent(Agent):
         items += [Relative("earlier try", e) for e in tries[-self.settings.relatives:]]
         return items[: 1 + self.settings.relatives]
 
-    def _pick_stage(self) -> OpenStage:
-        genes = list(self.stages)
+    def _pick_stage(self, genes: list[str]) -> OpenStage:
+        """Thompson sampling over the stages' edits that paid (wins) or did not (losses)."""
         draws = [self.rng.beta(self._wins(f"edit:{g}") + 1, self._losses(f"edit:{g}") + 1) for g in genes]
         return self.stages[genes[max(range(len(genes)), key=draws.__getitem__)]]
 

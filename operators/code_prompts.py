@@ -36,8 +36,15 @@ def system_prompt(workload: str, device: str, stage: OpenStage) -> str:
         f"and judged by an evaluator that compares every call with a float64 reference on freshly drawn inputs of "
         f"several shapes and distributions, and times the engine; a faster engine that stays correct wins. Results "
         f"that cache answers across calls, skip work for some shapes, or reach for the reference are rejected.\n"
-        f"Rules: keep the entry point `{stage.signature()}` and what it returns; import only "
+        f"Rules: keep the entry point `{stage.signature()}` and what it returns"
+        f"{_also(stage)}; import only "
         f"{', '.join(stage.allowed_imports)}; change only what lies in the marked blocks.\n{REPLY_FORMAT}")
+
+
+def _also(stage: OpenStage) -> str:
+    if not stage.also_defines:
+        return ""
+    return f", and keep {', '.join(f'`{n}`' for n in stage.also_defines)} with their names and parameters"
 
 
 def proposal_messages(workload: str, device: str, stage: OpenStage, source: str, parent: Evaluated | None,

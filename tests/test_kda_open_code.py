@@ -137,9 +137,10 @@ def test_code_genes_need_the_torch_engine() -> None:
     # a CUDA device with triton installed: the space has the engine gene (its default is triton)
     pytest.importorskip("triton")
     gpu = W.gene_space(W.presets()["h200"], DeviceInfo("cuda", "H200"))
-    with pytest.raises(GenomeError, match="code genes apply to the torch engine"):
+    with pytest.raises(GenomeError, match="code_intra is code of the torch engine, got engine='triton'"):
         gpu.make({"engine": "triton", "code_intra": ALL_SEEDS["code_intra"]})
     gpu.make({"engine": "torch", "compute_dtype": "float32", "code_intra": ALL_SEEDS["code_intra"]})
+    assert "code_triton" in gpu.code_gene_names()  # the kernels are open where the Triton engine runs
 
 
 @pytest.mark.gpu

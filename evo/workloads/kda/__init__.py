@@ -56,7 +56,8 @@ class KdaWorkload:
                                                   "_fla_naive_chunk", "recurrent_kda", "baselines"))]
 
     def open_stages(self, preset: Preset, device: DeviceInfo) -> tuple[OpenStage, ...]:
-        """Intra, the recurrence's per-chunk state update and output (torch engine; genes code_*)."""
+        """Intra, the recurrence's per-chunk state update and output (torch engine; genes code_*), and
+        the Triton engine's kernels where it runs (code_triton)."""
         return _open_code.open_stages(preset, device)
 
     def build(self, genome: Genome, preset: Preset, device: DeviceInfo,

@@ -123,7 +123,7 @@ def build(genome: Genome, preset: Preset, device: DeviceInfo, sources: Mapping[s
     if values.get("engine", "torch") == "triton":
         from evo.workloads.kda.triton.engine import build_triton  # imports triton only for Triton genomes
 
-        engine = build_triton(genome)  # code genes were refused for it by validation
+        engine = build_triton(genome, open_code.triton_kernels(values, sources or {}))
     else:
         impl = {**stages.HAND_WRITTEN, **open_code.implementations(values, sources or {}, preset, device)}
         engine = KdaEngine(Plan.from_genome(genome), genome, impl)

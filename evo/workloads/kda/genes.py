@@ -2,7 +2,8 @@
 
 Stages, in order: gate (chunk-local cumulative sum of g), l2norm, intra (intra-chunk matrices and
 the unit-lower-triangular solve), recurrence (the inter-chunk state loop), output. Intra, the
-recurrence's state update and output are open (`open_code`): optional code genes may replace them.
+recurrence's state update and output are open (`open_code`): optional code genes may replace them;
+where the Triton engine runs, its kernels are open too (`code_triton`).
 """
 from __future__ import annotations
 
@@ -90,12 +91,14 @@ def _sub_chunk_divides_chunk(values: Mapping[str, Scalar]) -> str | None:
     return None
 
 
-def _code_needs_torch_engine(values: Mapping[str, Scalar]) -> str | None:
-    if values.get("engine", "torch") != "torch":
-        code = sorted(g.name for g in _open_code.code_genes() if values.get(g.name) is not None)
-        if code:
-            return (f"code genes apply to the torch engine, got engine={values.get('engine')!r} with {code}; "
-                    "set engine='torch' or drop the code genes")
+def _code_for_its_engine(values: Mapping[str, Scalar]) -> str | None:
+    """Each open stage's code belongs to one engine (its language: torch or triton)."""
+    engine = values.get("engine", "torch")
+    for stage in _open_code.ALL_STAGES:
+        if values.get(stage.gene) is not None and stage.language != engine:
+            others = [s.gene for s in _open_code.ALL_STAGES if s.language == engine]
+            return (f"{stage.gene} is code of the {stage.language} engine, got engine={engine!r}; set "
+                    f"engine={stage.language!r} or drop {stage.gene} (code genes of engine={engine!r}: {others})")
     return None
 
 
@@ -113,8 +116,8 @@ def gene_space(preset: Preset, device: DeviceInfo) -> GeneSpace:
                  if g.name == "compute_dtype" else g for g in genes]
         genes += _triton_genes.genes(preset, device)
         constraints += _triton_genes.constraints() + (
-            Constraint("code genes apply to the torch engine", _code_needs_torch_engine),)
-    return GeneSpace("kda", tuple(genes), constraints, _open_code.code_genes())
+            Constraint("code genes apply to their own engine", _code_for_its_engine),)
+    return GeneSpace("kda", tuple(genes), constraints, _open_code.code_genes(preset, device))
 
 
 @dataclass(frozen=True)

@@ -50,8 +50,11 @@ class TritonKdaEngine:
 
     num_threads = None  # GPU engine: the evaluator sets no CPU thread count
 
-    def __init__(self, plan: TritonPlan) -> None:
-        from evo.workloads.kda.triton import kernels  # imports triton; decorates the kernels
+    def __init__(self, plan: TritonPlan, kernels=None) -> None:
+        """`kernels`: a module with the kernels' names and arguments (a genome's code_triton source);
+        None: this package's hand-written kernels."""
+        if kernels is None:
+            from evo.workloads.kda.triton import kernels  # imports triton; decorates the kernels
 
         self.plan = plan
         self._k = kernels
@@ -132,6 +135,6 @@ def plan_from_genome(genome) -> TritonPlan:
     )
 
 
-def build_triton(genome) -> TritonKdaEngine:
-    """The Triton engine of a validated genome."""
-    return TritonKdaEngine(plan_from_genome(genome))
+def build_triton(genome, kernels=None) -> TritonKdaEngine:
+    """The Triton engine of a validated genome (with `kernels` from its code, if it carries any)."""
+    return TritonKdaEngine(plan_from_genome(genome), kernels)

@@ -15,19 +15,20 @@ intra-chunk products (pair products, M U) take DOT; every product that feeds or 
 state (W, U0, W S, Qg S, Kd^T U) takes SDOT, which the engine sets to tf32 when DOT is bfloat16:
 rounding those to bfloat16 every chunk measured ~1e-2 relative error, over the bf16 bound of 6e-3
 (interpreter, T=200, K=V=64).
-Only API common to Triton 3.6 and 3.9 is used (tl.dot input_precision, tl.cumsum, tl.static_range).
+Only API common to Triton 3.6 and 3.9 is used (tl.dot input_precision, tl.cumsum, tl.static_range,
+triton.knobs). This file is also the seed of the open stage `code_triton` (`open_code`): it imports
+only triton, and a genome's code may replace everything between the EVOLVE-BLOCK marks.
 """
 from __future__ import annotations
-
-import os
 
 import triton
 import triton.language as tl
 
+# EVOLVE-BLOCK-START
 # Triton's interpreter (3.9) multiplies bfloat16 dot operands as their raw uint16 bits and truncates
 # float32 -> bfloat16 casts (the GPU rounds to nearest even). Under the interpreter, bf16 operands
 # and stores are rounded to nearest even here and multiplied in float32: the GPU's numerics.
-_EMULATE_BF16_DOT = tl.constexpr(os.environ.get("TRITON_INTERPRET", "") == "1")
+_EMULATE_BF16_DOT = tl.constexpr(bool(triton.knobs.runtime.interpret))  # TRITON_INTERPRET=1
 SUB = 16  # sub-chunk block of the pair products (see the module docstring for why 16)
 # l2norm epsilon: 1e-6, written inline in _prepare as in the reference (reference.L2NORM_EPS)
 
@@ -244,3 +245,4 @@ def output_kernel(Qg, M, Us, Ss, o, T, Tp, NT,
     On = _state_dot(Qgn, S, STATE_VK, SDOT) + _dot(Mn, U, DOT)
     o_off = ((b * T + rows[:, None]).to(tl.int64) * H + h) * V + cv[None, :]
     tl.store(o + o_off, _cast(On, o), mask=(rows[:, None] < T) & vm[None, :])
+# EVOLVE-BLOCK-END
