@@ -14,10 +14,9 @@ Triton engine launches as it launches its own.
 """
 from __future__ import annotations
 
+import types
 from pathlib import Path
 from typing import Callable, Mapping
-
-import types
 
 from evo.code import CodeError, OpenStage, check_sources, load_module
 from evo.genome import CodeGene
@@ -84,12 +83,11 @@ def code_genes(preset: Preset, device: DeviceInfo) -> tuple[CodeGene, ...]:
 
 def implementations(values: Mapping[str, object], sources: Mapping[str, str], preset: Preset,
                     device: DeviceInfo) -> dict[str, Callable]:
-    """{stage: entry point} for each code gene in a genome's `values`, loaded from `sources`
+    """{stage: entry point} for each torch-engine code gene in a genome's `values`, loaded from `sources`
     (hash -> source). CodeError names the gene when its source is missing, mismatched or not allowed."""
-    stages = _STAGES
-    chosen = check_sources(values, sources, stages)
+    chosen = check_sources(values, sources, _STAGES)
     impl = {}
-    for stage in stages:
+    for stage in _STAGES:
         if stage.gene in chosen:
             module = load_module(chosen[stage.gene], stage)  # registered in sys.modules for torch.compile
             entry = getattr(module, stage.entry, None)
