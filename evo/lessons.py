@@ -1,9 +1,10 @@
 """Lessons: what a search learned, kept per (workload, preset, device) so the next search starts from it.
 
 A lessons file (`lessons.yaml` in a run directory, also logged to the run's MLflow parent run) is
-small, versioned and readable by a person: the best genomes with their latencies, what pays off and
-what fails (with evidence counts and the commonest failure messages), the agents' move statistics
-and yields, and the raw per-gene effects the search reads back. A warm-started run's lessons include
+small, versioned and readable by a person: the best genomes with their latencies (and the sources of
+their code genes, so a later run can build them), what pays off and what fails (with evidence counts
+and the commonest failure messages), the agents' move statistics and yields, and the raw per-gene
+effects the search reads back. A warm-started run's lessons include
 the earlier runs' evidence, so lessons accumulate run after run.
 
 `python -m evo run CONFIG --warm-start SOURCE` reads lessons from a run directory, a lessons file,
@@ -20,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from evo.code import CodeStore, code_hash, is_code_hash
 from evo.effects import GeneEffects
 from evo.genome import GeneSpace, Genome, GenomeError
 
@@ -43,6 +45,7 @@ class Lessons:
     effects: GeneEffects = field(compare=False)
     sources: tuple[str, ...] = ()  # runs this evidence comes from, oldest first
     evaluations: int = 0
+    code: dict[str, str] = field(default_factory=dict, compare=False)  # code hash -> source, for `best`
 
     def describe(self) -> str:
         return f"{self.workload}/{self.preset} on {self.device} from {', '.join(self.sources) or '?'}"
@@ -81,6 +84,7 @@ class Lessons:
             "sources": list(self.sources), "evaluations": self.evaluations,
             "best": [{"hash": Genome.from_dict(g).hash, "latency_ms": round(lat, 4), "genome": g}
                      for g, lat in self.best],
+            "code": dict(sorted(self.code.items())),
             "pays_off": [f"{r['gene']}={r['value']}: {r['latency_vs_mean_pct']:+.1f}% vs the mean engine "
                          f"({r['ok']} ok results)" for r in pays[:8]],
             "slow": [f"{r['gene']}={r['value']}: {r['latency_vs_mean_pct']:+.1f}% vs the mean engine "
@@ -107,13 +111,28 @@ class Lessons:
                 agent_stats={a: {k: list(v) for k, v in (s.get("moves") or {}).items()} for a, s in agents.items()},
                 yields={a: [int(s["children"]), int(s["beat_parent"])] for a, s in agents.items()},
                 effects=GeneEffects.from_dict(data["gene_effects"]),
-                sources=tuple(data.get("sources") or ()), evaluations=int(data.get("evaluations") or 0))
+                sources=tuple(data.get("sources") or ()), evaluations=int(data.get("evaluations") or 0),
+                code=_checked_code(data.get("code") or {}, where))
         except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, LessonsError):
+                raise
             raise LessonsError(f"{where}: lessons file is corrupt ({type(exc).__name__}: {exc})") from exc
 
 
-def from_search(search, workload: str, preset: str, device: str, source: str) -> Lessons:
-    """What `search` (an `evo.search.Search`) knows now, including the lessons it was warm-started with."""
+def _checked_code(code: Any, where: str) -> dict[str, str]:
+    if not isinstance(code, dict):
+        raise LessonsError(f"{where}: 'code' must map code hashes to sources, got {type(code).__name__}")
+    for digest, source in code.items():
+        if not isinstance(source, str) or code_hash(source) != digest:
+            raise LessonsError(f"{where}: the source under code hash {digest!r} is damaged (it hashes to "
+                               f"{code_hash(source) if isinstance(source, str) else type(source).__name__})")
+    return dict(code)
+
+
+def from_search(search, workload: str, preset: str, device: str, source: str,
+                store: CodeStore | None = None) -> Lessons:
+    """What `search` (an `evo.search.Search`) knows now, including the lessons it was warm-started with;
+    the sources of the best genomes' code come from `store` (this run's) or the earlier lessons."""
     earlier = search.lessons
     best: dict[str, tuple[dict, float]] = {}
     if earlier is not None:
@@ -122,6 +141,14 @@ def from_search(search, workload: str, preset: str, device: str, source: str) ->
         if math.isfinite(item.fitness):
             best[item.proposal.hash] = (item.proposal.genome.to_dict(), item.fitness)
     top = sorted(best.values(), key=lambda b: b[1])[:KEEP_BEST]
+    known_code = dict(earlier.code) if earlier else {}
+    code = {}
+    for genome, _ in top:
+        for digest in filter(is_code_hash, Genome.from_dict(genome).values().values()):
+            if store is not None and store.has(digest):
+                code[digest] = store.get(digest)
+            elif digest in known_code:
+                code[digest] = known_code[digest]
     team = search.team.state()
     return Lessons(
         workload=workload, preset=preset, device=device, best=tuple(top),
@@ -130,6 +157,7 @@ def from_search(search, workload: str, preset: str, device: str, source: str) ->
         effects=search.effects,
         sources=(*(earlier.sources if earlier else ()), source),
         evaluations=(earlier.evaluations if earlier else 0) + search.evaluations,
+        code=code,
     )
 
 
@@ -144,8 +172,19 @@ def write(path: Path, lessons: Lessons) -> Path:
     return path
 
 
+class _SourceDumper(yaml.SafeDumper):
+    """Multi-line strings (engine sources) as literal blocks, readable as code."""
+
+
+_SourceDumper.add_representer(str, lambda dumper, text: dumper.represent_scalar(
+    "tag:yaml.org,2002:str", text, style="|" if "\n" in text else None))
+
+
 def _dump(key: str, value: Any) -> str:
-    """One top-level key: the sentences in block style, genomes and effect rows one per line."""
+    """One top-level key: the sentences in block style, genomes and effect rows one per line, sources
+    as literal blocks."""
+    if key == "code":
+        return yaml.dump({key: value}, Dumper=_SourceDumper, sort_keys=False, width=200, default_flow_style=False)
     flow = None if key in ("best", "gene_effects") else False
     return yaml.safe_dump({key: value}, sort_keys=False, width=200, default_flow_style=flow)
 

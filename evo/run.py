@@ -170,6 +170,8 @@ def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout
             raise ValueError(f"baselines {missing} are not available here; available: {available}")
         # Start everything that costs CPU (agent processes, the MLflow store) before any timing.
         store = CodeStore(run_dir / CODE_DIR)
+        for source in (lessons.code.values() if lessons else ()):  # warm-start genomes that carry code
+            store.put(source)
         pool.sources_of = SourceResolver(store, gene_space.code_gene_names())
         options = {}
         if "code" in config.search.agents:
@@ -231,7 +233,8 @@ def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout
         summary["stopped"] = stopped
         summary["warm_start"] = lessons.describe() if lessons else None
         write_lessons(run_dir / LESSONS_FILE, lessons_from_search(search, config.workload, config.preset,
-                                                                   f"{device.kind}:{device.name}", run_dir.name))
+                                                                   f"{device.kind}:{device.name}", run_dir.name,
+                                                                   store))
         if "code" in options:  # the code agent's lessons as they stand at the end of this run, for MLflow
             team.wait_idle(config.code_agent.llm.timeout_s)
             shutil.copyfile(options["code"]["lessons_path"], run_dir / CODE_LESSONS_FILE)

@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from evo.code import is_code_hash
+from evo.genome import Genome
+from evo.lessons import read as read_lessons
 from tests.llm_server import CommentingModel, ScriptedLlmServer
 from tests.run_checks import journal, run_evo
 
@@ -90,8 +93,20 @@ def test_a_search_with_the_code_agent_survives_a_kill_and_teaches_the_next_run(t
         parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
         assert any(a.path == "code_lessons.md" for r in parents for a in client.list_artifacts(r.info.run_id))
 
-        second = evo("run", str(config(tmp_path, server.url, "second", 2, 6)), "--out", str(tmp_path / "second"))
+        second = evo("run", str(config(tmp_path, server.url, "second", 2, 6)), "--out", str(tmp_path / "second"),
+                     "--warm-start", str(run_dir))
         assert second.returncode == 0, second.stdout[-3000:]
         later = [json.dumps(r["messages"]) for r in server.requests[first_requests:]
                  if "review one experiment" not in r["messages"][0]["content"]]
         assert later and any("Scripted lesson" in text for text in later), "the second run did not read the lessons"
+
+    # the warm start carries the first run's best genomes with their code: the sources travel in lessons.yaml
+    learned = read_lessons(run_dir / "lessons.yaml")
+    coded = {d for genome, _ in learned.best for d in Genome.from_dict(genome).values().values() if is_code_hash(d)}
+    assert coded == set(learned.code), "a best genome's code is missing from the lessons"
+    warm = [r for r in journal(tmp_path / "second") if r["move_kind"] == "warm_start"]
+    assert warm, "the second run did not seed from the first run's best genomes"
+    for row in warm:
+        for digest in filter(is_code_hash, Genome.from_json(row["genome"]).values().values()):
+            assert (tmp_path / "second" / "code" / f"{digest}.py").read_text() == learned.code[digest]
+        assert row["status"] != "build_error", row["message"]  # its code was found and built
