@@ -60,7 +60,7 @@ else
   fi
   SETTINGS=(--set evaluator.warmup=3 --set evaluator.repeats=15)
   echo "== gpu tests =="
-  "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests/test_kda_triton.py
+  "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests/test_kda_triton.py tests/test_kda_triton_code.py
 fi
 
 echo "== bench: $PRESET, genomes from $GENOMES, baselines $BASELINES =="

@@ -131,3 +131,23 @@ def test_the_code_agent_edits_the_kernels_of_triton_parents(interpreted, tmp_pat
     system, user = server.requests[0]["messages"][0]["content"], server.requests[0]["messages"][1]["content"]
     assert "keep `prepare_kernel`, `recurrence_kernel`, `output_kernel`, `SUB`" in system
     assert "def intra_kernel(" in user and "written against triton" in system
+
+
+@pytest.mark.gpu
+@needs_triton
+def test_the_seed_reproduces_the_hand_written_kernels_on_cuda() -> None:
+    """Triton's real JIT compiles kernels from a genome's source (kept in linecache) as it does the package's."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    preset, device = W.presets()["h200"], DeviceInfo("cuda", "gpu")
+    space = W.gene_space(preset, device)
+    shape = {"B": 1, "T": 300, "H": 4, "K": 128, "V": 128}
+    x = W.make_inputs(CheckCase("strong_decay", shape, "strong_decay", True), "bfloat16", "cuda", 4)
+    expected = W.build(space.make({"engine": "triton"}), preset, device)(**x)
+    digest = code_hash(SEED)
+    seeded = W.build(space.make({"engine": "triton", "code_triton": digest}), preset, device,
+                     sources={digest: SEED})(**x)
+    for name in ("o", "final_state"):
+        assert torch.equal(seeded[name], expected[name]), name
