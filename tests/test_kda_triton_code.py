@@ -88,12 +88,14 @@ def test_the_evaluator_judges_kernel_code_in_its_engine_processes(interpreted) -
     from evaluators.evaluator import Evaluator
     from evaluators.settings import EvaluatorSettings
 
-    evaluator = Evaluator("kda", "cpu_small", EvaluatorSettings(warmup=1, repeats=2), seed=7, name="triton-code-ev")
+    # one timed call: every call is checked anyway, and each takes ~1.5 s under the interpreter
+    evaluator = Evaluator("kda", "cpu_small", EvaluatorSettings(warmup=0, repeats=1), seed=7, name="triton-code-ev")
     space = W.gene_space(evaluator.preset, evaluator.device_info())
     wrong = SEED.replace(*WRONG)
     results = {}
     for label, source in (("seed", SEED), ("wrong", wrong)):
-        genome = space.make({"engine": "triton", "chunk_size": 32, "code_triton": code_hash(source)})
+        genome = space.make({"engine": "triton", "chunk_size": 64, "fuse_recurrence_output": True,
+                             "fuse_l2norm_intra": True, "code_triton": code_hash(source)})  # two kernels
         results[label] = evaluator.evaluate(genome.to_json(), {code_hash(source): source})
     assert results["seed"].status == OK, results["seed"].message
     assert results["wrong"].status == INCORRECT, results["wrong"].message
