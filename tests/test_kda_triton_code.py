@@ -1,7 +1,7 @@
 """KDA's Triton kernels as an open stage (`code_triton`): the seed is `triton/kernels.py` itself, it is
 checked like any engine code, the gene exists only where the Triton engine runs and only with it, and
-the real evaluator (kernels under Triton's interpreter, in its engine processes) judges the seed `ok`
-and a wrong kernel `incorrect`."""
+the seed matches the float64 reference where a wrong edit of it does not, and the real evaluator
+(kernels under Triton's interpreter, in its engine processes) judges the wrong kernel `incorrect`."""
 from __future__ import annotations
 
 import importlib.util
@@ -10,7 +10,7 @@ import pytest
 
 from evo.code import END_MARK, START_MARK, CodeError, check_source, code_hash, marked_blocks
 from evo.genome import GenomeError
-from evo.records import INCORRECT, OK
+from evo.records import INCORRECT
 from evo.workloads import get_workload
 from evo.workloads.base import CheckCase, DeviceInfo
 from evo.workloads.kda import open_code
@@ -83,22 +83,58 @@ def test_a_genome_without_its_kernels_source_is_a_code_error_naming_the_gene(int
     assert open_code.triton_kernels({"engine": "triton"}, {}) is None  # no gene: the hand-written kernels
 
 
+# Builds engines from kernel sources in a fresh process under the interpreter (see `interpreted`) and
+# prints each one's norm-wise relative error against the float64 reference on a small ragged shape.
+ERRORS = """
+import json, sys
+from evo.code import code_hash
+from evo.workloads import get_workload
+from evo.workloads.base import CheckCase, DeviceInfo
+W, cpu = get_workload("kda"), DeviceInfo("cpu", "test", threads=2)
+preset = W.presets()["cpu_small"]
+space = W.gene_space(preset, cpu)
+x = W.make_inputs(CheckCase("strong_decay", {"B": 1, "T": 40, "H": 2, "K": 16, "V": 16}, "strong_decay", True),
+                  "float32", "cpu", 3)
+want = W.reference(x)
+errors = {}
+for label, source in json.loads(sys.stdin.read()).items():
+    genes = {"engine": "triton", "chunk_size": 16, "code_triton": code_hash(source)}
+    got = W.build(space.make(genes), preset, cpu, sources={code_hash(source): source})(**x)
+    errors[label] = {n: float((got[n].double() - want[n]).norm() / want[n].norm()) for n in ("o", "final_state")}
+print(json.dumps(errors))
+"""
+
+
+@needs_triton
+def test_the_seed_matches_the_reference_and_a_wrong_kernel_does_not() -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    assert SEED.count(WRONG[0]) == 1
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", ERRORS], input=json.dumps({"seed": SEED, "wrong": SEED.replace(*WRONG)}),
+                          cwd=TRITON_KERNELS.parents[4], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    errors = json.loads(done.stdout.strip().splitlines()[-1])
+    assert max(errors["seed"].values()) < 1e-5, errors
+    assert errors["wrong"]["o"] > 1e-2, errors
+
+
 @needs_triton
 def test_the_evaluator_judges_kernel_code_in_its_engine_processes(interpreted) -> None:
+    """A wrong kernel is run (so its source was found, checked and loaded) and judged incorrect."""
     from evaluators.evaluator import Evaluator
     from evaluators.settings import EvaluatorSettings
 
-    # one timed call: every call is checked anyway, and each takes ~1.5 s under the interpreter
     evaluator = Evaluator("kda", "cpu_small", EvaluatorSettings(warmup=0, repeats=1), seed=7, name="triton-code-ev")
     space = W.gene_space(evaluator.preset, evaluator.device_info())
     wrong = SEED.replace(*WRONG)
-    results = {}
-    for label, source in (("seed", SEED), ("wrong", wrong)):
-        genome = space.make({"engine": "triton", "chunk_size": 64, "fuse_recurrence_output": True,
-                             "fuse_l2norm_intra": True, "code_triton": code_hash(source)})  # two kernels
-        results[label] = evaluator.evaluate(genome.to_json(), {code_hash(source): source})
-    assert results["seed"].status == OK, results["seed"].message
-    assert results["wrong"].status == INCORRECT, results["wrong"].message
+    genome = space.make({"engine": "triton", "chunk_size": 64, "fuse_recurrence_output": True,
+                         "fuse_l2norm_intra": True, "code_triton": code_hash(wrong)})  # two kernels
+    result = evaluator.evaluate(genome.to_json(), {code_hash(wrong): wrong})
+    assert result.status == INCORRECT, result.message
 
 
 @needs_triton

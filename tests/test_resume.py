@@ -26,8 +26,9 @@ def evo(tmp: Path, *args: str, crash_at: str | None = None) -> subprocess.Comple
     return run_evo(*args, crash_at=crash_at)
 
 
-# (a kill between a result and its Parquet file, evidence:N, is tests/test_code_search.py's)
-@pytest.mark.parametrize("crash_at, with_mlflow", [("propose:2", False), ("evaluate:6", True)])
+# a kill mid-generation, with MLflow (a kill between a result and its Parquet file, evidence:N, is
+# tests/test_code_search.py's; a stop by SIGTERM, tests/test_stop.py's)
+@pytest.mark.parametrize("crash_at, with_mlflow", [("evaluate:6", True)])
 def test_resume_after_kill_9_evaluates_nothing_twice(tmp_path, crash_at, with_mlflow):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     config = {**CONFIG, "mlflow": {"tracking_uri": uri, "experiment": "crash", "enabled": with_mlflow}}
