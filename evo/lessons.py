@@ -103,6 +103,7 @@ class Lessons:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             got = data.get("format") if isinstance(data, dict) else type(data).__name__
             raise LessonsError(f"{where}: lessons format {got!r}; this version reads format {FORMAT}")
+        code = _checked_code(data.get("code") or {}, where)
         try:
             agents = data.get("agents") or {}
             return cls(
@@ -112,10 +113,8 @@ class Lessons:
                 yields={a: [int(s["children"]), int(s["beat_parent"])] for a, s in agents.items()},
                 effects=GeneEffects.from_dict(data["gene_effects"]),
                 sources=tuple(data.get("sources") or ()), evaluations=int(data.get("evaluations") or 0),
-                code=_checked_code(data.get("code") or {}, where))
+                code=code)
         except (KeyError, TypeError, ValueError) as exc:
-            if isinstance(exc, LessonsError):
-                raise
             raise LessonsError(f"{where}: lessons file is corrupt ({type(exc).__name__}: {exc})") from exc
 
 
@@ -141,7 +140,7 @@ def from_search(search, workload: str, preset: str, device: str, source: str,
         if math.isfinite(item.fitness):
             best[item.proposal.hash] = (item.proposal.genome.to_dict(), item.fitness)
     top = sorted(best.values(), key=lambda b: b[1])[:KEEP_BEST]
-    known_code = dict(earlier.code) if earlier else {}
+    known_code = earlier.code if earlier else {}
     code = {}
     for genome, _ in top:
         for digest in filter(is_code_hash, Genome.from_dict(genome).values().values()):

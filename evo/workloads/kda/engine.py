@@ -125,7 +125,7 @@ def build(genome: Genome, preset: Preset, device: DeviceInfo, sources: Mapping[s
 
         engine = build_triton(genome, open_code.triton_kernels(values, sources or {}))
     else:
-        impl = {**stages.HAND_WRITTEN, **open_code.implementations(values, sources or {}, preset, device)}
+        impl = {**stages.HAND_WRITTEN, **open_code.implementations(values, sources or {})}
         engine = KdaEngine(Plan.from_genome(genome), genome, impl)
     if values.get("cuda_graph") is True:
         from evo.workloads.kda.triton.cuda_graph import CudaGraphEngine

@@ -1,8 +1,8 @@
 """The KDA stages a genome may carry as code (`evo.code`): for the torch engine (CPU and CUDA) intra,
 the recurrence's per-chunk state update and output; for the Triton engine (where it runs) its kernels.
 
-Torch: each open stage's seed is the hand-written implementation of `stages.py` as a self-contained
-source in `open_stages/` (read as text, never imported as part of this package). A genome that sets a
+Torch: each open stage's seed is a self-contained source in `open_stages/`, the hand-written
+implementation itself (`stages.py` imports it; here it is read as text). A genome that sets a
 code gene (`code_intra`, `code_recurrence`, `code_output`) names a source by its hash;
 `implementations` loads the sources a genome names and returns their entry points, which the engine
 uses in place of the hand-written stages wherever those run (their own group, fused into the chunk
@@ -81,8 +81,7 @@ def code_genes(preset: Preset, device: DeviceInfo) -> tuple[CodeGene, ...]:
                  for s in open_stages(preset, device))
 
 
-def implementations(values: Mapping[str, object], sources: Mapping[str, str], preset: Preset,
-                    device: DeviceInfo) -> dict[str, Callable]:
+def implementations(values: Mapping[str, object], sources: Mapping[str, str]) -> dict[str, Callable]:
     """{stage: entry point} for each torch-engine code gene in a genome's `values`, loaded from `sources`
     (hash -> source). CodeError names the gene when its source is missing, mismatched or not allowed."""
     chosen = check_sources(values, sources, _STAGES)
