@@ -32,9 +32,9 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from evo.code import CodeError, check_sources, code_hash
-from evo.genome import Genome, GenomeError
-from evo.records import BUILD_ERROR, INCORRECT, OK, RUNTIME_ERROR, SUSPECT, TIMEOUT, EvalResult
+from evo.core.code import CodeError, check_sources, code_hash
+from evo.core.genome import Genome, GenomeError
+from evo.core.records import BUILD_ERROR, INCORRECT, OK, RUNTIME_ERROR, SUSPECT, TIMEOUT, EvalResult
 from evo.workloads import get_workload
 from evo.workloads.base import CheckCase, DeviceInfo, MachineRates, Preset, Workload
 from evaluators import device as devices
@@ -122,7 +122,7 @@ class Evaluator:
 
     def evaluate(self, genome_json: str, sources: Mapping[str, str] | None = None) -> EvalResult:
         """Build, check and time the engine a genome describes. `sources` maps code hash -> source for the
-        genome's code genes (`evo.code`): checked here (compiled, never run), run only in the engine's process."""
+        genome's code genes (`evo.core.code`): checked here (compiled, never run), run only in the engine's process."""
         start = time.perf_counter()
         try:
             genome = Genome.from_json(genome_json)

@@ -33,8 +33,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from evaluators.evaluator import Evaluator
 from evaluators.placement import NodeView, PlacementError, SlotPlan, initial_plan, placement_kind, plan_slots
 from evaluators.settings import EvaluatorSettings
-from evo.records import RUNTIME_ERROR, TIMEOUT, EvalResult, Proposal
-from evo.seeds import derive_seed
+from evo.core.records import RUNTIME_ERROR, TIMEOUT, EvalResult, Proposal
+from evo.core.seeds import derive_seed
 from evo.workloads.base import DeviceInfo, MachineRates, Preset
 
 __all__ = ["EvaluatorPool", "PlacementError"]

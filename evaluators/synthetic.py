@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import hashlib
 
-from evo.genome import Genome
-from evo.records import BUILD_ERROR, INCORRECT, OK, RUNTIME_ERROR, EvalResult
+from evo.core.genome import Genome
+from evo.core.records import BUILD_ERROR, INCORRECT, OK, RUNTIME_ERROR, EvalResult
 
 
 def _unit(text: str) -> float:

@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from evo.config import ConfigError, load_config
+from evo.driver.config import ConfigError, load_config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,9 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         return serve_forever(args.engine, host=args.host, port=args.port, name=args.name,
                              max_batch_size=args.max_batch_size, tracking_uri=args.tracking_uri)
     if args.command == "resume":
-        from evo.resume import RunDirError, load_run
+        from evo.driver.resume import RunDirError, load_run
 
-        from evo.rundir import finished, verify_generations
+        from evo.driver.rundir import finished, verify_generations
 
         try:
             saved = load_run(args.run_dir)
@@ -89,12 +89,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{saved.run_dir} is a finished run ({done.get('evaluations')} evaluations, best engine "
                   f"{done.get('best_hash')}); nothing to resume. Start a new run with python -m evo run", flush=True)
             return 0
-        from evo.run import run
+        from evo.driver.run import run
 
         outcome = run(saved.config, resume=saved, handle_signals=True)
         return 0 if outcome.summary.get("best_hash") else 1
     if args.command == "report":
-        from evo.report import ReportError, report
+        from evo.evidence.report import ReportError, report
 
         try:
             report(args.run, args.out, args.tracking_uri)
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     if args.command == "mlflow-sync":
-        from evo.mlflow_sink import sync
+        from evo.evidence.mlflow.sink import sync
 
         problem = _not_a_synced_run(args.run_dir, args.tracking_uri)
         if problem:
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         return _bench(config, args)
     if args.command == "compare":
-        from evo.compare import compare
+        from evo.bench.compare import compare
 
         try:
             compare(config, [n.strip() for n in args.strategies.split(",") if n.strip()], args.seeds, args.budget,
@@ -131,18 +131,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         return 0
-    from evo.lessons import LessonsError, load
-    from evo.resume import RunDirError
-    from evo.rundir import check_config, check_new_run_dir
+    from evo.core.lessons import LessonsError
+    from evo.evidence.mlflow.lessons import load
+    from evo.driver.resume import RunDirError
+    from evo.driver.rundir import check_config, check_new_run_dir
 
-    try:  # before evo.run (Ray, MLflow) is even imported: a bad config or --out is one line
+    try:  # before evo.driver.run (Ray, MLflow) is even imported: a bad config or --out is one line
         check_config(config)
         if args.out is not None:
             check_new_run_dir(Path(args.out))
     except (ConfigError, RunDirError) as exc:
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
-    from evo.run import run  # Ray and torch load only when needed
+    from evo.driver.run import run  # Ray and torch load only when needed
 
     lessons = None
     if args.warm_start:
@@ -165,7 +166,7 @@ def _one_line(exc: Exception) -> str:
 
 def _not_a_synced_run(run_dir: str, tracking_uri: str | None) -> str | None:
     """Why `mlflow-sync RUN_DIR` cannot work on this path, or None."""
-    from evo.mlflow_outbox import OUTBOX_FILE, STATE_FILE
+    from evo.evidence.mlflow.outbox import OUTBOX_FILE, STATE_FILE
 
     path = Path(run_dir)
     if not path.exists():
@@ -181,7 +182,7 @@ def _not_a_synced_run(run_dir: str, tracking_uri: str | None) -> str | None:
 
 
 def _bench(config, args) -> int:
-    from evo.bench import bench, log_mlflow, markdown
+    from evo.bench.bench import bench, log_mlflow, markdown
 
     names = [n.strip() for n in args.baselines.split(",") if n.strip()] if args.baselines is not None else None
     try:

@@ -4,7 +4,7 @@ An agent changes only its own domain of the genome. Its moves are grouped into k
 per-gene mutation, the gene's name); each kind keeps (tries, wins) where a win is a child that was
 correct and faster than its parent. Kinds are chosen by Thompson sampling over Beta(wins+1,
 losses+1), so moves that paid are tried more often while every kind keeps some chance. Given the
-search's per-gene effect model (`evo.effects`, built from every result, failures and their messages
+search's per-gene effect model (`evo.core.effects`, built from every result, failures and their messages
 included), an agent draws several moves and proposes the one a Thompson draw of the effects favours.
 """
 from __future__ import annotations
@@ -15,27 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from evo.effects import GeneEffects
-from evo.genome import GeneSpace, Genome, GenomeError
-from evo.records import Evaluated, Proposal
+from evo.core.effects import GeneEffects
+from evo.core.genome import GeneSpace, Genome, GenomeError
+from evo.core.records import Evaluated, Outcome, Parent, Proposal
 
 CANDIDATES = 8  # moves drawn per child when steering by effects; the most promising one is proposed
-
-
-@dataclass(frozen=True)
-class Parent:
-    """A parent as an agent sees it: its genome and fitness (latency in ms, inf when it failed)."""
-
-    genome: Genome
-    fitness: float
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """Feedback on one proposal: which move kind it used and whether it beat its parent."""
-
-    move_kind: str
-    improved: bool
 
 
 @dataclass(frozen=True)
@@ -173,7 +157,7 @@ class Agent:
 
     def legal(self, parent: Genome, domain_values: dict[str, Any]) -> Genome | None:
         """The parent with this domain replaced, if legal and different; else None. The parent's code
-        genes (evo.code) are kept unless `domain_values` names them."""
+        genes (evo.core.code) are kept unless `domain_values` names them."""
         code = {g: v for g, v in parent.domain(self.domain).items() if g in self.gene_space.code_gene_names()}
         try:
             child = self.gene_space.validate(parent.with_domain(self.domain, {**code, **domain_values}))

@@ -1,9 +1,9 @@
 """CodeAgent: a language model proposes, repairs and critiques the source of a workload's open stages.
 
 The agent works like the others (parents in, proposals out, `observe` every result) but its moves are
-code: for a parent and one open stage (`evo.code.OpenStage`) it asks an OpenAI-compatible chat
+code: for a parent and one open stage (`evo.core.code.OpenStage`) it asks an OpenAI-compatible chat
 endpoint (`operators.llm.client`) for a search/replace edit within the source's marked blocks (a full
-rewrite as the fallback), applies and checks it here without running it (`evo.code.check_source`),
+rewrite as the fallback), applies and checks it here without running it (`evo.core.code.check_source`),
 and on failure sends the error back for a repair, a bounded number of times. A child is the parent
 with that stage's code gene set to the new source's hash; the source travels with the proposal and
 runs only in an evaluator's isolated engine process.
@@ -26,10 +26,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from evo.code import CodeError, CodeStore, OpenStage, check_source, code_hash
-from evo.effects import GeneEffects
-from evo.genome import GeneSpace, Genome, GenomeError
-from evo.records import Evaluated, Proposal
+from evo.core.code import CodeError, CodeStore, OpenStage, check_source, code_hash
+from evo.core.effects import GeneEffects
+from evo.core.genome import GeneSpace, Genome, GenomeError
+from evo.core.records import Evaluated, Proposal
 from evo.workloads import get_workload
 from evo.workloads.base import DeviceInfo
 from operators.base import Agent, Parent
@@ -40,7 +40,7 @@ from operators.llm.client import ChatClient, LlmError, Usage, redact
 from operators.llm.edits import EditError, apply_change, parse_reply, unified_diff
 
 AGENT_DIR = "agent"  # in the run directory: one JSON artifact per exchange, and log.jsonl
-CODE_DIR = "code"  # in the run directory: the code store (evo.code.CodeStore)
+CODE_DIR = "code"  # in the run directory: the code store (evo.core.code.CodeStore)
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from evo.code import END_MARK, START_MARK, OpenStage
-from evo.records import Evaluated
+from evo.core.code import END_MARK, START_MARK, OpenStage
+from evo.core.records import Evaluated
 
 REPLY_FORMAT = (
     'Reply with exactly one JSON object and nothing else:\n'

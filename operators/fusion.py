@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from evo.genome import Genome
+from evo.core.genome import Genome
 from operators.base import Agent, Move
 
 

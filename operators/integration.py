@@ -9,9 +9,9 @@ import itertools
 
 import numpy as np
 
-from evo.effects import GeneEffects
-from evo.genome import DOMAINS, Genome, GenomeError
-from evo.records import Proposal
+from evo.core.effects import GeneEffects
+from evo.core.genome import DOMAINS, Genome, GenomeError
+from evo.core.records import Proposal
 from operators.base import Agent, Move, Parent
 
 

@@ -2,7 +2,7 @@
 
 It ignores its parents: its study holds every result of the search (its own trials told, everyone
 else's added as they are observed, failures as infeasible), and each proposal is a TPE trial.
-Illegal combinations are told to the study as infeasible (see `evo.optuna_study`), never evaluated.
+Illegal combinations are told to the study as infeasible (see `evo.core.optuna_study`), never evaluated.
 Its sampler is reseeded from (agent seed, trials so far) before each batch, and its state is the
 trial history, so a restored agent proposes what the original would have.
 """
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from evo.effects import GeneEffects
-from evo.genome import GeneSpace, Genome
-from evo.optuna_study import GenomeStudy
-from evo.records import EvalResult, Evaluated, Proposal
-from evo.seeds import derive_seed
+from evo.core.effects import GeneEffects
+from evo.core.genome import GeneSpace, Genome
+from evo.core.optuna_study import GenomeStudy
+from evo.core.records import EvalResult, Evaluated, Proposal
+from evo.core.seeds import derive_seed
 from operators.base import Agent, Move, Parent
 
 

@@ -6,8 +6,8 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from evo.genome import GeneSpace
-from evo.records import Proposal
+from evo.core.genome import GeneSpace
+from evo.core.records import Proposal
 from operators.base import Outcome
 from operators.team import Request, make_agent
 

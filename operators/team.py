@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from evo.genome import GeneSpace
-from evo.effects import GeneEffects
-from evo.records import Evaluated, Proposal
-from evo.seeds import derive_seed
+from evo.core.genome import GeneSpace
+from evo.core.effects import GeneEffects
+from evo.core.records import Evaluated, Proposal
+from evo.core.seeds import derive_seed
 from operators.base import Agent, Outcome, Parent
 from operators.code_agent import CodeAgent
 from operators.fusion import FusionAgent

@@ -18,7 +18,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.abspath(".inductor_cach
 
 from evaluators.evaluator import Evaluator  # noqa: E402
 from evaluators.settings import EvaluatorSettings  # noqa: E402
-from evo.evidence import write_json  # noqa: E402
+from evo.evidence.journal import write_json  # noqa: E402
 from evo.workloads import get_workload  # noqa: E402
 
 

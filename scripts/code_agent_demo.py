@@ -16,8 +16,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from evo.config import load_config  # noqa: E402
-from evo.run import run  # noqa: E402
+from evo.driver.config import load_config  # noqa: E402
+from evo.driver.run import run  # noqa: E402
 from tests.llm_server import CommentingModel, ScriptedLlmServer  # noqa: E402
 
 

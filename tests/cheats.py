@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from evaluators.check import expected_dtypes
-from evo.genome import Gene, GeneSpace, Genome
+from evo.core.genome import Gene, GeneSpace, Genome
 from evo.workloads.base import CheckCase, DeviceInfo, Engine, MachineRates, Preset, Roofline
 
 # cheat -> (class in the issue, what it does)

@@ -1,7 +1,7 @@
 import os
 import secrets
 
-# Every Ray the tests start listens on 127.0.0.1 only (evo.local_ray) and checks a token: one per test
+# Every Ray the tests start listens on 127.0.0.1 only (evo.driver.local_ray) and checks a token: one per test
 # session, handed to the Ray processes and CLIs the tests start through the environment (no file).
 os.environ.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token"})
 os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
@@ -12,7 +12,7 @@ import pytest
 
 def start_local_ray():
     """The in-process local Ray most tests share (start ~6 s, stop ~1.4 s), on 127.0.0.1."""
-    from evo import local_ray
+    from evo.driver import local_ray
 
     local_ray.init_local(num_cpus=2, include_dashboard=False, log_to_driver=False,
                          runtime_env={"env_vars": {"TORCHINDUCTOR_CACHE_DIR": os.environ["TORCHINDUCTOR_CACHE_DIR"]}})

@@ -10,8 +10,8 @@ import time
 
 import torch
 
-from evo.code import CodeError, OpenStage, load_module
-from evo.genome import CodeGene, Gene, GeneSpace, Genome
+from evo.core.code import CodeError, OpenStage, load_module
+from evo.core.genome import CodeGene, Gene, GeneSpace, Genome
 from evo.workloads.base import CheckCase, DeviceInfo, Engine, MachineRates, Preset, Roofline
 
 IMPLS = (
@@ -41,7 +41,7 @@ IMPLS = (
 
 SEEN_SEEDS: list[int] = []  # every seed make_inputs was given, in order
 
-# The open stage: a code gene whose source replaces the running sum (evo.code), for code-agent tests.
+# The open stage: a code gene whose source replaces the running sum (evo.core.code), for code-agent tests.
 SUM_SEED = '''"""The running sum of the fake workload: o[b, t] = initial_state[b] + sum over u <= t of x[b, u].
 
 x: [B, T, D]; initial_state: [B, D] or None. Return o, [B, T, D], in x's dtype.

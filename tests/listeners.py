@@ -10,7 +10,7 @@ import urllib.request
 import grpc
 import psutil
 
-from evo.local_ray import is_loopback
+from evo.driver.local_ray import is_loopback
 
 
 def process_tree(root_pid: int) -> list[psutil.Process]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Mapping, Sequence
 
-from evo.code import START_MARK
+from evo.core.code import START_MARK
 
 CHAT_PATH = "/v1/chat/completions"
 

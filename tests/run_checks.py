@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from evo.evidence import read_generations
-from evo.genome import Genome
-from evo.records import STATUSES
+from evo.evidence.journal import read_generations
+from evo.core.genome import Genome
+from evo.core.records import STATUSES
 
 
 ROOT = Path(__file__).resolve().parents[1]

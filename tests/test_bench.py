@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from evo.bench import make_rows, markdown
-from evo.records import EvalResult
+from evo.bench.bench import make_rows, markdown
+from evo.core.records import EvalResult
 from evo.workloads import get_workload
 from evo.workloads.base import CheckCase
 from evo.workloads.kda.baselines import chunk_pairwise
@@ -106,7 +106,7 @@ def test_gpu_check_genome_files_are_legal(monkeypatch) -> None:
     """scripts/gpu_check.sh's genomes: legal at h200 on CUDA, and at cpu_small under the interpreter."""
     import importlib.util
 
-    from evo.bench import genomes_from_file
+    from evo.bench.bench import genomes_from_file
     from evo.workloads.base import DeviceInfo
 
     if importlib.util.find_spec("triton") is None:

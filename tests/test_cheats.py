@@ -10,7 +10,7 @@ import pytest
 import evaluators.evaluator as evaluator_module
 from evaluators.evaluator import Evaluator
 from evaluators.settings import EvaluatorSettings
-from evo.records import INCORRECT, OK
+from evo.core.records import INCORRECT, OK
 from tests import cheats
 from tests import fake_workload as fw
 

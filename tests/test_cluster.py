@@ -16,9 +16,9 @@ from ray.cluster_utils import Cluster
 
 from evaluators.pool import EvaluatorPool, PlacementError
 from evaluators.settings import EvaluatorSettings
-from evo.config import config_from_dict
-from evo.records import OK, Proposal
-from evo.run import run
+from evo.driver.config import config_from_dict
+from evo.core.records import OK, Proposal
+from evo.driver.run import run
 from evo.workloads.base import DeviceInfo
 from tests import fake_workload
 from tests.conftest import start_local_ray

@@ -11,8 +11,8 @@ import pytest
 
 from evaluators.evaluator import Evaluator
 from evaluators.settings import EvaluatorSettings
-from evo.code import code_hash
-from evo.records import OK, Evaluated
+from evo.core.code import code_hash
+from evo.core.records import OK, Evaluated
 from evo.workloads.base import DeviceInfo
 from operators.base import Parent
 from operators.code_agent import CodeAgent
@@ -187,7 +187,7 @@ def test_secrets_never_reach_the_artifacts(tmp_path):
 
 
 def test_an_agent_without_open_stages_says_so(tmp_path):
-    from evo.genome import GeneSpace
+    from evo.core.genome import GeneSpace
 
     with ScriptedLlmServer([GOOD]) as server, pytest.raises(ValueError, match="nothing to edit"):
         CodeAgent(GeneSpace("fake", SPACE.genes), seed=1, settings=CodeAgentSettings(), workload=WORKLOAD,
@@ -222,7 +222,7 @@ def test_wrong_code_is_judged_incorrect_and_its_message_reaches_the_lesson_and_t
 
 
 def test_the_config_section_is_checked_and_round_trips(tmp_path):
-    from evo.config import ConfigError, config_from_dict, load_config
+    from evo.driver.config import ConfigError, config_from_dict, load_config
 
     config = load_config(ROOT_CONFIG, ["code_agent.budget.max_calls=7", "code_agent.llm.model=m"])
     assert config.code_agent.budget.max_calls == 7 and config.code_agent.llm.model == "m"

@@ -7,9 +7,9 @@ import pytest
 import evo.workloads
 from evaluators.evaluator import Evaluator
 from evaluators.settings import EvaluatorSettings
-from evo.code import CodeError, CodeStore, check_source, code_hash, load_module, marked_blocks
-from evo.genome import Genome, GenomeError
-from evo.records import BUILD_ERROR, INCORRECT, OK
+from evo.core.code import CodeError, CodeStore, check_source, code_hash, load_module, marked_blocks
+from evo.core.genome import Genome, GenomeError
+from evo.core.records import BUILD_ERROR, INCORRECT, OK
 from evo.workloads.base import DeviceInfo
 from tests import fake_workload as fw
 
@@ -21,7 +21,7 @@ def edited(new_block: str) -> str:
     return fw.SUM_SEED.replace("    o = x.cumsum(1)\n", new_block)
 
 
-# -- evo.code ----------------------------------------------------------------------------------------
+# -- evo.core.code ----------------------------------------------------------------------------------------
 def test_the_seed_passes_and_its_marked_block_is_found():
     check_source(fw.SUM_SEED, STAGE)
     (start, end), = marked_blocks(fw.SUM_SEED)

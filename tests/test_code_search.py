@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from evo.code import is_code_hash
-from evo.genome import Genome
-from evo.lessons import read as read_lessons
+from evo.core.code import is_code_hash
+from evo.core.genome import Genome
+from evo.core.lessons import read as read_lessons
 from tests.llm_server import CommentingModel, ScriptedLlmServer
 from tests.run_checks import journal, run_evo
 

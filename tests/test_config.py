@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from evo.config import ConfigError, load_config
+from evo.driver.config import ConfigError, load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from evo.config import load_config
-from evo.genome import Genome
-from evo.run import run
+from evo.driver.config import load_config
+from evo.core.genome import Genome
+from evo.driver.run import run
 from evo.workloads import get_workload
 from evo.workloads.base import CheckCase, DeviceInfo
 from tests.run_checks import check_finished_run

@@ -11,7 +11,7 @@ import torch
 import evo.workloads
 from evaluators.evaluator import Evaluator
 from evaluators.settings import EvaluatorSettings
-from evo.records import BUILD_ERROR, INCORRECT, OK, RUNTIME_ERROR, TIMEOUT, EvalResult
+from evo.core.records import BUILD_ERROR, INCORRECT, OK, RUNTIME_ERROR, TIMEOUT, EvalResult
 from tests import fake_workload as fw
 
 FAST = EvaluatorSettings(warmup=1, repeats=5)

@@ -5,7 +5,7 @@ import math
 
 from evaluators.evaluator import Evaluator
 from evaluators.settings import EvaluatorSettings
-from evo.records import OK
+from evo.core.records import OK
 from evo.workloads.kda import WORKLOAD as workload
 
 

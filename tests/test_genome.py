@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from evo.genome import Genome, GenomeError
+from evo.core.genome import Genome, GenomeError
 from tests.toy_space import toy_space
 
 

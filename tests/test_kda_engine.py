@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from evo.genome import GenomeError
+from evo.core.genome import GenomeError
 from evo.workloads import get_workload
 from evo.workloads.base import CheckCase, DeviceInfo
 

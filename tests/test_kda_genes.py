@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from evo.genome import GenomeError
+from evo.core.genome import GenomeError
 from evo.workloads import get_workload
 from evo.workloads.base import DeviceInfo
 from evo.workloads.kda.genes import Plan

@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from evo.code import END_MARK, START_MARK, CodeError, check_source, code_hash, marked_blocks
-from evo.genome import GenomeError
+from evo.core.code import END_MARK, START_MARK, CodeError, check_source, code_hash, marked_blocks
+from evo.core.genome import GenomeError
 from evo.workloads import get_workload
 from evo.workloads.base import CheckCase, DeviceInfo
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from evo.genome import GenomeError
+from evo.core.genome import GenomeError
 from evo.workloads import get_workload
 from evo.workloads.base import DeviceInfo
 

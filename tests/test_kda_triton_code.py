@@ -8,9 +8,9 @@ import importlib.util
 
 import pytest
 
-from evo.code import END_MARK, START_MARK, CodeError, check_source, code_hash, marked_blocks
-from evo.genome import GenomeError
-from evo.records import INCORRECT
+from evo.core.code import END_MARK, START_MARK, CodeError, check_source, code_hash, marked_blocks
+from evo.core.genome import GenomeError
+from evo.core.records import INCORRECT
 from evo.workloads import get_workload
 from evo.workloads.base import CheckCase, DeviceInfo
 from evo.workloads.kda import open_code
@@ -87,7 +87,7 @@ def test_a_genome_without_its_kernels_source_is_a_code_error_naming_the_gene(int
 # prints each one's norm-wise relative error against the float64 reference on a small ragged shape.
 ERRORS = """
 import json, sys
-from evo.code import code_hash
+from evo.core.code import code_hash
 from evo.workloads import get_workload
 from evo.workloads.base import CheckCase, DeviceInfo
 W, cpu = get_workload("kda"), DeviceInfo("cpu", "test", threads=2)

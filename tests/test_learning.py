@@ -8,15 +8,15 @@ import pytest
 from optuna.trial import TrialState
 
 from evaluators.synthetic import SyntheticEvaluator
-from evo.compare import compare
-from evo.config import config_from_dict
-from evo.effects import GeneEffects
-from evo.genome import Genome
-from evo.loop import LocalExecutor, run_search
-from evo.optuna_study import GenomeStudy
-from evo.records import OK
-from evo.search import Search, SearchSettings
-from evo.strategies import run_optuna
+from evo.bench.compare import compare
+from evo.driver.config import config_from_dict
+from evo.core.effects import GeneEffects
+from evo.core.genome import Genome
+from evo.core.loop import LocalExecutor, run_search
+from evo.core.optuna_study import GenomeStudy
+from evo.core.records import OK
+from evo.core.search import Search, SearchSettings
+from evo.bench.strategies import run_optuna
 from operators.optuna_agent import OptunaAgent
 from operators.base import Parent
 from operators.scheduling import SchedulingAgent

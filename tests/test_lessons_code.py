@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from evo.code import CodeStore, code_hash
-from evo.effects import GeneEffects
-from evo.genome import Genome
-from evo.lessons import Lessons, LessonsError, from_search, read, write
+from evo.core.code import CodeStore, code_hash
+from evo.core.effects import GeneEffects
+from evo.core.genome import Genome
+from evo.core.lessons import Lessons, LessonsError, from_search, read, write
 
 SOURCE = "import torch\n\n\ndef running_sum(x, initial_state):\n    return x.cumsum(1)  # a variant\n"
 DIGEST = code_hash(SOURCE)

@@ -11,11 +11,11 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from evo.cli import main as cli_main
-from evo.config import load_config
-from evo.evidence import DiskEvidence, write_json
-from evo.lineage import ancestry_lines, candidate_table, candidate_tags, gene_diff, load_lineage
-from evo.lineage_view import write_lineage
-from evo.records import EvalResult, Evaluated, Proposal
+from evo.driver.config import load_config
+from evo.evidence.journal import DiskEvidence, write_json
+from evo.evidence.lineage import ancestry_lines, candidate_table, candidate_tags, gene_diff, load_lineage
+from evo.evidence.lineage_view import write_lineage
+from evo.core.records import EvalResult, Evaluated, Proposal
 from tests.browser import Browser, find_chromium
 from tests.test_mlflow_outage import MlflowServer
 from tests.toy_space import toy_space
@@ -122,8 +122,8 @@ def test_report_command(family, capsys, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def searched(ray_local, tmp_path_factory):
-    """configs/kda_smoke.yaml through `evo.run.run`, logging to a real `mlflow server` that stays up."""
-    from evo.run import run
+    """configs/kda_smoke.yaml through `evo.driver.run.run`, logging to a real `mlflow server` that stays up."""
+    from evo.driver.run import run
 
     root = tmp_path_factory.mktemp("lineage")
     server = MlflowServer(root)

@@ -22,11 +22,11 @@ from mlflow.tracking import MlflowClient
 
 from evaluators.synthetic import SyntheticEvaluator
 from evo.cli import main as cli_main
-from evo.evidence import DiskEvidence
-from evo.loop import LocalExecutor, run_search
-from evo.mlflow_outbox import OUTBOX_FILE, STATE_FILE, Outbox
-from evo.mlflow_sink import MlflowSink
-from evo.search import Search, SearchSettings
+from evo.evidence.journal import DiskEvidence
+from evo.core.loop import LocalExecutor, run_search
+from evo.evidence.mlflow.outbox import OUTBOX_FILE, STATE_FILE, Outbox
+from evo.evidence.mlflow.sink import MlflowSink
+from evo.core.search import Search, SearchSettings
 from operators.team import LocalTeam
 from tests.toy_space import toy_space
 
@@ -90,7 +90,7 @@ def make_search(generations: int) -> Search:
 
 
 class _Generation:
-    """MLflow gets each generation after its Parquet file is on disk (as in evo.run)."""
+    """MLflow gets each generation after its Parquet file is on disk (as in evo.driver.run)."""
 
     def __init__(self, sink: MlflowSink, disk: DiskEvidence) -> None:
         self.sink, self.disk = sink, disk

@@ -3,7 +3,7 @@ from collections import Counter
 
 import numpy as np
 
-from evo.genome import DOMAINS
+from evo.core.genome import DOMAINS
 from operators.base import Outcome, Parent
 from operators.fusion import FusionAgent
 from operators.integration import IntegrationAgent
@@ -80,7 +80,7 @@ def test_agents_skip_genomes_the_search_already_knows():
 
 
 def test_fusion_agent_works_on_a_space_without_stage_genes():
-    from evo.genome import Gene, GeneSpace
+    from evo.core.genome import Gene, GeneSpace
 
     space = GeneSpace("plain", (Gene("impl", "fusion", ("a", "b", "c"), "a", "x"),
                                 Gene("size", "scheduling", (1, 2), 1, "y")))

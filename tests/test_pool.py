@@ -5,8 +5,8 @@ import pytest
 
 from evaluators.pool import EvaluatorPool, PlacementError
 from evaluators.settings import EvaluatorSettings
-from evo.genome import Genome
-from evo.records import OK, RUNTIME_ERROR, TIMEOUT, Proposal
+from evo.core.genome import Genome
+from evo.core.records import OK, RUNTIME_ERROR, TIMEOUT, Proposal
 from tests import fake_workload
 
 PRESET = fake_workload.WORKLOAD.presets()["cpu"]

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from evo.resume import RunDirError, load_run
+from evo.driver.resume import RunDirError, load_run
 from tests.run_checks import journal, run_evo
 
 CONFIG = {
@@ -93,9 +93,9 @@ def test_unusable_run_directories_get_clear_errors(tmp_path):
 
 
 def test_a_run_is_never_resumed_on_another_device_type(tmp_path):
-    from evo.genome import Genome
-    from evo.records import EvalResult, Evaluated, Proposal
-    from evo.resume import SavedRun, check_device
+    from evo.core.genome import Genome
+    from evo.core.records import EvalResult, Evaluated, Proposal
+    from evo.driver.resume import SavedRun, check_device
     from tests import fake_workload
 
     genome = Genome.from_json(fake_workload.genome_json("cumsum"))

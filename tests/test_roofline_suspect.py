@@ -8,8 +8,8 @@ import pytest
 import evo.workloads
 from evaluators.evaluator import Evaluator
 from evaluators.settings import EvaluatorSettings
-from evo.population import Population, PopulationSettings
-from evo.records import OK, STATUSES, SUSPECT, EvalResult, Evaluated, Proposal
+from evo.core.population import Population, PopulationSettings
+from evo.core.records import OK, STATUSES, SUSPECT, EvalResult, Evaluated, Proposal
 from evo.workloads.base import MachineRates, Roofline
 from tests import fake_workload as fw
 

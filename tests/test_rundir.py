@@ -12,11 +12,11 @@ import pytest
 import yaml
 
 from evo.cli import main
-from evo.config import config_from_dict
-from evo.evidence import SCHEMA, evidence_row
-from evo.records import EvalResult, Evaluated, Proposal
-from evo.resume import RunDirError, load_run, write_marker
-from evo.rundir import verify_generations
+from evo.driver.config import config_from_dict
+from evo.evidence.journal import SCHEMA, evidence_row
+from evo.core.records import EvalResult, Evaluated, Proposal
+from evo.driver.resume import RunDirError, load_run, write_marker
+from evo.driver.rundir import verify_generations
 from evo.workloads.base import DeviceInfo
 from tests.fake_workload import WORKLOAD
 

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 from evaluators.synthetic import SyntheticEvaluator
-from evo.loop import LocalExecutor, run_search
-from evo.population import Population, PopulationSettings
-from evo.records import OK, EvalResult, Evaluated, Proposal
-from evo.search import Search, SearchSettings
+from evo.core.loop import LocalExecutor, run_search
+from evo.core.population import Population, PopulationSettings
+from evo.core.records import OK, EvalResult, Evaluated, Proposal
+from evo.core.search import Search, SearchSettings
 from operators.team import LocalTeam
 from tests.toy_space import toy_space
 

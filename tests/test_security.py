@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from evo.local_ray import is_loopback
+from evo.driver.local_ray import is_loopback
 from tests.listeners import exposed, listening, process_tree
 from tests.waiting import wait_for
 
@@ -61,8 +61,8 @@ def stop(process: subprocess.Popen) -> None:
 
 START_RAY = """
 import ray, sys
-from evo.config import RaySettings, RunConfig
-from evo.run import start_ray
+from evo.driver.config import RaySettings, RunConfig
+from evo.driver.run import start_ray
 from ray._raylet import AuthenticationMode, get_authentication_mode
 start_ray(RunConfig(ray=RaySettings(num_cpus=1)))
 ray.get(ray.remote(lambda: 1).remote())
@@ -75,7 +75,7 @@ def test_evo_runs_local_ray_listens_on_loopback_only_with_token_auth(tmp_path):
     process, log = start(tmp_path, ["-c", START_RAY])
     try:
         line = wait_for(lambda: next((l for l in log.read_text().splitlines() if l.startswith("ready")), None), 120,
-                        "evo.run.start_ray to start a local Ray")
+                        "evo.driver.run.start_ray to start a local Ray")
         assert line.split()[1:] == ["127.0.0.1", "True"], log.read_text()[-2000:]
         processes = process_tree(process.pid)
         found = listening(processes)

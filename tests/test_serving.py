@@ -24,7 +24,7 @@ import pytest
 import torch
 import yaml
 
-from evo.genome import Genome
+from evo.core.genome import Genome
 from evo.serving.codec import decode_tensor, encode_tensor
 from evo.serving.loadgen import load_run, post_json
 from evo.workloads import get_workload

@@ -7,9 +7,10 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from evo.config import config_from_dict
-from evo.lessons import FILE, WARM_FILE, LessonsError, load, read
-from evo.run import run
+from evo.driver.config import config_from_dict
+from evo.core.lessons import FILE, WARM_FILE, LessonsError, read
+from evo.evidence.mlflow.lessons import load
+from evo.driver.run import run
 from tests.run_checks import journal
 
 pytestmark = pytest.mark.slow  # two searches on a local Ray (121 s measured on 2 busy cores, load ~11)

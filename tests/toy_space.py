@@ -1,7 +1,7 @@
 """A small gene space with the same conventions as a real workload, for testing the search core."""
 from __future__ import annotations
 
-from evo.genome import Constraint, Gene, GeneSpace
+from evo.core.genome import Constraint, Gene, GeneSpace
 
 STAGES = ("prep", "solve", "out")
 

@@ -40,7 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from evaluators.check import SeedStream, check_engine
 from evaluators.settings import EvaluatorSettings
-from evo.code import build_engine
+from evo.core.code import build_engine
 from evo.serving.codec import ENCODINGS, RequestError, decode_request, encode_outputs, kda_input_specs, parse_body
 from evo.serving.source import EngineRecord, resolve
 from evo.workloads import get_workload

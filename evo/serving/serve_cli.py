@@ -10,7 +10,7 @@ from pathlib import Path
 import ray
 from ray import serve
 
-from evo import local_ray
+from evo.driver import local_ray
 from evo.serving.app import build_app
 from evo.serving.source import SourceError, resolve
 
@@ -30,7 +30,7 @@ def serve_forever(engine: str, host: str, port: int, name: str, max_batch_size: 
         address = os.environ.get("RAY_ADDRESS")
         if address:
             local_ray.join(address, log_to_driver=False)
-        else:  # listening on 127.0.0.1 only (evo.local_ray)
+        else:  # listening on 127.0.0.1 only (evo.driver.local_ray)
             local_ray.init_local(include_dashboard=False, log_to_driver=False)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

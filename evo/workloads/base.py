@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Protocol
 
-from evo.genome import GeneSpace, Genome
+from evo.core.genome import GeneSpace, Genome
 
 # An engine maps named input tensors to named output tensors: engine(**inputs) -> {"o": ..., ...}.
 Engine = Callable[..., dict]
@@ -103,7 +103,7 @@ class Workload(Protocol):
 
     def build(self, genome: Genome, preset: Preset, device: DeviceInfo) -> Engine: ...
 
-    # Optional: genomes that carry code (`evo.code`). `open_stages(preset, device) -> (OpenStage, ...)`
+    # Optional: genomes that carry code (`evo.core.code`). `open_stages(preset, device) -> (OpenStage, ...)`
     # names the stages whose implementation a code gene may replace (the gene space declares one
     # `CodeGene` per open stage); such a workload's builder is then `build(genome, preset, device,
     # sources=None)`, where `sources` maps code hash -> source for the code genes the genome sets. The

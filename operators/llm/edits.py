@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from evo.code import END_MARK, START_MARK, marked_blocks
+from evo.core.code import END_MARK, START_MARK, marked_blocks
 
 REPLY_FORMAT = (
     'Reply with ONE JSON object, either {"rationale": "<one or two sentences>", "edits": [{"search": '

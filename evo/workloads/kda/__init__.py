@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Callable, Mapping
 
-from evo.code import OpenStage
-from evo.genome import GeneSpace, Genome
+from evo.core.code import OpenStage
+from evo.core.genome import GeneSpace, Genome
 from evo.workloads.base import CheckCase, DeviceInfo, Engine, MachineRates, Preset, Roofline
 from evo.workloads.kda import baselines as _baselines
 from evo.workloads.kda import engine as _engine

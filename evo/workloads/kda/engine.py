@@ -10,7 +10,7 @@ from typing import Callable, Mapping
 import torch
 import torch.nn.functional as F
 
-from evo.genome import Genome
+from evo.core.genome import Genome
 from evo.workloads.base import DeviceInfo, Preset
 from evo.workloads.kda import open_code
 from evo.workloads.kda import stages

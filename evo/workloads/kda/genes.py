@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from evo.genome import Constraint, Gene, GeneSpace, Genome, Scalar
+from evo.core.genome import Constraint, Gene, GeneSpace, Genome, Scalar
 from evo.workloads.base import DeviceInfo, Preset
 from evo.workloads.kda import open_code as _open_code
 from evo.workloads.kda import triton as _triton

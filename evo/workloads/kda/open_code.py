@@ -1,4 +1,4 @@
-"""The KDA stages a genome may carry as code (`evo.code`): for the torch engine (CPU and CUDA) intra,
+"""The KDA stages a genome may carry as code (`evo.core.code`): for the torch engine (CPU and CUDA) intra,
 the recurrence's per-chunk state update and output; for the Triton engine (where it runs) its kernels.
 
 Torch: each open stage's seed is a self-contained source in `open_stages/`, the hand-written
@@ -18,8 +18,8 @@ import types
 from pathlib import Path
 from typing import Callable, Mapping
 
-from evo.code import CodeError, OpenStage, check_sources, load_module
-from evo.genome import CodeGene
+from evo.core.code import CodeError, OpenStage, check_sources, load_module
+from evo.core.genome import CodeGene
 from evo.workloads.base import DeviceInfo, Preset
 from evo.workloads.kda import triton as _triton
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from evo.genome import Constraint, Gene, Scalar
+from evo.core.genome import Constraint, Gene, Scalar
 from evo.workloads.base import DeviceInfo, Preset
 
 BLOCK_V = (64, 32, 128, 16)

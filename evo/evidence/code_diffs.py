@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from evo.code import CodeError, CodeStore, OpenStage, code_hash
-from evo.records import Evaluated, Proposal
+from evo.core.code import CodeError, CodeStore, OpenStage, code_hash
+from evo.core.records import Evaluated, Proposal
 from operators.llm.edits import unified_diff
 
 

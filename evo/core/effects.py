@@ -18,8 +18,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from evo.genome import Genome, Scalar
-from evo.records import Evaluated
+from evo.core.genome import Genome, Scalar
+from evo.core.records import Evaluated
 
 FORMAT = 1
 FAILURE_COST = 2.0  # what a certain failure costs, in spreads of log-latency (two: about a bad engine)
@@ -68,7 +68,7 @@ class ValueEvidence:
 
 
 class GeneEffects:
-    """The evidence model shared by the agents of a search (owned by `evo.search.Search`)."""
+    """The evidence model shared by the agents of a search (owned by `evo.core.search.Search`)."""
 
     def __init__(self) -> None:
         self.values: dict[str, dict[str, ValueEvidence]] = {}  # gene -> value key -> evidence

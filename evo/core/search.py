@@ -6,9 +6,9 @@ deduplicated against every genome already evaluated and trimmed to the evaluatio
 returns the generation's report. Who evaluates (in-process, Ray pool) is the caller's business.
 
 With `learning` (the default) the search keeps what the evidence says: per-gene effects of every
-result (`evo.effects`, failures included), passed to the agents to steer their moves, and each
+result (`evo.core.effects`, failures included), passed to the agents to steer their moves, and each
 agent's yield (children that beat their parent), by which the offspring are split among the agents.
-Lessons of earlier runs (`evo.lessons`) can seed all three: best genomes, agent statistics, effects.
+Lessons of earlier runs (`evo.core.lessons`) can seed all three: best genomes, agent statistics, effects.
 """
 from __future__ import annotations
 
@@ -20,13 +20,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from evo.effects import GeneEffects
-from evo.genome import GeneSpace
-from evo.lessons import Lessons
-from evo.population import Population, PopulationSettings
-from evo.records import STATUSES, EvalResult, Evaluated, Proposal
-from evo.seeds import derive_seed
-from operators.base import Outcome, Parent
+from evo.core.effects import GeneEffects
+from evo.core.genome import GeneSpace
+from evo.core.lessons import Lessons
+from evo.core.population import Population, PopulationSettings
+from evo.core.records import STATUSES, EvalResult, Evaluated, Outcome, Parent, Proposal
+from evo.core.seeds import derive_seed
 
 DOMAIN_AGENTS = ("fusion", "scheduling", "memory", "integration")
 # optuna: TPE over the whole genome (operators/optuna_agent.py); code: a language model edits the source of

@@ -5,7 +5,7 @@ baselines and roofline floor, per-generation metrics by step (best latency, medi
 evaluations per second, best speedup) and, at the end, the summary and best genome as artifacts.
 Child run per generation: its metrics, its Parquet evidence as an artifact, lineage tags (the best's, and
 `candidate.NN.*` per candidate) and a candidates table (`candidates.json`). The lineage page and plots
-(`evo.lineage_view`) reach the parent run through `log_lineage`.
+(`evo.evidence.lineage_view`) reach the parent run through `log_lineage`.
 
 Every write goes through an `Outbox` in the run directory, so an unreachable tracking store never
 stops or slows the search: the evidence stays on disk, MLflow is backfilled when it answers again,
@@ -23,19 +23,15 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from evo.lineage import CANDIDATES_FILE, candidate_table, candidate_tags, write_candidate_table
-from evo.mlflow_outbox import OUTBOX_FILE, Outbox
-from evo.records import EvalResult
-from evo.search import GenerationReport, Search
-from evo.summary import best_baseline
+from evo.evidence.lineage import CANDIDATES_FILE, candidate_table, candidate_tags, write_candidate_table
+from evo.evidence.mlflow.outbox import OUTBOX_FILE, Outbox, tracking_uri
+from evo.core.records import EvalResult
+from evo.core.search import GenerationReport, Search
+from evo.evidence.summary import best_baseline
 
 MAX_BATCH = 100  # MLflow accepts at most 100 params/tags per log_batch
 MAX_METRICS = 1000  # and at most 1000 metrics
 log = logging.getLogger("evo.mlflow")
-
-
-def tracking_uri(configured: str | None) -> str:
-    return configured or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
 
 
 def flatten(data: Any, prefix: str = "") -> dict[str, str]:
@@ -101,7 +97,7 @@ class MlflowSink:
     def on_generation(self, report: GenerationReport, search: Search, parquet: Path | None = None,
                       extra: list[tuple[Path, str]] = ()) -> None:
         """`extra`: more files of the run directory for this generation's run, with their artifact folders
-        (the code agent's diffs, sources and prompt records, see evo.code_evidence)."""
+        (the code agent's diffs, sources and prompt records, see evo.evidence.code_diffs)."""
         step, now, ref = report.generation, _now(), f"{self.session}/gen:{report.generation}"
         values = {
             "best_latency_ms": report.best_latency_ms,

@@ -19,24 +19,24 @@ import ray
 import yaml
 
 from evaluators.pool import EvaluatorPool
-from evo import local_ray
-from evo.config import RunConfig
-from evo.code import CodeStore
-from evo.code_evidence import CodeDiffs, SourceResolver
-from evo.evidence import DiskEvidence, write_baselines, write_json
-from evo.lessons import FILE as LESSONS_FILE, Lessons, for_run as warm_lessons, from_search as lessons_from_search
-from evo.lessons import write as write_lessons
-from evo.loop import run_search
-from evo.lineage_view import LineageSink
-from evo.mlflow_sink import MlflowSink, tracking_uri
-from evo.records import EvalResult
-from evo.registry import register_engine
-from evo.resume import ReplayExecutor, SavedRun, check_device, restore, write_marker
-from evo.rundir import check_config, check_new_run_dir
-from evo.search import GenerationReport, Search
-from evo.stop import STOP, install_handlers
-from evo.serving.source import record_from_summary
-from evo.summary import best_baseline, make_summary
+from evo.driver import local_ray
+from evo.driver.config import RunConfig
+from evo.core.code import CodeStore
+from evo.evidence.code_diffs import CodeDiffs, SourceResolver
+from evo.evidence.journal import DiskEvidence, write_baselines, write_json
+from evo.core.lessons import FILE as LESSONS_FILE, Lessons, for_run as warm_lessons, from_search as lessons_from_search
+from evo.core.lessons import write as write_lessons
+from evo.core.loop import run_search
+from evo.evidence.lineage_view import LineageSink
+from evo.evidence.mlflow.sink import MlflowSink, tracking_uri
+from evo.core.records import EvalResult
+from evo.evidence.mlflow.registry import register_engine
+from evo.driver.resume import ReplayExecutor, SavedRun, check_device, restore, write_marker
+from evo.driver.rundir import check_config, check_new_run_dir
+from evo.core.search import GenerationReport, Search
+from evo.driver.stop import STOP, install_handlers
+from evo.evidence.engine_record import record_from_summary
+from evo.evidence.summary import best_baseline, make_summary
 from evo.workloads import get_workload
 from evo.workloads.base import DeviceInfo
 from operators.code_agent import CODE_DIR
@@ -71,7 +71,7 @@ def start_ray(config: RunConfig) -> bool:
     if address:
         local_ray.join(address, runtime_env=env, log_to_driver=False)
         return True
-    # a new Ray even if `ray start` ran on this machine, listening on 127.0.0.1 only (evo.local_ray)
+    # a new Ray even if `ray start` ran on this machine, listening on 127.0.0.1 only (evo.driver.local_ray)
     local_ray.init_local(num_cpus=config.ray.num_cpus or os.cpu_count(), include_dashboard=False,
                          runtime_env=env, log_to_driver=False)
     return True
@@ -123,8 +123,8 @@ def code_agent_options(config: RunConfig, run_dir: Path, device: DeviceInfo) -> 
 
 def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout,
         resume: SavedRun | None = None, handle_signals: bool = False, lessons: Lessons | None = None) -> RunOutcome:
-    """Run a search; with `resume` (from `evo.resume.load_run`), continue the one in its run directory.
-    With `handle_signals` (the CLI), SIGTERM and Ctrl-C stop it cleanly (see evo.stop)."""
+    """Run a search; with `resume` (from `evo.driver.resume.load_run`), continue the one in its run directory.
+    With `handle_signals` (the CLI), SIGTERM and Ctrl-C stop it cleanly (see evo.driver.stop)."""
     started = time.monotonic()
     check_config(config)  # ConfigError before a directory or Ray exists
     if run_dir is not None and not resume:

@@ -8,7 +8,7 @@ Run directory layout:
   state.json                  search state after the last complete generation (agent statistics, RNG)
   best_genome.json            the best genome so far
   summary.json                best genome, latencies, speedups, evaluations, count per status
-  code/<hash>.py              engine sources named by genomes' code genes (evo.code.CodeStore)
+  code/<hash>.py              engine sources named by genomes' code genes (evo.core.code.CodeStore)
 """
 from __future__ import annotations
 
@@ -23,10 +23,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from evo.faults import crash_point
-from evo.records import EvalResult, Evaluated, Proposal
-from evo.genome import Genome
-from evo.search import GenerationReport, Search
+from evo.core.faults import crash_point
+from evo.core.records import EvalResult, Evaluated, Proposal
+from evo.core.genome import Genome
+from evo.core.search import GenerationReport, Search
 
 SCHEMA = pa.schema([
     ("generation", pa.int32()), ("index", pa.int32()), ("genome_hash", pa.string()), ("genome", pa.string()),

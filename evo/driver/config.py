@@ -17,8 +17,8 @@ import yaml
 
 from evaluators.placement import PLACEMENTS
 from evaluators.settings import EvaluatorSettings
-from evo.population import PopulationSettings
-from evo.search import SearchSettings
+from evo.core.population import PopulationSettings
+from evo.core.search import SearchSettings
 from operators.code_settings import CodeAgentSettings
 
 

@@ -9,7 +9,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from evo.genome import Genome
+from evo.core.genome import Genome
 
 # Result statuses. Only OK results may become parents or the best.
 OK = "ok"
@@ -91,3 +91,19 @@ class Evaluated:
     def fitness(self) -> float:
         """Lower is better; failures are +inf so they never win or become parents."""
         return self.result.latency_ms if self.result.ok else math.inf
+
+
+@dataclass(frozen=True)
+class Parent:
+    """A parent as an agent sees it: its genome and fitness (latency in ms, inf when it failed)."""
+
+    genome: Genome
+    fitness: float
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """Feedback on one proposal: which move kind it used and whether it beat its parent."""
+
+    move_kind: str
+    improved: bool

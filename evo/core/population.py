@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from evo.records import Evaluated
+from evo.core.records import Evaluated
 
 
 @dataclass(frozen=True)

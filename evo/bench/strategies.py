@@ -4,7 +4,7 @@ Each strategy spends up to `budget` evaluations (distinct genomes) of one gene s
 evaluator and returns its trajectory: every evaluated genome in order with its result. All start by
 evaluating the gene space's default genome, so they begin level. Pure: no Ray, no MLflow; the
 evaluator is any object with `evaluate(genome_json) -> EvalResult` (the real one, the synthetic
-one, or `evo.compare.CachedEvaluator`).
+one, or `evo.bench.compare.CachedEvaluator`).
 """
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ from typing import Callable
 
 import numpy as np
 
-from evo.genome import GeneSpace, Genome
-from evo.lessons import Lessons, from_search
-from evo.loop import run_search
-from evo.optuna_study import GenomeStudy
-from evo.records import EvalResult
-from evo.search import Search, SearchSettings
-from evo.seeds import derive_seed
+from evo.core.genome import GeneSpace, Genome
+from evo.core.lessons import Lessons, from_search
+from evo.core.loop import run_search
+from evo.core.optuna_study import GenomeStudy
+from evo.core.records import EvalResult
+from evo.core.search import Search, SearchSettings
+from evo.core.seeds import derive_seed
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class _Recording:
 
 def run_agents(space: GeneSpace, evaluator, budget: int, seed: int, settings: SearchSettings,
                lessons: Lessons | None = None, name: str = "agents") -> Trajectory:
-    """The project's search (`evo.search.Search` with in-process agents) at this budget."""
+    """The project's search (`evo.core.search.Search` with in-process agents) at this budget."""
     from operators.team import LocalTeam
 
     settings = dataclasses.replace(settings, seed=seed, max_evaluations=budget, generations=10 ** 6,

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from evo.code import is_code_hash
+from evo.core.code import is_code_hash
 
 DOMAINS: tuple[str, ...] = ("fusion", "scheduling", "memory")
 Scalar = bool | int | float | str | None
@@ -139,7 +139,7 @@ class Gene:
 
 @dataclass(frozen=True)
 class CodeGene:
-    """A gene whose value is the content hash of a source file (see `evo.code`), for a stage the workload
+    """A gene whose value is the content hash of a source file (see `evo.core.code`), for a stage the workload
     marks as open. Omitted from a genome, the stage runs its hand-written implementation."""
 
     name: str

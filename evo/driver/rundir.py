@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from evo.config import ConfigError, RunConfig
-from evo.evidence import SCHEMA, evidence_row
-from evo.genome import GenomeError
-from evo.resume import MARKER, RunDirError
+from evo.driver.config import ConfigError, RunConfig
+from evo.evidence.journal import SCHEMA, evidence_row
+from evo.core.genome import GenomeError
+from evo.driver.resume import MARKER, RunDirError
 
 if TYPE_CHECKING:
-    from evo.resume import SavedRun
+    from evo.driver.resume import SavedRun
 
 
 def check_config(config: RunConfig) -> None:

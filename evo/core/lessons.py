@@ -13,7 +13,6 @@ or an MLflow experiment (the newest run of the same workload and preset that log
 from __future__ import annotations
 
 import math
-import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -21,9 +20,9 @@ from typing import Any
 
 import yaml
 
-from evo.code import CodeStore, code_hash, is_code_hash
-from evo.effects import GeneEffects
-from evo.genome import GeneSpace, Genome, GenomeError
+from evo.core.code import CodeStore, code_hash, is_code_hash
+from evo.core.effects import GeneEffects
+from evo.core.genome import GeneSpace, Genome, GenomeError
 
 FORMAT = 1
 FILE = "lessons.yaml"
@@ -130,7 +129,7 @@ def _checked_code(code: Any, where: str) -> dict[str, str]:
 
 def from_search(search, workload: str, preset: str, device: str, source: str,
                 store: CodeStore | None = None) -> Lessons:
-    """What `search` (an `evo.search.Search`) knows now, including the lessons it was warm-started with;
+    """What `search` (an `evo.core.search.Search`) knows now, including the lessons it was warm-started with;
     the sources of the best genomes' code come from `store` (this run's) or the earlier lessons."""
     earlier = search.lessons
     best: dict[str, tuple[dict, float]] = {}
@@ -194,42 +193,6 @@ def read(path: Path) -> Lessons:
     except (OSError, yaml.YAMLError) as exc:
         raise LessonsError(f"{path}: cannot read lessons ({type(exc).__name__}: {exc})") from exc
     return Lessons.from_dict(data, str(path))
-
-
-def load(source: str, tracking_uri: str | None = None) -> Lessons:
-    """Lessons from a run directory, a lessons file, or the newest MLflow run of an experiment that logged them."""
-    path = Path(source)
-    if path.is_dir():
-        if not (path / FILE).exists():
-            raise LessonsError(f"{path} has no {FILE}: it is not a finished run directory of this version "
-                               f"(runs write {FILE} when they end); pass another run directory or an experiment")
-        return read(path / FILE)
-    if path.is_file():
-        return read(path)
-    return _from_mlflow(source, tracking_uri)
-
-
-def _from_mlflow(experiment: str, tracking_uri: str | None) -> Lessons:
-    from mlflow.tracking import MlflowClient
-
-    from evo.mlflow_sink import tracking_uri as default_uri
-
-    client = MlflowClient(tracking_uri=default_uri(tracking_uri))
-    found = client.get_experiment_by_name(experiment)
-    if found is None:
-        raise LessonsError(f"--warm-start {experiment!r} is neither a run directory, a lessons file nor an MLflow "
-                           f"experiment in {default_uri(tracking_uri)}")
-    runs = client.search_runs([found.experiment_id], filter_string="attributes.status = 'FINISHED'",
-                              order_by=["attributes.start_time DESC"], max_results=50)
-    for run in runs:
-        if run.data.tags.get("mlflow.parentRunId"):
-            continue
-        try:
-            with tempfile.TemporaryDirectory() as tmp:
-                return read(Path(client.download_artifacts(run.info.run_id, FILE, tmp)))
-        except Exception:  # this run logged no lessons: try the next older one
-            continue
-    raise LessonsError(f"no finished run of MLflow experiment {experiment!r} has logged {FILE}")
 
 
 WARM_FILE = "warm_start.yaml"  # the lessons a run was warm-started with, kept so a resume uses them again

@@ -20,9 +20,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from evo.lineage import Lineage, Node, gene_diff, load_lineage
+from evo.evidence.lineage import Lineage, Node, gene_diff, load_lineage
 
-log = logging.getLogger("evo.lineage")
+log = logging.getLogger("evo.evidence.lineage")
 
 LINEAGE_DIR = "lineage"
 # status -> (colour, Plotly symbol, Matplotlib marker)

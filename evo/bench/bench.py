@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from evo.config import RunConfig
-from evo.genome import Genome, GeneSpace
-from evo.records import EvalResult
-from evo.seeds import derive_seed
+from evo.driver.config import RunConfig
+from evo.core.genome import Genome, GeneSpace
+from evo.core.records import EvalResult
+from evo.core.seeds import derive_seed
 
 SPEEDUP_REFERENCE = "fla_chunk_kda"  # what a user runs today; the best baseline when it is absent
 
@@ -68,7 +68,7 @@ def sample_genomes(space: GeneSpace, n: int, seed: int) -> list[Genome]:
 
 def run_search(evaluator, space: GeneSpace, config: RunConfig, budget: int) -> list[tuple[Genome, EvalResult]]:
     """A short search, agents and evaluator in this process: ask, evaluate, tell, until done."""
-    from evo.search import Search
+    from evo.core.search import Search
     from operators.team import LocalTeam
 
     settings = replace(config.search, max_evaluations=budget)

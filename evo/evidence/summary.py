@@ -4,8 +4,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from evo.records import STATUSES, SUSPECT, EvalResult
-from evo.search import Search
+from evo.core.records import STATUSES, SUSPECT, EvalResult
+from evo.core.search import Search
 from evo.workloads.base import Roofline
 
 

@@ -1,6 +1,6 @@
 """The search benchmark: `python -m evo compare CONFIG --strategies agents,random,tpe --seeds N --budget E`.
 
-Every strategy (`evo.strategies`) runs on the config's gene space, preset and evaluator settings,
+Every strategy (`evo.bench.strategies`) runs on the config's gene space, preset and evaluator settings,
 once per seed, with the plain `Evaluator` in this process. Results go through a content-addressed
 cache in the benchmark directory, keyed by (workload, preset, device, evaluator settings, genome):
 each genome is measured once and every strategy that proposes it gets the same measurement, so the
@@ -26,12 +26,12 @@ from typing import TextIO
 
 import numpy as np
 
-from evo.config import RunConfig
-from evo.evidence import write_json
-from evo.genome import Genome, canonical_json
-from evo.records import EvalResult
-from evo.seeds import derive_seed
-from evo.strategies import Trajectory, run_agents, strategies
+from evo.driver.config import RunConfig
+from evo.evidence.journal import write_json
+from evo.core.genome import Genome, canonical_json
+from evo.core.records import EvalResult
+from evo.core.seeds import derive_seed
+from evo.bench.strategies import Trajectory, run_agents, strategies
 from evo.workloads.base import DeviceInfo
 
 WITHIN = 0.02  # "found": within 2% of the best latency any strategy found
@@ -246,7 +246,7 @@ def _log_mlflow(config: RunConfig, bench_dir: Path, rows: list[Row], best: float
     try:
         import mlflow
 
-        from evo.mlflow_sink import tracking_uri
+        from evo.evidence.mlflow.outbox import tracking_uri
 
         mlflow.set_tracking_uri(tracking_uri(config.mlflow.tracking_uri))
         name = config.mlflow.experiment

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator, Protocol
 
-from evo.faults import crash_point
-from evo.records import EvalResult, Evaluated, Proposal
-from evo.search import GenerationReport, Search
+from evo.core.faults import crash_point
+from evo.core.records import EvalResult, Evaluated, Proposal
+from evo.core.search import GenerationReport, Search
 
 
 class Executor(Protocol):
@@ -27,7 +27,7 @@ class LocalExecutor:
 
     def __init__(self, evaluator) -> None:
         self.evaluator = evaluator
-        self.sources_of = lambda proposal: dict(proposal.sources)  # code hash -> source (evo.code)
+        self.sources_of = lambda proposal: dict(proposal.sources)  # code hash -> source (evo.core.code)
 
     def run(self, proposals: list[Proposal]) -> Iterator[tuple[Proposal, EvalResult]]:
         for proposal in proposals:

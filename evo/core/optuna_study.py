@@ -17,8 +17,8 @@ import optuna
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import Trial, TrialState, create_trial
 
-from evo.genome import GeneSpace, Genome, GenomeError
-from evo.records import EvalResult
+from evo.core.genome import GeneSpace, Genome, GenomeError
+from evo.core.records import EvalResult
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 # CMA-ES is left out: every gene is categorical, which CMA-ES does not model (Optuna would fall back

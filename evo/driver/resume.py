@@ -22,10 +22,10 @@ from typing import Any, Iterator
 
 import yaml
 
-from evo.config import RunConfig, config_from_dict
-from evo.evidence import evaluated_from_row, write_json
-from evo.records import Evaluated, Proposal
-from evo.search import Search
+from evo.driver.config import RunConfig, config_from_dict
+from evo.evidence.journal import evaluated_from_row, write_json
+from evo.core.records import Evaluated, Proposal
+from evo.core.search import Search
 
 RUN_FORMAT = 1
 MARKER = "run.json"

@@ -44,6 +44,12 @@ FIRST_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 60.0
 
 
+def tracking_uri(configured: str | None) -> str:
+    """The configured tracking URI, else $MLFLOW_TRACKING_URI, else SQLite in the working directory."""
+    return configured or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
+
 class Unresolvable(Exception):
     """An operation that can never succeed (its run was never created, its file is gone)."""
 

@@ -13,8 +13,8 @@ import tempfile
 from pathlib import Path
 from typing import TextIO
 
-from evo.lineage import ancestry_lines, load_lineage
-from evo.lineage_view import LINEAGE_DIR, write_lineage
+from evo.evidence.lineage import ancestry_lines, load_lineage
+from evo.evidence.lineage_view import LINEAGE_DIR, write_lineage
 
 
 class ReportError(ValueError):
@@ -46,7 +46,7 @@ def _locate(target: str, uri: str | None) -> tuple[Path, Path]:
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from evo.mlflow_sink import tracking_uri
+    from evo.evidence.mlflow.outbox import tracking_uri
 
     uri = tracking_uri(uri)
     if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).exists():

@@ -1,7 +1,7 @@
 """A search's family tree: every evaluated candidate, its parents, and how the best engine came to be.
 
 Read from a run directory (the journal `evidence.jsonl`, else the Parquet generations, plus
-`summary.json` and `baselines.json`); no Ray, no MLflow, no plotting here. `evo.lineage_view` draws it;
+`summary.json` and `baselines.json`); no Ray, no MLflow, no plotting here. `evo.evidence.lineage_view` draws it;
 `python -m evo report` prints `ancestry_lines`.
 """
 from __future__ import annotations
@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from evo.evidence import read_generations
-from evo.records import OK, Evaluated
+from evo.evidence.journal import read_generations
+from evo.core.records import OK, Evaluated
 
 CANDIDATES_FILE = "candidates.json"  # per generation child run, in MLflow's table format (as `log_table` writes)
 CANDIDATE_TAGS = ("hash", "parents", "agent", "move", "status", "latency_ms")  # tagged per candidate

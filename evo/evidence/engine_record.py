@@ -1,0 +1,55 @@
+"""The record of an engine worth serving: its genome, the workload and preset it was searched for, the
+sources of its code genes and what the search measured. A run's summary, a registered model and the
+Serve app all speak it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from evo.core.genome import Genome
+
+ENGINE_FILE = "engine.json"  # the model artifact: workload, preset, genome and the search's figures
+
+
+class SourceError(ValueError):
+    """An engine source that cannot be resolved; the message says what was given and what is accepted."""
+
+
+@dataclass(frozen=True)
+class EngineRecord:
+    workload: str
+    preset: str
+    genome: Genome
+    source: str
+    latency_ms: float | None = None
+    speedups: dict[str, float] = field(default_factory=dict)
+    device: str = ""
+    mlflow_run_id: str | None = None
+    sources: dict[str, str] = field(default_factory=dict)  # code hash -> source of the genome's code genes
+
+    def to_dict(self) -> dict[str, Any]:
+        from evo.workloads import get_workload
+
+        preset = get_workload(self.workload).presets()[self.preset]
+        return {"workload": self.workload, "preset": self.preset, "genome": self.genome.to_dict(),
+                "preset_spec": {"shape": dict(preset.shape), "dtype": preset.dtype, "device": preset.device},
+                "hash": self.genome.hash, "source": self.source, "latency_ms": self.latency_ms,
+                "speedups": self.speedups, "device": self.device, "mlflow_run_id": self.mlflow_run_id,
+                "sources": dict(self.sources)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str) -> EngineRecord:
+        return cls(workload=data["workload"], preset=data["preset"], genome=Genome.from_dict(data["genome"]),
+                   source=source, latency_ms=data.get("latency_ms"), speedups=data.get("speedups") or {},
+                   device=data.get("device", ""), mlflow_run_id=data.get("mlflow_run_id"),
+                   sources=dict(data.get("sources") or {}))
+
+
+def record_from_summary(summary: dict[str, Any], source: str) -> EngineRecord:
+    if not summary.get("best_genome"):
+        raise SourceError(f"{source}: the run found no correct engine (summary.json has no best_genome)")
+    return EngineRecord(workload=summary["workload"], preset=summary["preset"],
+                        genome=Genome.from_dict(summary["best_genome"]), source=source,
+                        latency_ms=summary.get("best_latency_ms"), speedups=summary.get("speedups") or {},
+                        device=summary.get("device", ""), mlflow_run_id=summary.get("mlflow_run_id"),
+                        sources=dict(summary.get("best_sources") or {}))
