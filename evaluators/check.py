@@ -78,13 +78,9 @@ class EngineCallError(RuntimeError):
 
 
 def expected_dtypes(workload: Workload, preset: Preset) -> dict[str, str]:
-    """Output name -> dtype the engine must return: the preset's I/O dtype unless the workload
-    declares otherwise through an optional `output_dtypes(preset) -> {name: dtype}`."""
-    dtypes = {name: preset.dtype for name in workload.output_names}
-    declared = getattr(workload, "output_dtypes", None)
-    if callable(declared):
-        dtypes.update(declared(preset))
-    return dtypes
+    """Output name -> dtype the engine must return: the workload's `output_dtypes(preset)` (by default
+    the preset's I/O dtype for every output)."""
+    return {**{name: preset.dtype for name in workload.output_names}, **workload.output_dtypes(preset)}
 
 
 def check_engine(

@@ -146,13 +146,12 @@ class _Runner:
     def _construct(workload: Any, spec: dict) -> Any:
         if spec["baseline"] is not None:
             return workload.baselines(spec["preset"])[spec["baseline"]](spec["info"])
-        from evo.core.code import build_engine
         from evo.core.genome import Genome
 
         genome = Genome.from_json(spec["genome"])
         space = workload.gene_space(spec["preset"], spec["info"])
         # engine code (evo.core.code) is loaded here, in the isolated process, and nowhere else in an evaluation
-        return build_engine(workload, space.validate(genome), spec["preset"], spec["info"], spec.get("sources"))
+        return workload.build(space.validate(genome), spec["preset"], spec["info"], dict(spec.get("sources") or {}))
 
     def _report_forbidden(self, label: str) -> None:
         self.send(op="forbidden", label=label)

@@ -98,7 +98,7 @@ class Evaluator:
         self._dtypes = expected_dtypes(self.workload, self.preset)
         # The salt is a secret of this process: engines cannot predict the inputs they will be given.
         self._seeds = SeedStream(seed, name, salt=secrets.randbits(64))
-        self._timing_case = _timing_case(self.workload, self.preset)
+        self._timing_case = self.workload.timing_case(self.preset)  # by default a check case at the preset shape
         self._rates: MachineRates | None = None  # measured on first need, then cached
         self._floor_ms: float | None = None
         self._spec_cache: dict[tuple, dict] = {}
@@ -143,9 +143,7 @@ class Evaluator:
 
     def _code(self, genome: Genome, sources: Mapping[str, str]) -> dict[str, str]:
         """{hash: source} of the genome's code genes, each present, matching its hash and checked."""
-        stages = getattr(self.workload, "open_stages", None)
-        stages = stages(self.preset, self._info) if stages else ()
-        chosen = check_sources(genome.values(), sources, stages)
+        chosen = check_sources(genome.values(), sources, self.workload.open_stages(self.preset, self._info))
         return {code_hash(source): source for source in chosen.values()}
 
     def evaluate_baseline(self, baseline: str) -> EvalResult:
@@ -449,21 +447,6 @@ class Evaluator:
 
     def _device_label(self) -> str:
         return f"{self._info.kind}:{self._info.name}"
-
-
-def _timing_case(workload: Workload, preset: Preset) -> CheckCase:
-    """The case timed: the workload's `timing_case(preset)` if it has one, else a check case at the
-    preset shape, else the first check case's distribution at the preset shape."""
-    custom = getattr(workload, "timing_case", None)
-    if callable(custom):
-        return custom(preset)
-    cases = [c for stage in workload.check_cases(preset) for c in stage]
-    if not cases:
-        raise ValueError(f"workload {workload.name!r} has no check cases for preset {preset.name!r}")
-    for case in cases:
-        if dict(case.shape) == dict(preset.shape):
-            return case
-    return CheckCase(name=f"preset:{preset.name}", shape=dict(preset.shape), distribution=cases[0].distribution)
 
 
 def _case_key(case: CheckCase) -> tuple:

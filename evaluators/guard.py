@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import functools
 import types
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
+
+if TYPE_CHECKING:  # the guards are installed before any workload code is imported
+    from evo.workloads.base import Workload
 
 REPORT_NAME = "__evo_report_forbidden_call__"  # injected into each guarded function's globals
 
@@ -102,11 +105,7 @@ def _guard_callable(label: str, report: Callable[[str], None]) -> Callable:
     return guard
 
 
-def forbidden_targets(workload: object) -> list[tuple[object, str]]:
+def forbidden_targets(workload: Workload) -> list[tuple[object, str]]:
     """(owner, attribute) pairs an engine must not call: the workload's `reference` method, plus
-    whatever the workload declares through an optional `forbidden_callables()`."""
-    targets: list[tuple[object, str]] = [(workload, "reference")]
-    declared = getattr(workload, "forbidden_callables", None)
-    if callable(declared):
-        targets += [(owner, attr) for owner, attr in declared()]
-    return targets
+    whatever the workload declares through `forbidden_callables()` (by default nothing more)."""
+    return [(workload, "reference"), *((owner, attr) for owner, attr in workload.forbidden_callables())]

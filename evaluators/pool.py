@@ -32,12 +32,12 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from evaluators.evaluator import Evaluator
 from evaluators.placement import NodeView, PlacementError, SlotPlan, initial_plan, placement_kind, plan_slots
-from evaluators.settings import EvaluatorSettings
+from evaluators.settings import EvaluatorSettings, PoolSettings
 from evo.core.records import RUNTIME_ERROR, TIMEOUT, EvalResult, Proposal
 from evo.core.seeds import derive_seed
 from evo.workloads.base import DeviceInfo, MachineRates, Preset
 
-__all__ = ["EvaluatorPool", "PlacementError"]
+__all__ = ["EvaluatorPool", "PlacementError", "PoolSettings"]
 
 _MAX_FAILED_STARTS = 3  # per node: after this many actors failed to start there, the node is skipped
 _GRACE_S = 60.0  # beyond eval_timeout_s: the evaluator's own deadline fires first (killing the engine takes time)
@@ -80,13 +80,15 @@ class _Slot:
 
 
 class EvaluatorPool:
+    """Evaluator actors for one (workload, preset): `settings` is what each evaluator does, `pool` how many
+    run and where; `on_event` gets one line per change (an actor replaced, a node joining or leaving)."""
+
     def __init__(self, workload: str, preset: Preset, settings: EvaluatorSettings, run_seed: int,
-                 count: int = 0, threads: int = 1, accelerator_type: str | None = None, placement: str = "auto",
-                 on_event: Callable[[str], None] = lambda message: None, watch_interval_s: float = 2.0,
-                 start_timeout_s: float = 300.0, node_wait_s: float = 120.0) -> None:
+                 pool: PoolSettings = PoolSettings(), *, on_event: Callable[[str], None] = lambda message: None,
+                 watch_interval_s: float = 2.0, start_timeout_s: float = 300.0, node_wait_s: float = 120.0) -> None:
         self.workload, self.preset, self.settings, self.run_seed = workload, preset, settings, run_seed
-        self.count, self.threads = count, threads
-        self.kind = placement_kind(placement, preset.name, preset.device)
+        self.count, self.threads = pool.count, pool.threads
+        self.kind = placement_kind(pool.placement, preset.name, preset.device)
         self.on_event = on_event
         self.should_stop = lambda: False  # polled at least once a second: stop dispatching when true
         self.sources_of: Callable[[Proposal], dict[str, str]] = lambda p: dict(p.sources)  # code hash -> source
@@ -97,7 +99,8 @@ class EvaluatorPool:
         self._next_index = 0
         self._failed_starts: collections.Counter[str] = collections.Counter()
         self._last_watch = time.monotonic()
-        plans, self.accelerator = initial_plan(self._nodes(), self.kind, threads, count, accelerator_type, preset.name)
+        plans, self.accelerator = initial_plan(self._nodes(), self.kind, pool.threads, pool.count,
+                                               pool.accelerator_type, preset.name)
         for plan in plans:
             self._start(plan)
         self._await_first(start_timeout_s)

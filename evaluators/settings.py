@@ -24,6 +24,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
 
+from evaluators.placement import PLACEMENTS
+
 DEFAULT_TOLERANCES: dict[str, float] = {"float32": 1e-5, "bfloat16": 6e-3}
 
 
@@ -166,3 +168,21 @@ def _default(f: Any) -> Any:
     from dataclasses import MISSING
 
     return f.default_factory() if f.default is MISSING else f.default
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    """How many evaluator actors the pool runs and where (the config's `evaluators:` section)."""
+
+    count: int = 0  # evaluator actors; 0 = as many as the cluster holds, growing as nodes join
+    threads: int = 1  # CPUs per evaluator (a CPU evaluator owns that many disjoint cores)
+    accelerator_type: str | None = None  # GPU runs: the node type to use (Ray's accelerator_type:X resource);
+    # default: the type with the most GPUs. A run targets one device type; timings never mix types.
+    placement: str = "auto"  # auto: one evaluator per GPU for cuda presets, CPU evaluators otherwise;
+    # gpu: one per GPU even for a cpu preset (it holds the GPU, computes on the CPU); cpu: CPU evaluators
+
+    def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement {self.placement!r} is not one of {list(PLACEMENTS)}")
+        if self.count < 0 or self.threads < 1:
+            raise ValueError(f"count must be >= 0 and threads >= 1, got count={self.count}, threads={self.threads}")

@@ -13,7 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m evo", description="Evolve inference engines on Ray.")
     commands = parser.add_subparsers(dest="command", required=True)
     run_cmd = commands.add_parser("run", help="run a search from a YAML config")
-    run_cmd.add_argument("config", help="YAML experiment config, e.g. configs/kda_cpu.yaml")
+    run_cmd.add_argument("config", help="YAML experiment config (the files under configs/)")
     run_cmd.add_argument("--out", help="run directory (default: <out_dir>/<name>-<timestamp>)")
     run_cmd.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                          help="override a config value, e.g. --set search.generations=3 (repeatable)")
@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
                          help="start from what an earlier run of the same workload, preset and device learned: its "
                               "run directory, its lessons.yaml, or an MLflow experiment (its newest run with lessons)")
     compare_cmd = commands.add_parser("compare", help="benchmark search strategies at the same budget and seeds")
-    compare_cmd.add_argument("config", help="YAML experiment config, e.g. configs/kda_smoke.yaml")
+    compare_cmd.add_argument("config", help="YAML experiment config (a smoke-sized one under configs/ is quick)")
     compare_cmd.add_argument("--strategies", default="agents,random,tpe",
                              help="comma-separated: agents, agents-basic, agents+optuna, random, tpe, agents-warm")
     compare_cmd.add_argument("--seeds", type=int, default=10, help="seeds per strategy (search.seed, +1, ...)")
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     genes_cmd = commands.add_parser("genes", help="print a workload preset's gene space")
     genes_cmd.add_argument("config")
     bench_cmd = commands.add_parser("bench", help="evaluate genomes and every baseline in this process (no Ray, no MLflow needed)")
-    bench_cmd.add_argument("config", help="YAML experiment config, e.g. configs/kda_h200.yaml")
+    bench_cmd.add_argument("config", help="YAML experiment config (the files under configs/)")
     bench_cmd.add_argument("--genomes", default=None, metavar="FILE",
                            help="JSON list or JSON lines of genomes (full, or flat {gene: value} with defaults)")
     bench_cmd.add_argument("--sample", type=int, default=0, metavar="N", help="also the default genome and N-1 random ones")
@@ -86,19 +86,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: cannot resume: {_one_line(exc)}", file=sys.stderr)
             return 2
         if done is not None:  # nothing to do: no Ray, no MLflow run, no model version
-            print(f"{saved.run_dir} is a finished run ({done.get('evaluations')} evaluations, best engine "
-                  f"{done.get('best_hash')}); nothing to resume. Start a new run with python -m evo run", flush=True)
+            print(f"{saved.run_dir} is a finished run ({done.evaluations} evaluations, best engine "
+                  f"{done.best_hash}); nothing to resume. Start a new run with python -m evo run", flush=True)
             return 0
         from evo.driver.run import run
 
         outcome = run(saved.config, resume=saved, handle_signals=True)
-        return 0 if outcome.summary.get("best_hash") else 1
+        return 0 if outcome.summary.best_hash else 1
     if args.command == "report":
+        from evo.core.jsonl import JsonlError
         from evo.evidence.report import ReportError, report
 
         try:
             report(args.run, args.out, args.tracking_uri)
-        except (ReportError, FileNotFoundError) as exc:
+        except (ReportError, FileNotFoundError, JsonlError) as exc:
             print(f"error: cannot report: {exc}", file=sys.stderr)
             return 2
         return 0
@@ -153,11 +154,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: cannot warm-start: {exc}", file=sys.stderr)
             return 2
     try:
-        outcome = run(config, args.out, handle_signals=True, lessons=lessons)
+        outcome = run(config, args.out, handle_signals=True, lessons=lessons, checked=True)
     except (ConfigError, RunDirError, LessonsError) as exc:  # before the search starts (lessons of another device)
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
-    return 0 if outcome.summary.get("best_hash") else 1
+    return 0 if outcome.summary.best_hash else 1
 
 
 def _one_line(exc: Exception) -> str:

@@ -1,5 +1,9 @@
 """What every agent shares: parents in, proposals out, and statistics of which moves paid.
 
+`Agent` implements the core's `evo.core.proposer.Proposer` protocol (`ask` a `ProposalRequest`, `tell` a
+`Feedback`) on top of two hooks a subclass may override: `propose(parents, n, generation, exclude,
+effects)` and `observe(results)`. Register a subclass with `@register_proposer` and configs can name it.
+
 An agent changes only its own domain of the genome. Its moves are grouped into kinds (for a
 per-gene mutation, the gene's name); each kind keeps (tries, wins) where a win is a child that was
 correct and faster than its parent. Kinds are chosen by Thompson sampling over Beta(wins+1,
@@ -17,6 +21,7 @@ import numpy as np
 
 from evo.core.effects import GeneEffects
 from evo.core.genome import GeneSpace, Genome, GenomeError
+from evo.core.proposer import Feedback, ProposalRequest
 from evo.core.records import Evaluated, Outcome, Parent, Proposal
 
 CANDIDATES = 8  # moves drawn per child when steering by effects; the most promising one is proposed
@@ -32,10 +37,12 @@ class Move:
 
 
 class Agent:
-    """Base class: subclasses define `name` and `candidate_moves(parent, rng)`."""
+    """Base class: subclasses define `name`, `domain`, `move_kinds(parent)` and `apply(kind, parent, rng)`,
+    or override `propose` altogether (a whole-genome sampler, recombination, the code agent)."""
 
     name: str = ""
     domain: str = ""
+    parents_needed: int = 1  # parents it needs to propose anything (evo.core.proposer.Proposer)
 
     def __init__(self, gene_space: GeneSpace, seed: int) -> None:
         self.gene_space = gene_space
@@ -50,6 +57,19 @@ class Agent:
     def apply(self, kind: str, parent: Genome, rng: np.random.Generator) -> Move | None:
         """A legal child for move `kind`, or None when this kind has no legal move from `parent`."""
         raise NotImplementedError
+
+    # -- the Proposer protocol ------------------------------------------------------------------
+    def ask(self, request: ProposalRequest) -> list[Proposal]:
+        """The search's request, answered by `propose`."""
+        return self.propose(list(request.parents), request.count, request.generation, request.known,
+                            request.effects)
+
+    def tell(self, feedback: Feedback) -> None:
+        """Its own results' outcomes to the move statistics (`learn`), then every result to `observe`."""
+        outcomes = feedback.outcomes(self.name)
+        if outcomes:
+            self.learn(outcomes)
+        self.observe(feedback.results)
 
     # -- shared machinery -----------------------------------------------------------------------
     def propose(self, parents: list[Parent], n: int, generation: int,
@@ -156,21 +176,25 @@ class Agent:
 
 
     def legal(self, parent: Genome, domain_values: dict[str, Any]) -> Genome | None:
-        """The parent with this domain replaced, if legal and different; else None. The parent's code
-        genes (evo.core.code) are kept unless `domain_values` names them."""
+        """The parent with this domain replaced, if legal and a different engine; else None. The parent's
+        code genes (evo.core.code) are kept unless `domain_values` names them. The child is canonical
+        (`GeneSpace.canonical`): a move that changes only genes its engine ignores gives the parent back,
+        so None (a parent from an older journal may not be canonical: compared canonically too)."""
         code = {g: v for g, v in parent.domain(self.domain).items() if g in self.gene_space.code_gene_names()}
         try:
             child = self.gene_space.validate(parent.with_domain(self.domain, {**code, **domain_values}))
         except GenomeError:
             return None
-        return None if child.hash == parent.hash else child
+        return None if child.hash in (parent.hash, self.gene_space.canonical(parent).hash) else child
 
 
 class GeneMutationAgent(Agent):
     """Mutates one gene of its domain to another legal value; each gene is a move kind."""
 
     def move_kinds(self, parent: Genome) -> list[str]:
-        return [g.name for g in self.gene_space.in_domain(self.domain) if len(g.values) > 1] + self.model_kinds()
+        ignored = self.gene_space.ignored_genes(parent.values())  # moving them would build the same engine
+        return [g.name for g in self.gene_space.in_domain(self.domain)
+                if len(g.values) > 1 and g.name not in ignored] + self.model_kinds()
 
     def apply(self, kind: str, parent: Genome, rng: np.random.Generator) -> Move | None:
         if kind == "model":

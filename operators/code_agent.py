@@ -13,7 +13,7 @@ work on background threads, so the other agents keep proposing while the model t
 result of its own it asks the model for the lesson (the critique) and appends it to the lessons file
 of the (workload, device kind), which later runs read. Every exchange is kept as a JSON artifact in
 the run directory (`agent/`), secrets redacted; calls, tokens, dollars and wall time are counted per
-candidate (in its `notes`) and for the run, against the budget in the settings.
+candidate (in its `metrics` and `artifacts`) and for the run, against the budget in the settings.
 """
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ from typing import Any, Mapping
 from evo.core.code import CodeError, CodeStore, OpenStage, check_source, code_hash
 from evo.core.effects import GeneEffects
 from evo.core.genome import GeneSpace, Genome, GenomeError
-from evo.core.records import Evaluated, Proposal
+from evo.core.proposer import register_proposer
+from evo.core.records import Evaluated, Proposal, split_notes
 from evo.workloads import get_workload
 from evo.workloads.base import DeviceInfo
 from operators.base import Agent, Parent
@@ -61,6 +62,7 @@ class _Mine:
     artifact: str
 
 
+@register_proposer
 class CodeAgent(Agent):
     name = "code"
     domain = ""
@@ -71,8 +73,7 @@ class CodeAgent(Agent):
         super().__init__(gene_space, seed)
         self.settings = settings
         found = get_workload(workload)
-        opened = getattr(found, "open_stages", None)
-        stages = opened(found.presets()[preset], device) if opened else ()
+        stages = found.open_stages(found.presets()[preset], device)
         allowed = set(gene_space.code_gene_names()) & set(settings.stages or gene_space.code_gene_names())
         self.stages = {s.gene: s for s in stages if s.gene in allowed}
         if not self.stages:
@@ -203,12 +204,12 @@ class CodeAgent(Agent):
                 self.failures[kind] = self.failures.get(kind, 0) + 1
             return
         new_hash = self.store.put(new_source)  # text only: the agent reads it back for critiques and children
-        notes = {"model": self.settings.llm.model, **used.to_dict(), "repairs": len(record["exchanges"]) - 1,
-                 "prompt": artifact, "stage": stage.gene, "code_hash": new_hash,
-                 "parent_code": code_hash(parent_source), "rationale": change.rationale}
+        metrics = {**used.to_dict(), "repairs": len(record["exchanges"]) - 1}
+        artifacts = {"model": self.settings.llm.model, "prompt": artifact, "stage": stage.gene, "code_hash": new_hash,
+                     "parent_code": code_hash(parent_source), "rationale": change.rationale}
         proposal = Proposal(genome=child, parents=(parent.genome.hash,), agent=self.name,
                             move=f"{stage.stage}: {_clip(change.rationale, 160)}", move_kind=f"edit:{stage.gene}",
-                            generation=0, sources=((new_hash, new_source),), notes=json.dumps(notes, sort_keys=True))
+                            generation=0, sources=((new_hash, new_source),), metrics=metrics, artifacts=artifacts)
         with self._lock:
             self.mine[child.hash] = _Mine(stage.gene, change.rationale, code_hash(parent_source), artifact)
             self.ready.append(proposal)
@@ -335,13 +336,14 @@ class CodeAgent(Agent):
 
 def _proposal_dict(p: Proposal) -> dict[str, Any]:
     return {"genome": p.genome.to_json(), "parents": list(p.parents), "move": p.move, "move_kind": p.move_kind,
-            "sources": [list(s) for s in p.sources], "notes": p.notes}
+            "sources": [list(s) for s in p.sources], "notes": p.notes_json()}
 
 
 def _proposal_from(d: dict[str, Any]) -> Proposal:
+    metrics, artifacts = split_notes(d["notes"])  # the agent's state keeps them as evidence's notes JSON
     return Proposal(genome=Genome.from_json(d["genome"]), parents=tuple(d["parents"]), agent=CodeAgent.name,
                     move=d["move"], generation=0, move_kind=d["move_kind"],
-                    sources=tuple(tuple(s) for s in d["sources"]), notes=d["notes"])
+                    sources=tuple(tuple(s) for s in d["sources"]), metrics=metrics, artifacts=artifacts)
 
 
 def _headline(item: Evaluated, parent: Evaluated | None) -> str:

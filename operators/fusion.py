@@ -1,74 +1,80 @@
 """FusionAgent: which adjacent stages run as one function, and on which backend each group runs.
 
-Fusion genes follow a naming convention any workload can use: `backend_<stage>` for each stage in
-pipeline order and `fuse_<a>_<b>` for each boundary between adjacent stages a and b. Stages joined
-by fused boundaries form a group that must share one backend, so every move keeps that rule:
-fusing a boundary gives the right-hand group the left group's backend, and a backend move changes
-a whole group at once.
+The agent reads the workload's stage pipeline from the gene space (`GeneSpace.pipeline`, an
+`evo.core.genome.StagePipeline`): its stages in order, the backend gene of each stage and the fuse
+gene of each boundary between adjacent stages. Stages joined by fused boundaries form a group that
+must share one backend, so every move keeps that rule: fusing a boundary gives the right-hand group
+the left group's backend, and a backend move changes a whole group at once. Genes the parent's
+engine ignores (`GeneSpace.ignored_genes`) are not moved: such a child would build the same engine.
+A space without a pipeline gets plain per-gene mutations of its fusion domain.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from evo.core.genome import Genome
+from evo.core.genome import Genome, StagePipeline
+from evo.core.proposer import register_proposer
 from operators.base import Agent, Move
 
 
+@register_proposer
 class FusionAgent(Agent):
     name = "fusion"
     domain = "fusion"
 
-    def _stages(self) -> list[str]:
-        return [g.name.removeprefix("backend_") for g in self.gene_space.in_domain("fusion")
-                if g.name.startswith("backend_")]
-
-    def _boundaries(self) -> list[tuple[str, str, str]]:
-        stages = self._stages()
-        pairs = [(a, b) for a, b in zip(stages, stages[1:])]
-        genes = {g.name for g in self.gene_space.in_domain("fusion")}
-        return [(f"fuse_{a}_{b}", a, b) for a, b in pairs if f"fuse_{a}_{b}" in genes]
+    def _pipeline(self) -> StagePipeline | None:
+        pipeline = self.gene_space.pipeline
+        return pipeline if pipeline is not None and pipeline.domain == self.domain else None
 
     def groups(self, genes: dict) -> list[list[str]]:
         """Stages partitioned into fused groups, in pipeline order."""
-        groups: list[list[str]] = []
-        for stage in self._stages():
-            if groups and genes.get(f"fuse_{groups[-1][-1]}_{stage}", False):
-                groups[-1].append(stage)
-            else:
-                groups.append([stage])
-        return groups
+        pipeline = self._pipeline()
+        return [list(g) for g in pipeline.partition(pipeline.links(genes))] if pipeline else []
 
     def move_kinds(self, parent: Genome) -> list[str]:
-        if not self._stages():  # a workload without the stage convention: only plain gene mutations
+        pipeline = self._pipeline()
+        if pipeline is None:  # a workload without a stage pipeline: only plain gene mutations
             return ["gene"] + self.model_kinds()
-        return ["fuse", "split", "backend"] + self.model_kinds()
+        ignored = self.gene_space.ignored_genes(parent.values())
+        kinds = []
+        if any(gene not in ignored for gene, _, _ in pipeline.boundaries()):
+            kinds += ["fuse", "split"]
+        if any(pipeline.backend_gene(s) not in ignored for s in pipeline.stages):
+            kinds.append("backend")
+        return (kinds or ["gene"]) + self.model_kinds()
 
     def apply(self, kind: str, parent: Genome, rng: np.random.Generator) -> Move | None:
         if kind == "model":
             return self.model_move(parent, rng)
-        genes = parent.domain("fusion")
+        genes = parent.domain(self.domain)
+        ignored = self.gene_space.ignored_genes(parent.values())
+        pipeline = self._pipeline()
         options = []
         if kind == "gene":
-            for gene in self.gene_space.in_domain("fusion"):
-                options += [(f"{gene.name}: {genes[gene.name]} -> {v}", {**genes, gene.name: v})
-                            for v in gene.values if v != genes[gene.name]]
+            for gene in self.gene_space.in_domain(self.domain):
+                if gene.name not in ignored:
+                    options += [(f"{gene.name}: {genes[gene.name]} -> {v}", {**genes, gene.name: v})
+                                for v in gene.values if v != genes[gene.name]]
         elif kind in ("fuse", "split"):
             want = kind == "fuse"
-            for gene, a, b in self._boundaries():
-                if genes[gene] != want:
+            for gene, a, b in pipeline.boundaries():
+                if gene not in ignored and genes[gene] != want:
                     new = {**genes, gene: want}
                     if want:  # the right-hand group joins the left one, on its backend
                         for group in self.groups(new):
                             if a in group:
                                 for stage in group:
-                                    new[f"backend_{stage}"] = genes[f"backend_{a}"]
+                                    new[pipeline.backend_gene(stage)] = genes[pipeline.backend_gene(a)]
                     options.append((f"{kind} {a}+{b}", new))
         else:
-            backends = self.gene_space.gene(f"backend_{self._stages()[0]}").values
+            backends = self.gene_space.gene(pipeline.backend_gene(pipeline.stages[0])).values
             for group in self.groups(genes):
+                names = [pipeline.backend_gene(s) for s in group]
+                if all(name in ignored for name in names):
+                    continue
                 for backend in backends:
-                    if backend != genes[f"backend_{group[0]}"]:
-                        new = {**genes, **{f"backend_{s}": backend for s in group}}
+                    if backend != genes[names[0]]:
+                        new = {**genes, **{name: backend for name in names}}
                         options.append((f"backend of {'+'.join(group)} -> {backend}", new))
         for i in rng.permutation(len(options)):
             description, values = options[int(i)]

@@ -11,13 +11,16 @@ import numpy as np
 
 from evo.core.effects import GeneEffects
 from evo.core.genome import DOMAINS, Genome, GenomeError
+from evo.core.proposer import register_proposer
 from evo.core.records import Proposal
 from operators.base import Agent, Move, Parent
 
 
+@register_proposer
 class IntegrationAgent(Agent):
     name = "integration"
     domain = ""
+    parents_needed = 2  # a child takes domains from two parents
 
     def move_kinds(self, parent: Genome) -> list[str]:
         return ["recombine"]

@@ -13,14 +13,17 @@ from typing import Any
 from evo.core.effects import GeneEffects
 from evo.core.genome import GeneSpace, Genome
 from evo.core.optuna_study import GenomeStudy
+from evo.core.proposer import register_proposer
 from evo.core.records import EvalResult, Evaluated, Proposal
 from evo.core.seeds import derive_seed
 from operators.base import Agent, Move, Parent
 
 
+@register_proposer
 class OptunaAgent(Agent):
     name = "optuna"
     domain = ""
+    parents_needed = 0  # it ignores its parents: its study holds every result
     sampler = "tpe"
 
     def __init__(self, gene_space: GeneSpace, seed: int) -> None:

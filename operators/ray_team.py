@@ -1,31 +1,32 @@
 """The agents of a run as Ray actors, one per agent; same interface as `operators.team.LocalTeam`."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from evo.core.genome import GeneSpace
+from evo.core.proposer import Archive, Feedback, ProposalRequest
 from evo.core.records import Proposal
-from operators.base import Outcome
-from operators.team import Request, make_agent
+from operators.registry import proposer_class
+from operators.team import make_agent
 
 
 class _AgentActor:
-    """Holds one agent; constructed inside the actor so its RNG lives there."""
+    """Holds one agent; constructed inside the actor so its RNG lives there. Its class is resolved by the
+    driver and travels by reference, so an agent named by dotted path loads where its module imports."""
 
-    def __init__(self, name: str, gene_space: GeneSpace, run_seed: int, options: dict[str, Any] | None = None) -> None:
-        self.agent = make_agent(name, gene_space, run_seed, options)
+    def __init__(self, cls: type, name: str, gene_space: GeneSpace, run_seed: int,
+                 options: dict[str, Any] | None = None) -> None:
+        self.agent = make_agent(name, gene_space, run_seed, options, cls=cls)
 
-    def propose(self, parents, n: int, generation: int, exclude: frozenset = frozenset(),
-                effects=None) -> list[Proposal]:
-        return self.agent.propose(parents, n, generation, exclude, effects)
+    def ask(self, request: ProposalRequest, archive: Archive) -> list[Proposal]:
+        return self.agent.ask(replace(request, archive=archive))
 
-    def learn(self, outcomes: list[Outcome] | None, results: tuple = ()) -> None:
-        if outcomes:
-            self.agent.learn(outcomes)
-        self.agent.observe(results)
+    def tell(self, feedback: Feedback) -> None:
+        self.agent.tell(feedback)
 
     def state(self) -> dict[str, Any]:
         return self.agent.state()
@@ -46,20 +47,26 @@ class RayTeam:
 
     def __init__(self, names: list[str], gene_space: GeneSpace, run_seed: int,
                  options: dict[str, dict[str, Any]] | None = None) -> None:
+        classes = {name: proposer_class(name) for name in names}  # an unknown name fails here, before any actor
+        self.parents_needed = {name: cls.parents_needed for name, cls in classes.items()}
         # Hard affinity also keeps agents beside the run directory they write (the code agent's artifacts).
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         actor = ray.remote(num_cpus=0, num_gpus=0, max_restarts=0, scheduling_strategy=here)(_AgentActor)
         options = options or {}
-        self.actors = {name: actor.options(name=None).remote(name, gene_space, run_seed, options.get(name))
+        self.actors = {name: actor.options(name=None).remote(classes[name], name, gene_space, run_seed,
+                                                             options.get(name))
                        for name in names}
 
-    def propose(self, requests: list[Request], generation: int) -> list[list[Proposal]]:
-        refs = [self.actors[name].propose.remote(parents, n, generation, known, effects)
-                for name, parents, n, known, effects in requests]
+    def ask(self, requests: list[ProposalRequest]) -> list[list[Proposal]]:
+        # the archive goes to the object store once per generation, not once per agent
+        archives = {id(r.archive): ray.put(r.archive) for r in requests}
+        refs = [self.actors[r.agent].ask.remote(replace(r, archive=Archive()), archives[id(r.archive)])
+                for r in requests]
         return ray.get(refs)
 
-    def learn(self, outcomes: dict[str, list[Outcome]], results: tuple = ()) -> None:
-        ray.get([actor.learn.remote(outcomes.get(name), results) for name, actor in self.actors.items()])
+    def tell(self, feedback: Feedback) -> None:
+        shared = ray.put(feedback)  # once, for every actor
+        ray.get([actor.tell.remote(shared) for actor in self.actors.values()])
 
     def state(self) -> dict[str, Any]:
         names = list(self.actors)

@@ -1,34 +1,29 @@
-"""The agents of a run, called in-process. `operators.ray_team.RayTeam` is the same on Ray actors."""
+"""The agents of a run, called in-process. `operators.ray_team.RayTeam` is the same on Ray actors.
+
+Agents are found by name in the core's registry (`evo.core.proposer.proposer_class`): the built-ins
+(`operators.registry`), any class registered with `@register_proposer`, or a dotted path to a class.
+"""
 from __future__ import annotations
 
 from typing import Any
 
 from evo.core.genome import GeneSpace
-from evo.core.effects import GeneEffects
-from evo.core.records import Evaluated, Proposal
+from evo.core.proposer import Feedback, ProposalRequest, Proposer
+from evo.core.records import Proposal
 from evo.core.seeds import derive_seed
-from operators.base import Agent, Outcome, Parent
-from operators.code_agent import CodeAgent
-from operators.fusion import FusionAgent
-from operators.integration import IntegrationAgent
-from operators.memory_layout import MemoryLayoutAgent
-from operators.optuna_agent import OptunaAgent
-from operators.scheduling import SchedulingAgent
-
-AGENT_CLASSES: dict[str, type[Agent]] = {
-    cls.name: cls for cls in (FusionAgent, SchedulingAgent, MemoryLayoutAgent, IntegrationAgent, OptunaAgent, CodeAgent)
-}
-
-# (agent name, parents, number of proposals wanted, hashes already known, the search's gene effects or None)
-Request = tuple[str, list[Parent], int, frozenset, GeneEffects | None]
+from operators.registry import proposer_class
 
 
-def make_agent(name: str, gene_space: GeneSpace, run_seed: int, options: dict[str, Any] | None = None) -> Agent:
-    """Agent `name`; `options` are its keyword arguments beyond the gene space and seed (the code agent's
-    settings, workload, run directory and lessons file)."""
-    if name not in AGENT_CLASSES:
-        raise ValueError(f"unknown agent {name!r}; available: {sorted(AGENT_CLASSES)}")
-    return AGENT_CLASSES[name](gene_space, derive_seed(run_seed, f"agent:{name}"), **(options or {}))
+def make_agent(name: str, gene_space: GeneSpace, run_seed: int, options: dict[str, Any] | None = None,
+               cls: type | None = None) -> Proposer:
+    """Agent `name` (a registered name or a dotted path; `cls`: its class, when already resolved), seeded
+    from the run seed by name; `options` are its keyword arguments beyond the gene space and seed (the
+    code agent's settings, workload, run directory and lessons file). Its proposals carry `name`."""
+    cls = cls or proposer_class(name)
+    agent = cls(gene_space, derive_seed(run_seed, f"agent:{name}"), **(options or {}))
+    if agent.name != name:  # named by dotted path: its proposals carry the name the search knows it by
+        agent.name = name
+    return agent
 
 
 class LocalTeam:
@@ -38,17 +33,15 @@ class LocalTeam:
                  options: dict[str, dict[str, Any]] | None = None) -> None:
         options = options or {}
         self.agents = {name: make_agent(name, gene_space, run_seed, options.get(name)) for name in names}
+        self.parents_needed = {name: agent.parents_needed for name, agent in self.agents.items()}
 
-    def propose(self, requests: list[Request], generation: int) -> list[list[Proposal]]:
-        return [self.agents[name].propose(parents, n, generation, known, effects)
-                for name, parents, n, known, effects in requests]
+    def ask(self, requests: list[ProposalRequest]) -> list[list[Proposal]]:
+        return [self.agents[request.agent].ask(request) for request in requests]
 
-    def learn(self, outcomes: dict[str, list[Outcome]], results: tuple[Evaluated, ...] = ()) -> None:
-        """Each agent's own move outcomes, and every result of the generation to every agent."""
-        for name, agent in self.agents.items():
-            if name in outcomes:
-                agent.learn(outcomes[name])
-            agent.observe(results)
+    def tell(self, feedback: Feedback) -> None:
+        """The generation's feedback to every agent (each learns from its own outcomes and sees every result)."""
+        for agent in self.agents.values():
+            agent.tell(feedback)
 
     def state(self) -> dict[str, Any]:
         return {name: agent.state() for name, agent in self.agents.items()}

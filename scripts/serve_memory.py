@@ -1,4 +1,4 @@
-"""Replica memory under maximum-size requests: the figure in the README's "Bounded memory" section.
+"""Replica memory under maximum-size requests: the figure in docs/serving.md, "Bounded memory".
 
 Starts `python -m evo serve default:kda/cpu_small` (in-process Ray on 127.0.0.1, default limits:
 max_request_bytes 64 MiB, max_inflight_bytes 128 MiB), then N clients each send R requests whose JSON

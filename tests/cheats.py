@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
 from evaluators.check import expected_dtypes
 from evo.core.genome import Gene, GeneSpace, Genome
-from evo.workloads.base import CheckCase, DeviceInfo, Engine, MachineRates, Preset, Roofline
+from evo.workloads.base import NO_SOURCES, CheckCase, DeviceInfo, Engine, MachineRates, Preset, Roofline, Workload
 
 # cheat -> (class in the issue, what it does)
 CHEATS: dict[str, tuple[str, str]] = {
@@ -65,7 +65,7 @@ PROBES: dict[str, str] = {
 NONE = "none"
 
 
-class CheatWorkload:
+class CheatWorkload(Workload):
     """The base workload plus the `cheat` gene. Everything but `build` and the gene space delegates."""
 
     def __init__(self, base, name: str) -> None:
@@ -80,7 +80,8 @@ class CheatWorkload:
     def gene_space(self, preset: Preset, device: DeviceInfo) -> GeneSpace:
         honest = self.base.gene_space(preset, device)
         cheat = Gene("cheat", "fusion", _gene_values(), NONE, "which cheat wraps the honest engine")
-        return GeneSpace(self.name, (*honest.genes, cheat), honest.constraints)
+        return GeneSpace(self.name, (*honest.genes, cheat), honest.constraints, ignored=honest.ignored,
+                         pipeline=honest.pipeline)
 
     def check_cases(self, preset: Preset) -> list[list[CheckCase]]:
         return self.base.check_cases(preset)
@@ -98,8 +99,7 @@ class CheatWorkload:
         return self.base.reference(inputs)
 
     def forbidden_callables(self) -> list[tuple[object, str]]:
-        declared = getattr(self.base, "forbidden_callables", None)
-        return [(self.base, "reference"), *(declared() if callable(declared) else [])]
+        return [(self.base, "reference"), *self.base.forbidden_callables()]
 
     def baselines(self, preset: Preset) -> dict:
         return self.base.baselines(preset)
@@ -107,10 +107,11 @@ class CheatWorkload:
     def roofline(self, preset: Preset, rates: MachineRates) -> Roofline:
         return self.base.roofline(preset, rates)
 
-    def build(self, genome: Genome, preset: Preset, device: DeviceInfo) -> Engine:
+    def build(self, genome: Genome, preset: Preset, device: DeviceInfo,
+              sources: Mapping[str, str] = NO_SOURCES) -> Engine:
         values = genome.values()
         cheat = values.pop("cheat")
-        honest = self.base.build(self.base.gene_space(preset, device).make(values), preset, device)
+        honest = self.base.build(self.base.gene_space(preset, device).make(values), preset, device, sources)
         return honest if cheat == NONE else _WRAPPERS[cheat](honest, self, preset)
 
 

@@ -30,3 +30,12 @@ def ray_local():
     yield ray
     if started:
         ray.shutdown()
+
+
+@pytest.fixture
+def fake() -> str:
+    """The fake workload (tests/fake_workload.py) as evaluators and configs name it: by its dotted
+    module path, which `evo.workloads.get_workload` imports like any workload kept outside the project."""
+    from tests import fake_workload
+
+    return fake_workload.NAME

@@ -1,18 +1,20 @@
 """A tiny workload for evaluator tests: a running sum over time, o[b, t] = s0[b] + sum_{u<=t} x[b, u].
 
-It satisfies the `Workload` protocol like a real workload. Its gene `impl` selects the correct engine
-or one of several deliberately broken ones, so every evaluator status can be reached on purpose.
+It is a `Workload` like a real one, reached by its dotted path `NAME` (no registration). Its gene
+`impl` selects the correct engine or one of several deliberately broken ones, so every evaluator
+status can be reached on purpose.
 """
 from __future__ import annotations
 
 import os
 import time
+from typing import Mapping
 
 import torch
 
 from evo.core.code import CodeError, OpenStage, load_module
 from evo.core.genome import CodeGene, Gene, GeneSpace, Genome
-from evo.workloads.base import CheckCase, DeviceInfo, Engine, MachineRates, Preset, Roofline
+from evo.workloads.base import NO_SOURCES, CheckCase, DeviceInfo, Engine, MachineRates, Preset, Roofline, Workload
 
 IMPLS = (
     "cumsum",  # correct
@@ -39,6 +41,7 @@ IMPLS = (
     "alias_input",  # returns its input tensor as o
 )
 
+NAME = "tests.fake_workload"  # what evaluators and configs name it by (evo.workloads.get_workload)
 SEEN_SEEDS: list[int] = []  # every seed make_inputs was given, in order
 
 # The open stage: a code gene whose source replaces the running sum (evo.core.code), for code-agent tests.
@@ -125,7 +128,7 @@ def _code_engine(running_sum) -> Engine:
     return engine
 
 
-class FakeWorkload:
+class FakeWorkload(Workload):
     name = "fake"
     input_names = ("x", "initial_state")
     output_names = ("o", "final_state")
@@ -180,10 +183,11 @@ class FakeWorkload:
             o = o + inputs["initial_state"].double()[:, None, :]
         return {"o": o, "final_state": o[:, -1]}
 
-    def build(self, genome: Genome, preset: Preset, device: DeviceInfo, sources: dict | None = None) -> Engine:
+    def build(self, genome: Genome, preset: Preset, device: DeviceInfo,
+              sources: Mapping[str, str] = NO_SOURCES) -> Engine:
         digest = genome.values().get(SUM_STAGE.gene)
         if digest is not None:
-            if not sources or digest not in sources:
+            if digest not in sources:
                 raise CodeError(f"no source for {SUM_STAGE.gene}={digest}")
             return _code_engine(load_module(sources[digest], SUM_STAGE).running_sum)
         impl = genome["impl"]

@@ -68,12 +68,12 @@ def test_speedups_are_against_chunk_kda_when_present() -> None:
                ("baseline:eager", "baseline", None, _result("b", "ok", 2.0)),
                ("g1", "genome", None, _result("c", "ok", 1.5)),
                ("g2", "genome", None, _result("d", "incorrect", math.nan))]
-    rows = make_rows(entries)
+    rows = make_rows(entries, "fla_chunk_kda")
     assert [r.engine for r in rows] == ["g1", "baseline:eager", "baseline:fla_chunk_kda", "g2"]
     assert rows[0].speedup == pytest.approx(2.0) and rows[0].fraction_of_roofline == pytest.approx(1 / 1.5)
     assert math.isnan(rows[-1].speedup) and rows[0].reference == "fla_chunk_kda"
     assert "speedup vs fla_chunk_kda" in markdown(rows, "t") and "| g2 | genome | incorrect | — |" in markdown(rows, "t")
-    without = make_rows(entries[1:])
+    without = make_rows(entries[1:], "fla_chunk_kda")
     assert without[0].reference == "eager" and without[0].speedup == pytest.approx(2.0 / 1.5)
 
 

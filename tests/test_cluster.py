@@ -14,7 +14,7 @@ import ray
 from mlflow.tracking import MlflowClient
 from ray.cluster_utils import Cluster
 
-from evaluators.pool import EvaluatorPool, PlacementError
+from evaluators.pool import EvaluatorPool, PlacementError, PoolSettings
 from evaluators.settings import EvaluatorSettings
 from evo.driver.config import config_from_dict
 from evo.core.records import OK, Proposal
@@ -61,7 +61,7 @@ def proposals(impls, threads=(0, 1, 2), pads=(False, True)):
 
 
 def test_one_evaluator_per_gpu_each_on_its_own_node_and_gpu(cluster):
-    pool = EvaluatorPool("tests.fake_workload", PRESET, SETTINGS, run_seed=0, placement="gpu")
+    pool = EvaluatorPool("tests.fake_workload", PRESET, SETTINGS, run_seed=0, pool=PoolSettings(placement="gpu"))
     try:
         infos = pool.describe()
         assert len(infos) == 4 == int(ray.cluster_resources()["GPU"])
@@ -78,7 +78,8 @@ def test_one_evaluator_per_gpu_each_on_its_own_node_and_gpu(cluster):
 
 
 def test_cpu_evaluators_fill_every_node_each_with_its_own_cores(cluster):
-    pool = EvaluatorPool("tests.fake_workload", PRESET, SETTINGS, run_seed=0, placement="cpu", threads=1)
+    pool = EvaluatorPool("tests.fake_workload", PRESET, SETTINGS, run_seed=0,
+                         pool=PoolSettings(placement="cpu", threads=1))
     try:
         infos = pool.describe()
         cpus = {n["NodeID"]: int(n["Resources"]["CPU"]) for n in ray.nodes() if n["Alive"]}
@@ -95,7 +96,7 @@ def test_cpu_evaluators_fill_every_node_each_with_its_own_cores(cluster):
 
 def test_a_node_leaving_loses_no_candidate_and_a_node_joining_adds_evaluators(cluster):
     events = []
-    pool = EvaluatorPool("tests.fake_workload", PRESET, SETTINGS, run_seed=0, placement="gpu",
+    pool = EvaluatorPool("tests.fake_workload", PRESET, SETTINGS, run_seed=0, pool=PoolSettings(placement="gpu"),
                          on_event=events.append, watch_interval_s=0.5)
     try:
         batch = proposals(["slow"])
@@ -161,8 +162,8 @@ def test_a_search_on_the_cluster_keeps_the_single_node_invariants_while_nodes_co
 def test_a_run_of_one_accelerator_type_uses_only_its_nodes_and_says_so_when_they_all_leave(cluster):
     t4 = cluster.add_node(num_cpus=1, num_gpus=1, resources={"accelerator_type:T4": 1})
     cluster.wait_for_nodes()
-    pool = EvaluatorPool("tests.fake_workload", PRESET, SETTINGS, run_seed=0, placement="gpu",
-                         accelerator_type="T4", node_wait_s=3)
+    pool = EvaluatorPool("tests.fake_workload", PRESET, SETTINGS, run_seed=0,
+                         pool=PoolSettings(placement="gpu", accelerator_type="T4"), node_wait_s=3)
     try:
         assert [info["node_id"] for info in pool.describe()] == [t4.node_id] and pool.accelerator == "T4"
         threading.Timer(1.0, cluster.remove_node, [t4]).start()

@@ -67,10 +67,11 @@ def test_a_good_edit_becomes_a_proposal_with_its_source_costs_and_prompt(tmp_pat
     (digest, source), = p.sources
     assert p.genome["code_sum"] == digest == code_hash(source) and "torch.cumsum(x, dim=1)" in source
     assert p.parents == (PARENT.genome.hash,) and p.move_kind == "edit:code_sum"
-    notes = json.loads(p.notes)
-    assert notes["calls"] == 1 and notes["tokens_in"] > 0 and notes["tokens_out"] > 0 and notes["repairs"] == 0
-    assert math.isclose(notes["cost_usd"], (notes["tokens_in"] * 1.0 + notes["tokens_out"] * 2.0) / 1e6)
-    record = json.loads((tmp_path / "run" / notes["prompt"]).read_text())
+    used = p.metrics
+    assert used["calls"] == 1 and used["tokens_in"] > 0 and used["tokens_out"] > 0 and used["repairs"] == 0
+    assert math.isclose(used["cost_usd"], (used["tokens_in"] * 1.0 + used["tokens_out"] * 2.0) / 1e6)
+    assert p.artifacts["code_hash"] == digest and p.artifacts["stage"] == "code_sum"
+    record = json.loads((tmp_path / "run" / p.artifacts["prompt"]).read_text())
     assert record["outcome"] == f"proposed {p.hash}" and "running_sum" in record["exchanges"][0]["messages"][1]["content"]
     prompt = server.requests[0]["messages"][1]["content"]
     assert "x.cumsum(1)" in prompt and "EVOLVE-BLOCK-START" in prompt  # the parent's code, with its marked blocks
@@ -91,7 +92,7 @@ def test_a_bad_reply_is_sent_back_and_repaired(tmp_path, bad, words):
     assert len(server.requests) == 2 and len(proposals) == 1
     repair = server.requests[1]["messages"][-1]["content"]
     assert "could not be used" in repair and words in repair, repair
-    assert json.loads(proposals[0].notes)["repairs"] == 1 and json.loads(proposals[0].notes)["calls"] == 2
+    assert proposals[0].metrics["repairs"] == 1 and proposals[0].metrics["calls"] == 2
 
 
 def test_repairs_are_bounded_and_the_failure_is_recorded(tmp_path):
@@ -131,15 +132,12 @@ def test_the_budget_stops_new_work(tmp_path):
     assert len(server.requests) == 1 and agent.spent.calls == 1
 
 
-def test_a_result_is_critiqued_into_the_lessons_file_which_the_next_agent_reads(tmp_path, monkeypatch):
-    import evo.workloads
-
-    monkeypatch.setitem(evo.workloads._MODULES, "fake", fw.__name__)
+def test_a_result_is_critiqued_into_the_lessons_file_which_the_next_agent_reads(tmp_path, fake):
     critique = "Calling torch.cumsum directly changed nothing measurable; look for fewer passes instead."
     with ScriptedLlmServer([GOOD, Step(critique)]) as server:
         agent = make_agent(server, tmp_path, critique=True)
         (proposal,) = one_round(agent)
-        result = Evaluator("fake", "cpu", EvaluatorSettings(warmup=1, repeats=3), seed=1).evaluate(
+        result = Evaluator(fake, "cpu", EvaluatorSettings(warmup=1, repeats=3), seed=1).evaluate(
             proposal.genome.to_json(), dict(proposal.sources))
         assert result.status == OK, result.message
         agent.observe((Evaluated(proposal, result),))
@@ -194,10 +192,7 @@ def test_an_agent_without_open_stages_says_so(tmp_path):
                   preset="cpu", device=DeviceInfo("cpu", "cpu"), run_dir=str(tmp_path), lessons_path=str(tmp_path / "l.md"))
 
 
-def test_wrong_code_is_judged_incorrect_and_its_message_reaches_the_lesson_and_the_next_prompt(tmp_path, monkeypatch):
-    import evo.workloads
-
-    monkeypatch.setitem(evo.workloads._MODULES, "fake", fw.__name__)
+def test_wrong_code_is_judged_incorrect_and_its_message_reaches_the_lesson_and_the_next_prompt(tmp_path, fake):
     wrong = Step(edit(replace="    o = x.cumsum(1) * 1.01\n", rationale="scale it"))
 
     def model(body: dict) -> Step:
@@ -208,7 +203,7 @@ def test_wrong_code_is_judged_incorrect_and_its_message_reaches_the_lesson_and_t
     with ScriptedLlmServer(model) as server:
         agent = make_agent(server, tmp_path, critique=True)
         (proposal,) = one_round(agent)
-        result = Evaluator("fake", "cpu", EvaluatorSettings(warmup=1, repeats=3), seed=1).evaluate(
+        result = Evaluator(fake, "cpu", EvaluatorSettings(warmup=1, repeats=3), seed=1).evaluate(
             proposal.genome.to_json(), dict(proposal.sources))
         assert result.status == "incorrect", result.message
         agent.observe((Evaluated(proposal, result),))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-import evo.workloads
 from evaluators.evaluator import Evaluator
 from evaluators.settings import EvaluatorSettings
 from evo.core.code import CodeError, CodeStore, check_source, code_hash, load_module, marked_blocks
@@ -99,9 +98,8 @@ def test_agents_moves_keep_a_parents_code():
 
 # -- the judge ---------------------------------------------------------------------------------------
 @pytest.fixture
-def ev(monkeypatch):
-    monkeypatch.setitem(evo.workloads._MODULES, "fake", fw.__name__)
-    return Evaluator("fake", "cpu", EvaluatorSettings(warmup=1, repeats=5), seed=3, name="code-ev")
+def ev(fake):
+    return Evaluator(fake, "cpu", EvaluatorSettings(warmup=1, repeats=5), seed=3, name="code-ev")
 
 
 def _evaluate(ev: Evaluator, source: str, sources: dict | None = None):
@@ -214,9 +212,8 @@ def test_engine_code_has_no_network(ev):
     assert "unreachable" in result.message.lower() or "network" in result.message.lower(), result.message
 
 
-def test_engine_code_cannot_take_more_memory_than_allowed(monkeypatch):
-    monkeypatch.setitem(evo.workloads._MODULES, "fake", fw.__name__)
-    small = Evaluator("fake", "cpu", EvaluatorSettings(warmup=1, repeats=3, engine_memory_gb=2.0), seed=3)
+def test_engine_code_cannot_take_more_memory_than_allowed(fake):
+    small = Evaluator(fake, "cpu", EvaluatorSettings(warmup=1, repeats=3, engine_memory_gb=2.0), seed=3)
     result = _evaluate(small, edited("    big = torch.ones(3 * 2**30, dtype=torch.uint8)\n    o = x.cumsum(1)\n"))
     assert result.status == "runtime_error" and "memory" in result.message.lower(), result.message
     assert _evaluate(small, edited("    o = torch.cumsum(x, dim=1)\n")).status == OK  # the limit leaves room

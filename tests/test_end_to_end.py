@@ -53,7 +53,7 @@ def test_best_engine_is_correct_on_fresh_inputs(outcome):
     result, config, _, _ = outcome
     workload = get_workload("kda")
     preset = workload.presets()[config.preset]
-    genome = Genome.from_dict(result.summary["best_genome"])
+    genome = Genome.from_dict(result.summary.best_genome)
     engine = workload.build(genome, preset, DeviceInfo("cpu", "cpu", 1))
     for seed, distribution in ((1234, "standard"), (99, "strong_decay")):
         case = CheckCase(distribution, {**preset.shape, "T": preset.shape["T"] - 3}, distribution, True)
@@ -78,7 +78,7 @@ def test_mlflow_holds_parent_and_generation_runs(outcome):
     history = client.get_metric_history(parent.info.run_id, "best_latency_ms")
     assert [m.step for m in history] == list(range(config.search.generations))
     assert all(b.value <= a.value for a, b in zip(history, history[1:]))
-    assert parent.data.metrics["speedup_vs_best_baseline"] == pytest.approx(result.summary["speedup_vs_best_baseline"])
+    assert parent.data.metrics["speedup_vs_best_baseline"] == pytest.approx(result.summary.speedup_vs_best_baseline)
     assert "fraction_of_roofline" in parent.data.metrics
     assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {"summary.json", "best_genome.json"}
     children = client.search_runs([experiment.experiment_id],
@@ -97,13 +97,13 @@ def test_best_engine_is_registered_as_a_model_linked_to_the_search(outcome):
     from evo.serving.source import resolve
 
     result, config, uri, _ = outcome
-    registered = result.summary["registered_model"]
+    registered = result.summary.registered_model
     name, version = registered.removeprefix("models:/").split("/")
     client = MlflowClient(tracking_uri=uri)
     model_version = client.get_model_version(name, version)
     assert model_version.run_id == result.mlflow_run_id
     record = resolve(registered, uri)
-    assert record.genome.hash == result.summary["best_hash"] and record.preset == config.preset
+    assert record.genome.hash == result.summary.best_hash and record.preset == config.preset
     mlflow.set_tracking_uri(uri)
     model = mlflow.pyfunc.load_model(registered)
     workload = get_workload("kda")

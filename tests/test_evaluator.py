@@ -8,7 +8,6 @@ import os
 import pytest
 import torch
 
-import evo.workloads
 from evaluators.evaluator import Evaluator
 from evaluators.settings import EvaluatorSettings
 from evo.core.records import BUILD_ERROR, INCORRECT, OK, RUNTIME_ERROR, TIMEOUT, EvalResult
@@ -18,13 +17,8 @@ FAST = EvaluatorSettings(warmup=1, repeats=5)
 
 
 @pytest.fixture
-def fake(monkeypatch):
-    monkeypatch.setitem(evo.workloads._MODULES, "fake", fw.__name__)
-
-
-@pytest.fixture
 def ev(fake):
-    return Evaluator("fake", "cpu", FAST, seed=7, name="ev-test")
+    return Evaluator(fake, "cpu", FAST, seed=7, name="ev-test")
 
 
 def assert_stamped(r: EvalResult, ev: Evaluator) -> None:
@@ -70,7 +64,7 @@ def test_faults_become_statuses(ev, impl, status, words):
 
 
 def test_a_dying_or_hanging_engine_takes_only_its_own_process_down(fake):
-    ev = Evaluator("fake", "cpu", EvaluatorSettings(warmup=1, repeats=3, eval_timeout_s=5.0), seed=2, name="ev-test")
+    ev = Evaluator(fake, "cpu", EvaluatorSettings(warmup=1, repeats=3, eval_timeout_s=5.0), seed=2, name="ev-test")
     died = ev.evaluate(fw.genome_json("exit"))
     assert died.status == RUNTIME_ERROR and "engine process died (exit code 3)" in died.message
     hung = ev.evaluate(fw.genome_json("hang"))
@@ -85,7 +79,7 @@ def test_incorrect_records_its_error(ev):
 
 
 def test_tolerance_depends_on_preset_dtype(fake):
-    ev16 = Evaluator("fake", "cpu_bf16", FAST, seed=7, name="ev-test")
+    ev16 = Evaluator(fake, "cpu_bf16", FAST, seed=7, name="ev-test")
     assert ev16.evaluate(fw.genome_json("noisy")).status == OK
 
 
@@ -100,7 +94,7 @@ def test_illegal_genome_is_a_build_error_naming_the_gene(ev):
 
 
 def test_slow_build_is_a_timeout(fake):
-    ev = Evaluator("fake", "cpu", EvaluatorSettings(build_timeout_s=0.1, repeats=3), seed=1, name="ev-test")
+    ev = Evaluator(fake, "cpu", EvaluatorSettings(build_timeout_s=0.1, repeats=3), seed=1, name="ev-test")
     r = ev.evaluate(fw.genome_json("slow_build"))
     assert r.status == TIMEOUT and "build_timeout_s" in r.message and r.build_s >= 0.1
 
@@ -147,7 +141,7 @@ def test_measure_rates(ev):
 def test_cores_pin_the_process(fake):
     affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
     try:
-        ev = Evaluator("fake", "cpu", FAST, seed=1, name="ev-test", cores=(0,))
+        ev = Evaluator(fake, "cpu", FAST, seed=1, name="ev-test", cores=(0,))
         assert os.sched_getaffinity(0) == {0} and torch.get_num_threads() == 1
         assert ev.device_info().threads == 1 and ev.describe()["cores"] == [0]
         assert ev.evaluate(fw.genome_json()).threads == 1
@@ -155,24 +149,24 @@ def test_cores_pin_the_process(fake):
         os.sched_setaffinity(0, affinity)
         torch.set_num_threads(threads)
     with pytest.raises(ValueError, match="cannot pin"):
-        Evaluator("fake", "cpu", FAST, seed=1, cores=(10_000,))
+        Evaluator(fake, "cpu", FAST, seed=1, cores=(10_000,))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
 def test_cuda_preset_without_cuda_is_a_config_error(fake):
     with pytest.raises(RuntimeError, match="preset 'cuda' needs a cuda device"):
-        Evaluator("fake", "cuda", FAST, seed=1)
+        Evaluator(fake, "cuda", FAST, seed=1)
 
 
 def test_unknown_preset_lists_available(fake):
     with pytest.raises(ValueError, match="cpu_bf16"):
-        Evaluator("fake", "h100", FAST, seed=1)
+        Evaluator(fake, "h100", FAST, seed=1)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_preset_evaluates_on_the_gpu(fake):
-    ev = Evaluator("fake", "cuda", FAST, seed=1, name="ev-test")
+    ev = Evaluator(fake, "cuda", FAST, seed=1, name="ev-test")
     assert ev.device == "cuda:0" and ev.device_info().kind == "cuda"
     r = ev.evaluate(fw.genome_json("cumsum"))
     assert r.status == OK and r.device.startswith("cuda:") and "cuda" in r.versions, r.message
@@ -183,11 +177,11 @@ def test_cuda_preset_evaluates_on_the_gpu(fake):
 
 def test_preset_dtype_without_tolerance_fails_at_construction(fake):
     with pytest.raises(ValueError, match="no tolerance for dtype 'float32'"):
-        Evaluator("fake", "cpu", EvaluatorSettings(tolerances={"bfloat16": 6e-3}), seed=1)
+        Evaluator(fake, "cpu", EvaluatorSettings(tolerances={"bfloat16": 6e-3}), seed=1)
 
 
 def test_the_judges_own_cost_of_a_call_can_be_subtracted(fake):
     settings = EvaluatorSettings(warmup=1, repeats=5, subtract_call_overhead=True)
-    r = Evaluator("fake", "cpu", settings, seed=3, name="ev-test").evaluate(fw.genome_json("loop"))
+    r = Evaluator(fake, "cpu", settings, seed=3, name="ev-test").evaluate(fw.genome_json("loop"))
     assert r.status in (OK, "suspect"), r.message  # a ~0.1 ms engine less the echo cost: near the noise
     assert r.latency_ms >= 0 and r.max_rel_error <= 1e-5

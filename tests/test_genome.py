@@ -66,7 +66,7 @@ def test_missing_gene_and_wrong_workload():
 def test_illegal_combination_is_explained():
     with pytest.raises(GenomeError, match="illegal combination.*sub_chunk_size=32 must be <= chunk_size=16"):
         toy_space().make({"chunk_size": 16, "sub_chunk_size": 32})
-    with pytest.raises(GenomeError, match="fused stages prep and solve"):
+    with pytest.raises(GenomeError, match="fuse_prep_solve=True joins stages 'prep' and 'solve'"):
         toy_space().make({"fuse_prep_solve": True, "backend_solve": "compile"})
 
 
@@ -92,3 +92,60 @@ def test_with_genes_keeps_domains():
     assert genome.domain("memory")["layout"] == "time_major"
     with pytest.raises(GenomeError):
         genome.with_genes(nothing=1)
+
+
+def _space_with_rule():
+    """The toy space where `algorithm` and `store` do nothing under time_major (a stand-in for one engine
+    ignoring another's genes)."""
+    import dataclasses
+
+    from evo.core.genome import Ignored
+
+    rule = Ignored(("algorithm", "store"), lambda v: v.get("layout") == "time_major", "time_major reads neither")
+    return dataclasses.replace(toy_space(), ignored=(rule,))
+
+
+def test_ignored_genes_take_their_defaults_so_one_engine_has_one_hash():
+    space = _space_with_rule()
+    a = space.make({"layout": "time_major", "algorithm": "c", "store": False})
+    assert a == space.make({"layout": "time_major"}) and a["algorithm"] == "a" and a["store"] is True
+    # the genes still count where the rule does not hold, and a gene the rule does not name always counts
+    assert space.make({"algorithm": "c"}).hash != space.default().hash
+    assert space.make({"layout": "time_major", "chunk_size": 32}).hash != a.hash
+    assert space.default() == toy_space().default()  # defaults are canonical: their hash does not move
+    raw = a.with_genes(algorithm="b")  # e.g. a journal row written before the rule existed
+    assert raw.hash != a.hash and space.validate(raw) == a == space.canonical(raw) and space.is_legal(raw)
+    rng = np.random.default_rng(3)
+    for _ in range(30):
+        genome = space.sample(rng)
+        assert space.canonical(genome) == genome
+    narrowed = space.restrict({"store": [False]})
+    assert narrowed.ignored == space.ignored
+    assert narrowed.make({"layout": "time_major"})["store"] is False  # the narrowed default
+
+
+def test_rules_and_pipelines_name_declared_genes():
+    import dataclasses
+
+    from evo.core.genome import Ignored, StagePipeline
+
+    with pytest.raises(ValueError, match=r"names genes \['warp_count'\]"):
+        dataclasses.replace(toy_space(), ignored=(Ignored(("warp_count",), lambda v: True, "never"),))
+    with pytest.raises(ValueError, match="backend_post"):
+        dataclasses.replace(toy_space(), pipeline=StagePipeline(("prep", "solve", "out", "post"), ("eager",)))
+    with pytest.raises(ValueError, match="3 entries"):
+        StagePipeline(("a", "b"), ("eager",), fused=(True, False, True))
+
+
+def test_stage_pipeline_generates_genes_constraint_and_groups():
+    from evo.core.genome import StagePipeline
+
+    pipeline = StagePipeline(("a", "b", "c"), ("x", "y"), fused=(True, False))
+    assert [g.name for g in pipeline.genes()] == ["fuse_a_b", "fuse_b_c", "backend_a", "backend_b", "backend_c"]
+    assert [(g.values, g.default) for g in pipeline.fuse_genes()] == [((True, False), True), ((False, True), False)]
+    assert {g.default for g in pipeline.backend_genes()} == {"x"}
+    values = {"fuse_a_b": True, "fuse_b_c": False, "backend_a": "y", "backend_b": "y", "backend_c": "x"}
+    assert pipeline.groups(values) == [(("a", "b"), "y"), (("c",), "x")]
+    assert pipeline.partition((False, True)) == [("a",), ("b", "c")]
+    assert pipeline.constraint().violation(values) is None
+    assert "fuse_a_b=True joins stages 'a' and 'b'" in pipeline.constraint().violation({**values, "backend_b": "x"})

@@ -74,3 +74,20 @@ def test_fusion_groups_follow_the_links() -> None:
         groups = plan.groups()
         assert [s for g, _ in groups for s in g] == ["gate", "l2norm", "intra", "recurrence", "output"]
         assert len(groups) == 5 - sum(plan.fuse)
+
+
+def test_the_stage_pipeline_generates_the_fusion_genes_as_named() -> None:
+    """Journals and configs name these genes: the pipeline keeps their names, values and defaults."""
+    from evo.workloads.kda.genes import PIPELINE
+
+    fusion = {g.name: (g.values, g.default) for g in SPACE.in_domain("fusion")}
+    assert fusion == {
+        "fuse_gate_l2norm": ((True, False), True), "fuse_l2norm_intra": ((False, True), False),
+        "fuse_intra_recurrence": ((False, True), False), "fuse_recurrence_output": ((False, True), False),
+        **{f"backend_{s}": (("eager", "compile"), "eager") for s in ("gate", "l2norm", "intra", "recurrence", "output")},
+    }
+    assert SPACE.pipeline is PIPELINE and SPACE.ignored == ()  # one engine here: nothing is ignored
+    genome = SPACE.make({"fuse_l2norm_intra": True, "fuse_intra_recurrence": True, "backend_l2norm": "compile",
+                         "backend_intra": "compile", "backend_recurrence": "compile", "backend_gate": "compile"})
+    assert Plan.from_genome(genome).groups() == PIPELINE.groups(genome.values()) == [
+        (("gate", "l2norm", "intra", "recurrence"), "compile"), (("output",), "eager")]

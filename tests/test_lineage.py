@@ -143,10 +143,10 @@ def test_mlflow_runs_carry_the_lineage(searched, tmp_path):
     assert {a.path for a in client.list_artifacts(parent.info.run_id, "lineage")} == {
         "lineage/lineage.html", "lineage/lineage.png", "lineage/best_so_far.png"}
     page = Path(client.download_artifacts(parent.info.run_id, "lineage/lineage.html", str(tmp_path))).read_text()
-    assert f'<code id="best-hash">{outcome.summary["best_hash"]}</code>' in page  # the final version
+    assert f'<code id="best-hash">{outcome.summary.best_hash}</code>' in page  # the final version
     children = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
     rows = [json.loads(line) for line in (outcome.run_dir / "evidence.jsonl").read_text().splitlines()]
-    assert len(children) == outcome.summary["generations"]
+    assert len(children) == outcome.summary.generations
     for child in children:
         generation = int(child.data.tags["generation"])
         mine = sorted((r for r in rows if r["generation"] == generation), key=lambda r: r["index"])
@@ -166,7 +166,7 @@ def test_mlflow_runs_carry_the_lineage(searched, tmp_path):
 
 def test_report_from_run_dir_and_from_mlflow_run_id(searched, capsys, tmp_path):
     outcome, server, _ = searched
-    ancestry = [step["hash"] for step in reversed(outcome.summary["lineage"])]
+    ancestry = [step["hash"] for step in reversed(outcome.summary.lineage)]
     assert cli_main(["report", str(outcome.run_dir)]) == 0
     local = capsys.readouterr().out
     printed = [line.split()[1] for line in local.splitlines()[2:2 + len(ancestry)]]
@@ -188,8 +188,8 @@ def test_mlflow_ui_shows_the_lineage_page_in_chromium(searched, tmp_path):
         pytest.skip("no Chromium: install Debian's `chromium` (scripts/setup.sh does where apt-get is available)")
     outcome, server, client = searched
     parent = client.get_run(outcome.mlflow_run_id)
-    best = outcome.summary["best_hash"]
-    ancestry = [step["hash"] for step in reversed(outcome.summary["lineage"])]
+    best = outcome.summary.best_hash
+    ancestry = [step["hash"] for step in reversed(outcome.summary.lineage)]
     browser = Browser(executable)
     try:
         browser.navigate(f"{server.uri}/#/experiments/{parent.info.experiment_id}/runs/{parent.info.run_id}"
@@ -206,7 +206,7 @@ def test_mlflow_ui_shows_the_lineage_page_in_chromium(searched, tmp_path):
     for genome_hash in ancestry:
         assert genome_hash[:8] in labels, f"ancestor {genome_hash} not labelled in the rendered tree"
         assert genome_hash in seen["text"]
-    assert seen["treeNodes"] >= outcome.summary["evaluations"]
+    assert seen["treeNodes"] >= outcome.summary.evaluations
 
 
 _RENDERED = """(() => {

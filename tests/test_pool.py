@@ -3,7 +3,7 @@ import dataclasses
 
 import pytest
 
-from evaluators.pool import EvaluatorPool, PlacementError
+from evaluators.pool import EvaluatorPool, PlacementError, PoolSettings
 from evaluators.settings import EvaluatorSettings
 from evo.core.genome import Genome
 from evo.core.records import OK, RUNTIME_ERROR, TIMEOUT, Proposal
@@ -19,7 +19,7 @@ def proposal(impl, index):
 @pytest.fixture(scope="module")
 def pool(ray_local):
     settings = EvaluatorSettings(warmup=1, repeats=3, eval_timeout_s=8.0)
-    pool = EvaluatorPool("tests.fake_workload", PRESET, settings, run_seed=0, count=2, threads=1)
+    pool = EvaluatorPool("tests.fake_workload", PRESET, settings, run_seed=0, pool=PoolSettings(count=2, threads=1))
     yield pool
     pool.close()
 
@@ -53,6 +53,6 @@ def test_baselines_run_through_the_pool(pool):
 def test_unplaceable_evaluators_fail_fast(ray_local):
     settings = EvaluatorSettings()
     with pytest.raises(PlacementError, match="need 64 CPUs"):
-        EvaluatorPool("tests.fake_workload", PRESET, settings, 0, count=64, threads=1)
+        EvaluatorPool("tests.fake_workload", PRESET, settings, 0, PoolSettings(count=64, threads=1))
     with pytest.raises(PlacementError, match="needs GPUs"):
         EvaluatorPool("tests.fake_workload", dataclasses.replace(PRESET, device="cuda"), settings, 0)

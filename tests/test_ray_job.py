@@ -1,4 +1,4 @@
-"""The README's "Run on a cluster" commands, exactly as written, in a copy of the project: a real
+"""The "Run on a cluster" commands of docs/cluster.md, exactly as written, in a copy of the project: a real
 `ray start --head` and a real `mlflow server` on 127.0.0.1, a submitted job that succeeds, a second
 one stopped mid-run with `ray job stop`, then Ctrl-C (SIGINT to the process group) stops both.
 
@@ -46,10 +46,10 @@ TRACKING = "http://127.0.0.1:5000"
 PORTS = {6379: "Ray GCS", 8265: "Ray dashboard and job server", 5000: "MLflow server"}
 
 
-def readme_commands() -> list[list[str]]:
-    """The command lines of each bash block of the README's cluster section."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## Run on a cluster", 1)[1].split("\n## ", 1)[0]
+def cluster_page_commands() -> list[list[str]]:
+    """The command lines of each bash block of the cluster page's "Run on a cluster" section."""
+    text = (ROOT / "docs" / "cluster.md").read_text()
+    section = text.split("# Run on a cluster", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
     return [[line for line in block.splitlines() if line.strip() and not line.startswith("#")] for block in blocks]
 
@@ -147,7 +147,7 @@ def http_answers(url: str) -> bool:
 def cluster(tmp_path_factory):
     """Terminals 1 and 2: the Ray head and the MLflow server, started in a copy of the project."""
     was_local = ray.is_initialized()
-    if was_local:  # nothing of ours may hold the ports the README's commands use
+    if was_local:  # nothing of ours may hold the ports the cluster page's commands use
         ray.shutdown()
     for port, what in PORTS.items():
         with socket.socket() as s:
@@ -172,8 +172,8 @@ def terminal_3() -> list[str]:
     return TERMINALS[2][:2]
 
 
-def test_the_readme_shows_exactly_the_commands_run_here():
-    assert readme_commands() == TERMINALS
+def test_the_cluster_page_shows_exactly_the_commands_run_here():
+    assert cluster_page_commands() == TERMINALS
 
 
 def test_a_submitted_search_succeeds_with_its_evidence_and_mlflow_runs(cluster):

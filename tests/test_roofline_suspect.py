@@ -5,7 +5,6 @@ import math
 
 import pytest
 
-import evo.workloads
 from evaluators.evaluator import Evaluator
 from evaluators.settings import EvaluatorSettings
 from evo.core.population import Population, PopulationSettings
@@ -16,13 +15,8 @@ from tests import fake_workload as fw
 FAST = EvaluatorSettings(warmup=1, repeats=3)
 
 
-@pytest.fixture
-def fake(monkeypatch):
-    monkeypatch.setitem(evo.workloads._MODULES, "fake", fw.__name__)
-
-
 def test_fast_and_correct_engine_is_ok_and_stamped_with_the_floor(fake):
-    r = Evaluator("fake", "cpu", FAST, seed=1, name="ev").evaluate(fw.genome_json("cumsum"))
+    r = Evaluator(fake, "cpu", FAST, seed=1, name="ev").evaluate(fw.genome_json("cumsum"))
     assert r.status == OK, r.message
     assert 0 < r.roofline_floor_ms < r.latency_ms
 
@@ -31,7 +25,7 @@ def test_latency_below_the_floor_is_suspect(fake, monkeypatch):
     # a roofline claiming a petaflop of work: a floor of seconds, far above the engine's latency
     monkeypatch.setattr(fw.FakeWorkload, "roofline",
                         lambda self, preset, rates: Roofline(flops=1e15, bytes=0.0, rates=rates))
-    ev = Evaluator("fake", "cpu", FAST, seed=1, name="ev")
+    ev = Evaluator(fake, "cpu", FAST, seed=1, name="ev")
     r = ev.evaluate(fw.genome_json("cumsum"))
     assert r.status == SUSPECT and SUSPECT in STATUSES
     assert not r.ok and math.isfinite(r.latency_ms) and r.latency_ms < r.roofline_floor_ms
@@ -44,16 +38,16 @@ def test_latency_below_the_floor_is_suspect(fake, monkeypatch):
 def test_margin_scales_the_floor(fake, monkeypatch):
     monkeypatch.setattr(fw.FakeWorkload, "roofline", lambda self, preset, rates: Roofline(
         flops=0.0, bytes=1.0, rates=MachineRates(flops_per_s=1.0, bytes_per_s=1e6)))  # floor 1e-3 ms
-    assert Evaluator("fake", "cpu", FAST, seed=1).evaluate(fw.genome_json("cumsum")).status == OK
+    assert Evaluator(fake, "cpu", FAST, seed=1).evaluate(fw.genome_json("cumsum")).status == OK
     huge = EvaluatorSettings(warmup=1, repeats=3, roofline_margin=1e6)  # floor x 1e6 = 1 s
-    assert Evaluator("fake", "cpu", huge, seed=1).evaluate(fw.genome_json("cumsum")).status == SUSPECT
+    assert Evaluator(fake, "cpu", huge, seed=1).evaluate(fw.genome_json("cumsum")).status == SUSPECT
 
 
 def test_a_workload_without_a_roofline_marks_nothing_suspect(fake, monkeypatch):
     def broken(self, preset, rates):
         raise NotImplementedError("no roofline")
     monkeypatch.setattr(fw.FakeWorkload, "roofline", broken)
-    r = Evaluator("fake", "cpu", FAST, seed=1).evaluate(fw.genome_json("cumsum"))
+    r = Evaluator(fake, "cpu", FAST, seed=1).evaluate(fw.genome_json("cumsum"))
     assert r.status == OK and math.isnan(r.roofline_floor_ms)
 
 

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from evaluators.synthetic import SyntheticEvaluator
+from evo.core.genome import DOMAINS
 from evo.core.loop import LocalExecutor, run_search
 from evo.core.population import Population, PopulationSettings
 from evo.core.records import OK, EvalResult, Evaluated, Proposal
@@ -82,13 +83,13 @@ def test_failures_never_become_parents_or_best():
 def test_children_change_only_their_agents_domain():
     _, _, recorder, _ = run(generations=8, max_evaluations=60)
     by_hash = {e.proposal.hash: e.proposal.genome for e in recorder.results}
-    domain_of = {"fusion": "fusion", "scheduling": "scheduling", "memory": "memory"}
+    domain_of = {d: d for d in DOMAINS}  # the domain agents are named after their domain
     checked = 0
     for e in recorder.results:
         agent = e.proposal.agent
         if agent in domain_of:
             parent = by_hash[e.proposal.parents[0]]
-            for domain in ("fusion", "scheduling", "memory"):
+            for domain in DOMAINS:
                 same = parent.domain(domain) == e.proposal.genome.domain(domain)
                 assert same == (domain != domain_of[agent]), (agent, e.proposal.move)
             assert e.proposal.move and e.proposal.move_kind

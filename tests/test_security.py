@@ -1,6 +1,6 @@
 """Every way the project starts Ray listens on loopback only (or behind Ray's token): the test session's
 in-process Ray, `evo run`'s and `evo serve`'s in-process Ray with Serve's proxy. (The `ray start` of the
-Serve tests and of the README's cluster commands are checked in tests/test_serving.py and
+Serve tests and of the cluster commands of docs/cluster.md are checked in tests/test_serving.py and
 tests/test_ray_job.py.) Each subprocess runs with the environment of a user's shell: no Ray settings
 but the token, so what keeps it private is the project's code."""
 import json

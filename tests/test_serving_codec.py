@@ -8,9 +8,12 @@ import time
 import pytest
 import torch
 
-from evo.serving.codec import (RequestError, TensorSpec, decode_request, decode_tensor, encode_outputs,
-                               encode_tensor, kda_input_specs)
+from evo.serving.codec import RequestError, decode_request, decode_tensor, encode_outputs, encode_tensor
+from evo.workloads.kda import WORKLOAD as KDA
 from evo.workloads.kda.inputs import PRESETS
+from evo.workloads.requests import TensorSpec
+
+kda_input_specs = KDA.request_specs  # the schema the KDA workload declares for serving
 
 MAX = 1 << 26
 SPECS = (

@@ -45,8 +45,8 @@ def test_lessons_are_written_readable_and_logged_to_mlflow(two_runs):
     text = (first.run_dir / FILE).read_text()
     data = yaml.safe_load(text)
     assert data["format"] == 1 and data["workload"] == "tests.fake_workload" and data["preset"] == "cpu"
-    assert data["best"][0]["hash"] == first.summary["best_hash"]
-    assert data["evaluations"] == first.summary["evaluations"]
+    assert data["best"][0]["hash"] == first.summary.best_hash
+    assert data["evaluations"] == first.summary.evaluations
     assert data["fails"], "the failing impls should be named, with counts"
     assert set(data["agents"]) == {"fusion", "scheduling", "memory", "integration"}
     artifacts = {a.path for a in MlflowClient(uri).list_artifacts(first.mlflow_run_id)}
@@ -57,14 +57,14 @@ def test_a_warm_started_run_uses_the_first_runs_lessons_and_records_it(two_runs)
     first, second, _, log = two_runs
     rows = journal(second.run_dir)
     warm = [r for r in rows if r["move_kind"] == "warm_start"]
-    assert warm and warm[0]["genome_hash"] == first.summary["best_hash"] and warm[0]["generation"] == 0
+    assert warm and warm[0]["genome_hash"] == first.summary.best_hash and warm[0]["generation"] == 0
     assert first.run_dir.name in warm[0]["move"]
     assert "warm start: lessons of" in log
-    assert first.run_dir.name in second.summary["warm_start"]
+    assert first.run_dir.name in second.summary.warm_start
     state = json.loads((second.run_dir / "state.json").read_text())
     assert first.run_dir.name in state["warm_start"]
     # the first run's evidence is part of what the second knows, and of the lessons it leaves
-    assert state["gene_effects"]["results"] == first.summary["evaluations"] + second.summary["evaluations"]
+    assert state["gene_effects"]["results"] == first.summary.evaluations + second.summary.evaluations
     assert read(second.run_dir / WARM_FILE).sources == (first.run_dir.name,)
     assert read(second.run_dir / FILE).sources == (first.run_dir.name, second.run_dir.name)
 

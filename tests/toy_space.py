@@ -1,14 +1,14 @@
 """A small gene space with the same conventions as a real workload, for testing the search core."""
 from __future__ import annotations
 
-from evo.core.genome import Constraint, Gene, GeneSpace
+from evo.core.genome import Constraint, Gene, GeneSpace, StagePipeline
 
 STAGES = ("prep", "solve", "out")
+PIPELINE = StagePipeline(STAGES, ("eager", "compile"), fuse_docs=("fused", "fused"), backend_doc="backend")
 
 
 def toy_space() -> GeneSpace:
-    genes = [Gene(f"backend_{s}", "fusion", ("eager", "compile"), "eager", "backend") for s in STAGES]
-    genes += [Gene(f"fuse_{a}_{b}", "fusion", (False, True), False, "fused") for a, b in zip(STAGES, STAGES[1:])]
+    genes = [*PIPELINE.backend_genes(), *PIPELINE.fuse_genes()]
     genes += [
         Gene("chunk_size", "scheduling", (16, 32, 64, 128), 64, "chunk"),
         Gene("sub_chunk_size", "scheduling", (8, 16, 32, 64), 16, "sub chunk"),
@@ -22,11 +22,5 @@ def toy_space() -> GeneSpace:
             return f"sub_chunk_size={v['sub_chunk_size']} must be <= chunk_size={v['chunk_size']}"
         return None
 
-    def fused_share_backend(v):
-        for a, b in zip(STAGES, STAGES[1:]):
-            if v[f"fuse_{a}_{b}"] and v[f"backend_{a}"] != v[f"backend_{b}"]:
-                return f"fused stages {a} and {b} must share a backend"
-        return None
-
-    return GeneSpace("toy", tuple(genes), (Constraint("sub_chunk", sub_divides),
-                                           Constraint("fused_backend", fused_share_backend)))
+    return GeneSpace("toy", tuple(genes), (Constraint("sub_chunk", sub_divides), PIPELINE.constraint()),
+                     pipeline=PIPELINE)

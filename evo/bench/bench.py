@@ -20,8 +20,6 @@ from evo.core.genome import Genome, GeneSpace
 from evo.core.records import EvalResult
 from evo.core.seeds import derive_seed
 
-SPEEDUP_REFERENCE = "fla_chunk_kda"  # what a user runs today; the best baseline when it is absent
-
 
 @dataclass(frozen=True)
 class BenchRow:
@@ -86,12 +84,14 @@ def run_search(evaluator, space: GeneSpace, config: RunConfig, budget: int) -> l
     return out
 
 
-def make_rows(entries: list[tuple[str, str, Genome | None, EvalResult]]) -> list[BenchRow]:
-    """Table rows with roofline fractions and speedups against fla_chunk_kda (else the best baseline)."""
+def make_rows(entries: list[tuple[str, str, Genome | None, EvalResult]],
+              reference_baseline: str | None = None) -> list[BenchRow]:
+    """Table rows with roofline fractions and speedups against `reference_baseline` (the workload's
+    `reference_baseline`: what a user runs today), else the best baseline."""
     ok = {name: r.latency_ms for name, _, _, r in entries if r.ok}
     baselines = {n: ms for n, ms in ok.items() if n.startswith("baseline:")}
-    reference = f"baseline:{SPEEDUP_REFERENCE}" if f"baseline:{SPEEDUP_REFERENCE}" in baselines else \
-        min(baselines, key=baselines.get, default="")
+    wanted = f"baseline:{reference_baseline}" if reference_baseline else None
+    reference = wanted if wanted in baselines else min(baselines, key=baselines.get, default="")
     ref_ms = baselines.get(reference, math.nan)
     rows = []
     for name, source, genome, r in entries:
@@ -180,7 +180,7 @@ def bench(config: RunConfig, genomes_file: str | None, sample: int, search_budge
     available = sorted(evaluator.workload.baselines(evaluator.preset))
     for name in baselines if baselines is not None else (config.baselines or available):
         entries.append((f"baseline:{name}", "baseline", None, _report(evaluator.evaluate_baseline(name), name)))
-    rows = make_rows(entries)
+    rows = make_rows(entries, evaluator.workload.reference_baseline)
     out_dir = Path(out) if out else Path(config.out_dir) / f"bench-{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     stamp = {**evaluator.describe(), "baselines_available": available}
     write(rows, out_dir, f"{config.workload}/{config.preset} on {stamp['device']}", stamp)

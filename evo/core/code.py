@@ -181,14 +181,6 @@ def load_module(source: str, stage: OpenStage) -> types.ModuleType:
     return module
 
 
-def build_engine(workload, genome, preset, device, sources: Mapping[str, str] | None = None):
-    """`workload.build`, with `sources` ({hash: source} for the genome's code genes) only when there are any:
-    workloads without open stages keep their three-argument `build`."""
-    if sources:
-        return workload.build(genome, preset, device, sources=dict(sources))
-    return workload.build(genome, preset, device)
-
-
 def marked_blocks(source: str) -> list[tuple[int, int]]:
     """(start, end) character offsets of the text between each START_MARK line and its END_MARK line."""
     blocks, start = [], None

@@ -6,13 +6,19 @@ workload and device, which genes exist, which values each may take and which com
 illegal; `GeneSpace.validate` turns any violation into a `GenomeError` that names the gene, the value
 and what is allowed.
 
+A gene space also declares which genes the chosen engine ignores (`Ignored`): a canonical genome gives
+them their defaults, so genomes that build the same engine share one hash and one measurement; every
+genome the space makes, validates, samples or restricts to is canonical. A workload whose engine is a
+pipeline of stages declares it once (`StagePipeline`), which generates the backend and fuse genes,
+their constraint and the fused groups of a genome.
+
 This module imports neither Ray nor MLflow nor torch.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
@@ -160,13 +166,133 @@ class Constraint:
 
 
 @dataclass(frozen=True)
+class Ignored:
+    """Genes the built engine does not read while `when(values)` holds (e.g. torch-only genes of a genome
+    whose engine gene picks another engine). A canonical genome gives them their defaults. `when` should
+    read only genes that no rule ignores (an engine choice), so one pass decides."""
+
+    genes: tuple[str, ...]
+    when: Callable[[Mapping[str, Scalar]], bool]
+    reason: str
+
+
+@dataclass(frozen=True)
+class StagePipeline:
+    """Stages that run in order, each on a backend, adjacent ones optionally fused into one function.
+
+    The one place the fused-group rule is written. It generates the genes `backend_<stage>` (values
+    `backends`, the first the default) and `fuse_<a>_<b>` for each boundary between adjacent stages
+    (a bool, default `fused[i]`), the constraint that the stages of a fused group share one backend,
+    and a genome's fused groups (`groups`). Agents read the structure from here, never from names."""
+
+    stages: tuple[str, ...]
+    backends: tuple[Scalar, ...]
+    fused: tuple[bool, ...] = ()  # default of each boundary's fuse gene; (): none fused
+    fuse_docs: tuple[str, ...] = ()  # one per boundary; (): a generic doc
+    backend_doc: str = "how the {stage} stage runs"  # formatted with the stage
+    domain: str = "fusion"
+    constraint_name: str = "fused stages share one backend"
+
+    def __post_init__(self) -> None:
+        links = max(len(self.stages) - 1, 0)
+        if not self.stages or len(set(self.stages)) != len(self.stages):
+            raise ValueError(f"a stage pipeline needs distinct stage names, got {self.stages!r}")
+        if not self.backends:
+            raise ValueError(f"stage pipeline {self.stages!r}: give at least one backend value")
+        for what, given in (("fused", self.fused), ("fuse_docs", self.fuse_docs)):
+            if given and len(given) != links:
+                raise ValueError(f"stage pipeline {self.stages!r}: {what} has {len(given)} entries, the pipeline "
+                                 f"has {links} boundaries (give one per boundary, or none)")
+        if self.domain not in DOMAINS:
+            raise ValueError(f"stage pipeline {self.stages!r}: domain {self.domain!r} not in {DOMAINS}")
+
+    def backend_gene(self, stage: str) -> str:
+        """The name of the gene choosing `stage`'s backend."""
+        if stage not in self.stages:
+            raise GenomeError(f"unknown stage {stage!r}; stages: {list(self.stages)}")
+        return f"backend_{stage}"
+
+    def boundaries(self) -> tuple[tuple[str, str, str], ...]:
+        """(fuse gene, left stage, right stage) for each pair of adjacent stages, in pipeline order."""
+        return tuple((f"fuse_{a}_{b}", a, b) for a, b in zip(self.stages, self.stages[1:]))
+
+    def gene_names(self) -> tuple[str, ...]:
+        """Every gene this pipeline generates: the fuse genes, then the backend genes."""
+        return tuple(g for g, _, _ in self.boundaries()) + tuple(self.backend_gene(s) for s in self.stages)
+
+    def fuse_genes(self) -> tuple[Gene, ...]:
+        """One bool gene per boundary, its default first among its values."""
+        out = []
+        for i, (name, a, b) in enumerate(self.boundaries()):
+            default = self.fused[i] if self.fused else False
+            doc = self.fuse_docs[i] if self.fuse_docs else f"run stages {a} and {b} as one function"
+            out.append(Gene(name, self.domain, (default, not default), default, doc))
+        return tuple(out)
+
+    def backend_genes(self) -> tuple[Gene, ...]:
+        """One gene per stage over `backends`, the first the default."""
+        return tuple(Gene(self.backend_gene(s), self.domain, self.backends, self.backends[0],
+                          self.backend_doc.format(stage=s)) for s in self.stages)
+
+    def genes(self) -> tuple[Gene, ...]:
+        """The fuse genes, then the backend genes."""
+        return self.fuse_genes() + self.backend_genes()
+
+    def links(self, values: Mapping[str, Scalar]) -> tuple[bool, ...]:
+        """Whether each boundary is fused, from a genome's values."""
+        return tuple(values.get(name) is True for name, _, _ in self.boundaries())
+
+    def partition(self, links: Iterable[bool]) -> list[tuple[str, ...]]:
+        """Stages grouped by fused boundaries (one flag per boundary), in pipeline order."""
+        groups = [[self.stages[0]]]
+        for stage, linked in zip(self.stages[1:], links):
+            if linked:
+                groups[-1].append(stage)
+            else:
+                groups.append([stage])
+        return [tuple(g) for g in groups]
+
+    def groups(self, values: Mapping[str, Scalar]) -> list[tuple[tuple[str, ...], Scalar]]:
+        """A genome's fused groups, each with the backend of its first stage (shared, when legal)."""
+        return [(g, values.get(self.backend_gene(g[0]))) for g in self.partition(self.links(values))]
+
+    def constraint(self) -> Constraint:
+        """The stages of a fused group share one backend (the message names the genes to change)."""
+        return Constraint(self.constraint_name, self._same_backend_when_fused)
+
+    def _same_backend_when_fused(self, values: Mapping[str, Scalar]) -> str | None:
+        for gene, left, right in self.boundaries():
+            lg, rg = self.backend_gene(left), self.backend_gene(right)
+            bl, br = values.get(lg), values.get(rg)
+            if values.get(gene) is True and bl != br:
+                return (f"{gene}=True joins stages {left!r} and {right!r}, but {lg}={bl!r} and {rg}={br!r}; "
+                        f"give both one backend or set {gene}=False")
+        return None
+
+
+@dataclass(frozen=True)
 class GeneSpace:
-    """What is legal for one workload on one device."""
+    """What is legal for one workload on one device, and which genes each engine ignores."""
 
     workload: str
     genes: tuple[Gene, ...]
     constraints: tuple[Constraint, ...] = ()
     code_genes: tuple[CodeGene, ...] = ()  # optional genes holding code hashes (absent: hand-written code)
+    ignored: tuple[Ignored, ...] = ()  # genes the chosen engine does not read (canonical: their defaults)
+    pipeline: StagePipeline | None = None  # the stages whose backend/fuse genes this space holds, if any
+
+    def __post_init__(self) -> None:
+        names = {g.name for g in self.genes}
+        for rule in self.ignored:
+            unknown = sorted(set(rule.genes) - names)
+            if unknown:
+                raise ValueError(f"ignored-genes rule {rule.reason!r} names genes {unknown} that the {self.workload} "
+                                 f"gene space does not declare; genes: {sorted(names)}")
+        if self.pipeline is not None:
+            missing = sorted(set(self.pipeline.gene_names()) - names)
+            if missing:
+                raise ValueError(f"the {self.workload} gene space declares the stage pipeline {self.pipeline.stages} "
+                                 f"but not its genes {missing}; add pipeline.genes() to the genes")
 
     def code_gene_names(self) -> tuple[str, ...]:
         return tuple(g.name for g in self.code_genes)
@@ -184,7 +310,7 @@ class GeneSpace:
         return self.make({g.name: g.default for g in self.genes})
 
     def make(self, values: Mapping[str, Scalar]) -> Genome:
-        """A validated genome from flat gene values; missing genes take their defaults."""
+        """A validated, canonical genome from flat gene values; missing genes take their defaults."""
         known = {g.name for g in self.genes} | set(self.code_gene_names())
         unknown = sorted(set(values) - known)
         if unknown:
@@ -197,8 +323,25 @@ class GeneSpace:
                 domains[gene.domain][gene.name] = values[gene.name]
         return self.validate(Genome.from_dict({"workload": self.workload, **domains}))
 
+    def ignored_genes(self, values: Mapping[str, Scalar]) -> frozenset[str]:
+        """The genes the engine chosen by `values` does not read (see `Ignored`)."""
+        return frozenset(name for rule in self.ignored if rule.when(values) for name in rule.genes)
+
+    def canonical(self, genome: Genome) -> Genome:
+        """`genome` with every gene its engine ignores at its default: one genome per engine built.
+        Only rewrites; `validate` checks the genome and returns its canonical form."""
+        values = genome.values()
+        changes = {}
+        for name in self.ignored_genes(values):
+            default = self.gene(name).default
+            if name in values and not _legal(values[name], (default,)):
+                changes[name] = default
+        return genome.with_genes(**changes) if changes else genome
+
     def validate(self, genome: Genome) -> Genome:
-        """Return `genome` unchanged if legal, else raise GenomeError saying what is wrong."""
+        """The canonical form of `genome` (see `canonical`) if it is legal, else raise GenomeError saying
+        what is wrong. A legal genome that is not canonical (e.g. from a journal written before its genes
+        were declared ignored) is canonicalised, not rejected; constraints judge the canonical form."""
         if genome.workload != self.workload:
             raise GenomeError(f"genome is for workload {genome.workload!r}, this gene space is for {self.workload!r}")
         for domain in DOMAINS:
@@ -223,6 +366,7 @@ class GeneSpace:
                     raise GenomeError(
                         f"gene {name!r} has illegal value {value!r}; allowed: {list(gene.values)}"
                     )
+        genome = self.canonical(genome)
         values = genome.values()
         for constraint in self.constraints:
             message = constraint.violation(values)
@@ -238,7 +382,7 @@ class GeneSpace:
         return True
 
     def sample(self, rng: np.random.Generator, max_tries: int = 1000) -> Genome:
-        """A uniformly drawn legal genome (rejection sampling over the declared values)."""
+        """A uniformly drawn legal genome (rejection sampling over the declared values), canonical."""
         for _ in range(max_tries):
             values = {g.name: g.values[int(rng.integers(len(g.values)))] for g in self.genes}
             try:
@@ -258,9 +402,10 @@ class GeneSpace:
             if illegal or not values:
                 raise GenomeError(f"cannot restrict gene {name!r} to {list(values)}: allowed values are {list(gene.values)}")
             default = gene.default if _legal(gene.default, values) else values[0]
-            narrowed.append(Gene(name, gene.domain, values, default, gene.doc))
+            narrowed.append(replace(gene, values=values, default=default))
         genes.update({g.name: g for g in narrowed})
-        return GeneSpace(self.workload, tuple(genes[g.name] for g in self.genes), self.constraints, self.code_genes)
+        # the same constraints, ignored-genes rules and pipeline: its genomes are canonical here too
+        return replace(self, genes=tuple(genes[g.name] for g in self.genes))
 
     def describe(self) -> list[dict[str, Any]]:
         """The gene table (for docs, configs and logs)."""

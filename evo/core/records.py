@@ -5,6 +5,7 @@ the search pairs them into `Evaluated` entries. No Ray, no MLflow, no torch here
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
@@ -33,16 +34,42 @@ class Proposal:
     move_kind: str = ""  # the agent's statistic this move counts towards (e.g. "chunk_size")
     index: int = 0  # position within the generation, so arrival order does not matter
     sources: tuple[tuple[str, str], ...] = ()  # (code hash, source) of new code the genome's code genes name
-    notes: str = ""  # JSON of what the proposing agent reports about it (a code agent: prompts, tokens, cost)
+    # What the proposing agent reports about it: numbers (a code agent: tokens, cost, calls, repairs) and
+    # names (its model, the prompt record's path in the run directory, the stage, the code hashes).
+    metrics: dict[str, float] = field(default_factory=dict, hash=False)
+    artifacts: dict[str, str] = field(default_factory=dict, hash=False)
 
     @property
     def hash(self) -> str:
         return self.genome.hash
 
+    def notes_json(self) -> str:
+        """`metrics` and `artifacts` as the one JSON object the evidence stores in its `notes` column
+        ('' when both are empty, as evidence without agent notes always had)."""
+        merged = {**self.metrics, **self.artifacts}
+        return json.dumps(merged, sort_keys=True) if merged else ""
+
+
+def split_notes(notes: str | dict[str, Any] | None) -> tuple[dict[str, float], dict[str, str]]:
+    """(metrics, artifacts) from evidence's `notes` (a JSON object, or '' / None when there are none):
+    numbers become metrics, everything else an artifact. Unreadable notes count as none."""
+    if isinstance(notes, str):
+        try:
+            notes = json.loads(notes) if notes else {}
+        except json.JSONDecodeError:
+            notes = {}
+    if not isinstance(notes, dict):
+        return {}, {}
+    metrics = {k: v for k, v in notes.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    artifacts = {k: v if isinstance(v, str) else json.dumps(v) for k, v in notes.items() if k not in metrics}
+    return metrics, artifacts
+
 
 @dataclass(frozen=True)
 class EvalResult:
-    """What one evaluation of one genome found. Failure is a status with a message, not an exception."""
+    """What one evaluation of one genome found. Failure is a status with a message, not an exception.
+
+    The field order is the order of the evidence's result columns (evo.evidence.journal derives them)."""
 
     genome_hash: str
     status: str
@@ -55,8 +82,8 @@ class EvalResult:
     eval_s: float = math.nan  # wall time of the whole evaluation
     device: str = ""
     threads: int = 0
-    versions: dict[str, str] = field(default_factory=dict)
     evaluator: str = ""
+    versions: dict[str, str] = field(default_factory=dict)
     roofline_floor_ms: float = math.nan  # the preset's roofline floor on this evaluator's machine
 
     def __post_init__(self) -> None:

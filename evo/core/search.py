@@ -5,32 +5,38 @@ deduplicated against every genome already evaluated and trimmed to the evaluatio
 `tell()` records exactly one result per proposal; `end_generation()` feeds the agents what paid and
 returns the generation's report. Who evaluates (in-process, Ray pool) is the caller's business.
 
-With `learning` (the default) the search keeps what the evidence says: per-gene effects of every
-result (`evo.core.effects`, failures included), passed to the agents to steer their moves, and each
-agent's yield (children that beat their parent), by which the offspring are split among the agents.
-Lessons of earlier runs (`evo.core.lessons`) can seed all three: best genomes, agent statistics, effects.
+Agents are `evo.core.proposer.Proposer`s behind a `Team`, asked by name with a `ProposalRequest`
+and told a `Feedback`; the search special-cases none of them (an agent that needs more parents than
+the population holds sits the generation out). With `learning` (the default) the search keeps what
+the evidence says: per-gene effects of every result (`evo.core.effects`, failures included), passed
+to the agents to steer their moves, and each agent's yield (children that improve on their parent,
+`evo.core.proposer.improves_on_parent`, the same rule as the agents' own statistics), by which the
+offspring are split among the agents. Lessons of earlier runs (`evo.core.lessons`) can seed all
+three: best genomes, agent statistics, effects.
 """
 from __future__ import annotations
 
 import math
 import statistics
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
 
 from evo.core.effects import GeneEffects
-from evo.core.genome import GeneSpace
+from evo.core.genome import DOMAINS, GeneSpace
 from evo.core.lessons import Lessons
 from evo.core.population import Population, PopulationSettings
-from evo.core.records import STATUSES, EvalResult, Evaluated, Outcome, Parent, Proposal
+from evo.core.proposer import Archive, Feedback, ProposalRequest, improves_on_parent
+from evo.core.records import STATUSES, EvalResult, Evaluated, Parent, Proposal
 from evo.core.seeds import derive_seed
 
-DOMAIN_AGENTS = ("fusion", "scheduling", "memory", "integration")
-# optuna: TPE over the whole genome (operators/optuna_agent.py); code: a language model edits the source of
-# the workload's open stages (operators/code_agent.py, configured in the run config's code_agent section)
-AGENT_NAMES = (*DOMAIN_AGENTS, "optuna", "code")
+# The default team: one agent per genome domain (registered under the domain's name) and recombination.
+# Every agent name, these and the others (optuna, code, or a dotted path to a class of your own), is
+# resolved by the registry in evo.core.proposer; the config loader checks the names.
+DEFAULT_AGENTS: tuple[str, ...] = (*DOMAINS, "integration")
 
 
 @dataclass(frozen=True)
@@ -42,7 +48,8 @@ class SearchSettings:
     offspring: int = 8  # proposals per generation
     max_evaluations: int = 60  # genome evaluations in all (baselines not counted)
     max_wall_s: float = 540.0  # no new generation starts after this many seconds
-    agents: tuple[str, ...] = DOMAIN_AGENTS  # agents taking part (also: optuna, code)
+    agents: tuple[str, ...] = DEFAULT_AGENTS  # agents taking part by registered name (also: optuna, code) or
+    # dotted path to a Proposer class (package.module:Class)
     parents_per_agent: int = 3  # parents offered to each agent per generation
     seed_genes: dict[str, list] | None = None  # restrict random seeds (not agents), e.g. {backend_intra: [eager]}
     population: PopulationSettings = field(default_factory=PopulationSettings)
@@ -56,15 +63,24 @@ class SearchSettings:
                 raise ValueError(f"search.{name} must be >= 1, got {value}")
         if not self.max_wall_s > 0:  # also refuses NaN
             raise ValueError(f"search.max_wall_s must be a number of seconds > 0, got {self.max_wall_s}")
-        unknown = [a for a in self.agents if a not in AGENT_NAMES]
-        if unknown or not self.agents:
-            raise ValueError(f"search.agents {list(self.agents)} invalid; choose from {list(AGENT_NAMES)}")
+        # which names exist is the registry's business (evo.core.proposer), checked where agents load
+        if not self.agents or len(set(self.agents)) != len(self.agents):
+            raise ValueError(f"search.agents must name at least one agent, each once; got {list(self.agents)}")
 
 
 class Team(Protocol):
-    def propose(self, requests: list[tuple[str, list[Parent], int, frozenset, GeneEffects | None]],
-                generation: int) -> list[list[Proposal]]: ...
-    def learn(self, outcomes: dict[str, list[Outcome]], results: tuple[Evaluated, ...] = ()) -> None: ...
+    """The search's agents by name (in-process: `operators.team.LocalTeam`; on Ray: `operators.ray_team.RayTeam`)."""
+
+    parents_needed: Mapping[str, int]  # agent name -> parents it needs (`Proposer.parents_needed`)
+
+    def ask(self, requests: list[ProposalRequest]) -> list[list[Proposal]]:
+        """Each request's proposals, in request order."""
+        ...
+
+    def tell(self, feedback: Feedback) -> None:
+        """The closed generation's feedback, to every agent."""
+        ...
+
     def state(self) -> dict[str, Any]: ...
     def load_state(self, state: dict[str, Any]) -> None: ...
 
@@ -161,7 +177,8 @@ class Search:
         seeds = []
         if self.lessons is not None:  # an earlier run's best engines first: timed again here, not trusted
             for rank, genome, latency in self.lessons.legal_best(self.gene_space):
-                if genome.hash not in self.known:
+                # two earlier bests may build one engine (legal_best canonicalises): propose it once
+                if genome.hash not in self.known and genome.hash not in {s.hash for s in seeds}:
                     seeds.append(Proposal(genome, (), "seed", f"warm start: #{rank + 1} of lessons "
                                           f"{self.lessons.describe()} ({latency:.3f} ms there)", self.generation,
                                           move_kind="warm_start"))
@@ -184,25 +201,26 @@ class Search:
         return out
 
     def _offspring(self, wanted: int) -> list[Proposal]:
-        agents = list(self.settings.agents)
-        if len(self.population) < 2 and "integration" in agents and len(agents) > 1:
-            agents.remove("integration")  # recombination needs two parents
+        # an agent that needs more parents than the population holds (recombination: two) sits this one
+        # out, unless that would leave no agent at all
+        agents = [a for a in self.settings.agents if self.team.parents_needed[a] <= len(self.population)]
+        agents = agents or list(self.settings.agents)
         shares = self._shares(agents, wanted)
         effects = self.effects if self.settings.learning else None
         requests = []
-        known = frozenset(self.known)
+        archive = Archive(self.known)
         for name, share in zip(agents, shares):
             if share == 0:
                 continue
             parents = self.population.select_parents(self.rng, self.settings.parents_per_agent)
-            unique = list({p.proposal.hash: Parent(p.proposal.genome, p.fitness) for p in parents}.values())
+            unique = tuple({p.proposal.hash: Parent(p.proposal.genome, p.fitness) for p in parents}.values())
             # Ask for a few spares: some children may already be known.
-            requests.append((name, unique, share + 2, known, effects))
-        answers = self.team.propose(requests, self.generation)
+            requests.append(ProposalRequest(name, self.generation, unique, share + 2, archive, effects))
+        answers = self.team.ask(requests)
         proposals: list[Proposal] = []
         taken: set[str] = set()
-        for (name, *_), answer in zip(requests, answers):
-            share = shares[agents.index(name)]
+        for request, answer in zip(requests, answers):
+            share = shares[agents.index(request.agent)]
             fresh = [p for p in answer if p.hash not in self.known and p.hash not in taken][:share]
             taken.update(p.hash for p in fresh)
             proposals += fresh
@@ -245,16 +263,10 @@ class Search:
         if self.pending:
             raise RuntimeError(f"end_generation() with {len(self.pending)} proposals untold")
         current = sorted(self._current, key=lambda e: e.proposal.index)
-        outcomes: dict[str, list[Outcome]] = {}
-        for item in current:
-            if item.proposal.agent in self.settings.agents:
-                parent_fitness = min((self.known[h].fitness for h in item.proposal.parents if h in self.known),
-                                     default=math.inf)
-                improved = item.fitness < parent_fitness
-                outcomes.setdefault(item.proposal.agent, []).append(Outcome(item.proposal.move_kind, improved))
         self._account(current)
         if current:
-            self.team.learn(outcomes, tuple(current))
+            improved = frozenset(e.proposal.hash for e in current if improves_on_parent(e, self.known))
+            self.team.tell(Feedback(self.generation, tuple(current), improved))
         counts = {s: sum(1 for e in current if e.result.status == s) for s in STATUSES}
         ok = [e.fitness for e in current if math.isfinite(e.fitness)]
         report = GenerationReport(
@@ -285,18 +297,13 @@ class Search:
         self._account(sorted(evaluated, key=lambda e: (e.proposal.generation, e.proposal.index)))
 
     def _account(self, items: list[Evaluated]) -> None:
-        """Add results to the gene effects and the agents' yields (children that beat their parent)."""
+        """Add results to the gene effects and the agents' yields (children that improve on their parent,
+        by the same rule as the feedback that feeds the agents' own statistics)."""
         self.effects.observe(items)
         for item in items:
             if item.proposal.agent in self.yields:
-                if item.proposal.parents:
-                    parent = min((self.known[h].fitness for h in item.proposal.parents if h in self.known),
-                                 default=math.inf)
-                else:  # a whole-genome proposer (optuna) pays when it beats the best of earlier generations
-                    parent = min((e.fitness for e in self.known.values()
-                                  if e.proposal.generation < item.proposal.generation), default=math.inf)
                 self.yields[item.proposal.agent][0] += 1
-                self.yields[item.proposal.agent][1] += int(item.fitness < parent)
+                self.yields[item.proposal.agent][1] += int(improves_on_parent(item, self.known))
 
     def state(self) -> dict[str, Any]:
         return {

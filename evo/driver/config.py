@@ -15,31 +15,15 @@ from typing import Any, Mapping
 
 import yaml
 
-from evaluators.placement import PLACEMENTS
-from evaluators.settings import EvaluatorSettings
+from evaluators.settings import EvaluatorSettings, PoolSettings
 from evo.core.population import PopulationSettings
 from evo.core.search import SearchSettings
+from evo.workloads import DEFAULT_WORKLOAD
 from operators.code_settings import CodeAgentSettings
 
 
 class ConfigError(ValueError):
     """A config file or override is wrong; the message says where and what is allowed."""
-
-
-@dataclass(frozen=True)
-class PoolSettings:
-    count: int = 0  # evaluator actors; 0 = as many as the cluster holds, growing as nodes join
-    threads: int = 1  # CPUs per evaluator (a CPU evaluator owns that many disjoint cores)
-    accelerator_type: str | None = None  # GPU runs: the node type to use (Ray's accelerator_type:X resource);
-    # default: the type with the most GPUs. A run targets one device type; timings never mix types.
-    placement: str = "auto"  # auto: one evaluator per GPU for cuda presets, CPU evaluators otherwise;
-    # gpu: one per GPU even for a cpu preset (it holds the GPU, computes on the CPU); cpu: CPU evaluators
-
-    def __post_init__(self) -> None:
-        if self.placement not in PLACEMENTS:
-            raise ValueError(f"placement {self.placement!r} is not one of {list(PLACEMENTS)}")
-        if self.count < 0 or self.threads < 1:
-            raise ValueError(f"count must be >= 0 and threads >= 1, got count={self.count}, threads={self.threads}")
 
 
 @dataclass(frozen=True)
@@ -59,7 +43,7 @@ class RaySettings:
 
 @dataclass(frozen=True)
 class RunConfig:
-    workload: str = "kda"
+    workload: str = DEFAULT_WORKLOAD  # a registered name or the dotted path of a workload module
     preset: str = "cpu"
     name: str = "run"  # run directories are <out_dir>/<name>-<timestamp>
     out_dir: str = "runs"
@@ -109,7 +93,20 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
 
 
 def config_from_dict(data: Mapping[str, Any]) -> RunConfig:
-    return _build(RunConfig, data, "")
+    config = _build(RunConfig, data, "")
+    _check_agents(config.search.agents)
+    return config
+
+
+def _check_agents(names: tuple[str, ...]) -> None:
+    """Every `search.agents` entry names a registered agent or a dotted path to a Proposer class."""
+    from operators.registry import proposer_class  # importing it registers the built-in agents
+
+    for name in names:
+        try:
+            proposer_class(name)
+        except ValueError as exc:
+            raise ConfigError(f"search.agents: {exc}") from None
 
 
 def _build(cls: type, data: Any, where: str) -> Any:

@@ -23,6 +23,7 @@ from typing import Any, Iterator
 import yaml
 
 from evo.driver.config import RunConfig, config_from_dict
+from evo.core.jsonl import JsonlError, read_jsonl
 from evo.evidence.journal import evaluated_from_row, write_json
 from evo.core.records import Evaluated, Proposal
 from evo.core.search import Search
@@ -88,18 +89,15 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
 
 
 def _read_journal(path: Path) -> Iterator[Evaluated]:
-    if not path.exists():
-        return
-    lines = path.read_text().split("\n")
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
+    try:
+        rows = read_jsonl(path)  # a last line cut short by the kill is skipped: that result was never reported
+    except JsonlError as exc:
+        raise RunDirError(str(exc)) from exc
+    for number, row in enumerate(rows, 1):
         try:
-            yield evaluated_from_row(json.loads(line))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            if number == len(lines):  # the last line, cut short by the kill: that result was never reported
-                return
-            raise RunDirError(f"{path}:{number} is corrupt ({type(exc).__name__}: {exc})") from exc
+            yield evaluated_from_row(row)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RunDirError(f"{path}: record {number} is corrupt ({type(exc).__name__}: {exc})") from exc
 
 
 def restore(search: Search, saved: SavedRun) -> dict[str, Evaluated]:

@@ -1,47 +1,40 @@
-"""The driver: config -> Ray -> evaluators and agents -> search loop -> evidence -> summary.
+"""The driver: a run's config -> its parts (`evo.driver.assemble`) -> baselines -> the search -> its summary.
 
-Ray lives here and in `evaluators.pool` / `operators.ray_team`; the search core never sees it.
+Ray lives here, in `evo.driver.assemble`, `evaluators.pool` and `operators.ray_team`; the search core
+never sees it.
 """
 from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
-from datetime import datetime, timezone
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TextIO
 
 import ray
-import yaml
 
-from evaluators.pool import EvaluatorPool
-from evo.driver import local_ray
-from evo.driver.config import RunConfig
 from evo.core.code import CodeStore
-from evo.evidence.code_diffs import CodeDiffs, SourceResolver
-from evo.evidence.journal import DiskEvidence, write_baselines, write_json
-from evo.core.lessons import FILE as LESSONS_FILE, Lessons, for_run as warm_lessons, from_search as lessons_from_search
+from evo.core.genome import DOMAINS
+from evo.core.lessons import FILE as LESSONS_FILE, Lessons, from_search as lessons_from_search
 from evo.core.lessons import write as write_lessons
 from evo.core.loop import run_search
-from evo.evidence.lineage_view import LineageSink
-from evo.evidence.mlflow.sink import MlflowSink, tracking_uri
 from evo.core.records import EvalResult
-from evo.evidence.mlflow.registry import register_engine
-from evo.driver.resume import ReplayExecutor, SavedRun, check_device, restore, write_marker
-from evo.driver.rundir import check_config, check_new_run_dir
 from evo.core.search import GenerationReport, Search
+from evo.driver.assemble import RunParts, Say, assemble, evidence_sinks, open_run_dir, start_ray
+from evo.driver.config import RunConfig
+from evo.driver.resume import ReplayExecutor, SavedRun, restore
+from evo.driver.rundir import check_config
 from evo.driver.stop import STOP, install_handlers
 from evo.evidence.engine_record import record_from_summary
-from evo.evidence.summary import best_baseline, make_summary
-from evo.workloads import get_workload
-from evo.workloads.base import DeviceInfo
-from operators.code_agent import CODE_DIR
-from operators.code_lessons import lessons_path
-from operators.ray_team import RayTeam
+from evo.evidence.journal import write_baselines, write_json
+from evo.evidence.mlflow.registry import register_engine
+from evo.evidence.sink import FINISHED, KILLED, Sink, SinkList
+from evo.evidence.summary import SUMMARY_FILE, Summary, best_baseline, make_summary
+from evo.workloads.base import Roofline
 
 CODE_LESSONS_FILE = "code_lessons.md"  # the code agent's lessons file as it stood at the end of the run
 
@@ -49,42 +42,47 @@ CODE_LESSONS_FILE = "code_lessons.md"  # the code agent's lessons file as it sto
 @dataclass(frozen=True)
 class RunOutcome:
     run_dir: Path
-    summary: dict
+    summary: Summary
     mlflow_run_id: str | None
 
 
-def new_run_dir(config: RunConfig) -> Path:
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    return Path(config.out_dir) / f"{config.name}-{stamp}"
+def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout, resume: SavedRun | None = None,
+        handle_signals: bool = False, lessons: Lessons | None = None, checked: bool = False) -> RunOutcome:
+    """Run a search; with `resume` (from `evo.driver.resume.load_run`), continue the one in its run directory.
+    With `handle_signals` (the CLI), SIGTERM and Ctrl-C stop it cleanly (see evo.driver.stop). `checked`:
+    the caller has run `check_config` already (the CLI does, before it imports Ray)."""
+    started = time.monotonic()
+    say = _printer(out)
+    if not checked:
+        check_config(config)  # ConfigError before a directory or Ray exists
+    run_dir = open_run_dir(config, run_dir, resume)
+    say(f"run directory: {run_dir}")
+    with ExitStack() as stack:  # whatever was started is closed in reverse order, however the run ends
+        if start_ray(config):
+            stack.callback(ray.shutdown)
+        if handle_signals:
+            install_handlers()  # after ray.init, which installs its own SIGTERM handler
+        parts = assemble(config, run_dir, resume, lessons, say, stack)
+        roofline, baselines = time_baselines(parts, resume, say)
+        progress = Progress(out, _best_ms(baselines), config.search.max_evaluations)
+        sinks = stack.enter_context(SinkList(evidence_sinks(parts, resume, progress)))
+        if parts.mlflow:
+            parts.mlflow.log_baselines(baselines, roofline.floor_ms)
+        search, executor = make_search(parts, resume, say)
+        stopped = search_until_done(search, executor, sinks, run_dir, say)
+        summary = summarize(parts, search, baselines, roofline, stopped, time.monotonic() - started)
+        summary = replace(summary, registered_model=register_best(parts, summary, stopped, say))
+        write_json(run_dir / SUMMARY_FILE, summary.to_dict())
+        sinks.end(summary, KILLED if stopped else FINISHED)
+        _print_summary(summary, run_dir, out)
+        return RunOutcome(run_dir, summary, parts.mlflow.run_id if parts.mlflow else None)
 
 
-def start_ray(config: RunConfig) -> bool:
-    """Join the cluster named by the config or $RAY_ADDRESS; else start a local Ray on 127.0.0.1.
-
-    Returns whether this process started Ray (and so must stop it).
-    """
-    if ray.is_initialized():
-        return False
-    address = config.ray.address or os.environ.get("RAY_ADDRESS")
-    # Workers must import this project: it is pip-installed, and the env keeps the compile cache shared.
-    env = {"env_vars": {k: os.environ[k] for k in ("TORCHINDUCTOR_CACHE_DIR",) if k in os.environ}}
-    if address:
-        local_ray.join(address, runtime_env=env, log_to_driver=False)
-        return True
-    # a new Ray even if `ray start` ran on this machine, listening on 127.0.0.1 only (evo.driver.local_ray)
-    local_ray.init_local(num_cpus=config.ray.num_cpus or os.cpu_count(), include_dashboard=False,
-                         runtime_env=env, log_to_driver=False)
-    return True
-
-
-class Progress:
+class Progress(Sink):
     """Prints one line per generation: best latency, speedup, fraction valid, evaluations per second."""
 
     def __init__(self, out: TextIO, baseline_ms: float, budget: int) -> None:
         self.out, self.baseline_ms, self.budget = out, baseline_ms, budget
-
-    def on_result(self, evaluated) -> None:
-        pass
 
     def on_generation(self, report: GenerationReport, search: Search) -> None:
         speedup = self.baseline_ms / report.best_latency_ms
@@ -95,226 +93,114 @@ class Progress:
               f" | best from {best.proposal.agent if best else '-'}", file=self.out, flush=True)
 
 
-class _MlflowGeneration:
-    """Adapter so MLflow gets each generation after its Parquet file (and its code diffs) are on disk."""
-
-    def __init__(self, sink: MlflowSink, disk: DiskEvidence, diffs: CodeDiffs | None) -> None:
-        self.sink, self.disk, self.diffs = sink, disk, diffs
-
-    def on_result(self, evaluated) -> None:
-        pass
-
-    def on_generation(self, report: GenerationReport, search: Search) -> None:
-        extra = self.diffs.files.pop(report.generation, []) if self.diffs else []
-        self.sink.on_generation(report, search, self.disk.generation_path(report.generation), extra)
-
-
-def code_agent_options(config: RunConfig, run_dir: Path, device: DeviceInfo) -> dict:
-    """The code agent's keyword arguments (operators.code_agent.CodeAgent): settings, where it writes, and
-    its API key read here from the variable the config names (never written to the config or MLflow)."""
-    settings = config.code_agent
-    key_env = settings.llm.api_key_env
-    kind = device.kind if device.kind == "cpu" else f"{device.kind}-{device.name}"
-    lessons_dir = Path(settings.lessons_dir or Path(config.out_dir) / "lessons").resolve()
-    return {"settings": settings, "workload": config.workload, "preset": config.preset, "device": device,
-            "run_dir": str(run_dir), "lessons_path": str(lessons_path(lessons_dir, config.workload, kind)),
-            "environ": {key_env: os.environ[key_env]} if key_env in os.environ else {}}
+def time_baselines(parts: RunParts, resume: SavedRun | None, say: Say) -> tuple[Roofline, dict[str, EvalResult]]:
+    """The preset's roofline on these evaluators and the baselines' results (a resumed run keeps its own)."""
+    roofline = parts.workload.roofline(parts.preset, parts.pool.measure_rates())
+    path = parts.run_dir / "baselines.json"
+    if resume and path.exists():
+        baselines = {name: EvalResult.from_dict(r) for name, r in json.loads(path.read_text()).items()}
+        say("baselines: as timed before the interruption")
+    else:
+        available = list(parts.workload.baselines(parts.preset))
+        names = list(parts.config.baselines) if parts.config.baselines is not None else available
+        say(f"timing baselines: {', '.join(names)}")
+        baselines = parts.pool.run_baselines(names)
+        write_baselines(parts.run_dir, baselines)
+    for name, result in baselines.items():
+        say(f"  baseline {name:32s} {result.status:10s} {result.latency_ms:9.2f} ms  {result.message[:80]}")
+    say(f"roofline floor: {roofline.floor_ms:.3f} ms")
+    return roofline, baselines
 
 
-def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout,
-        resume: SavedRun | None = None, handle_signals: bool = False, lessons: Lessons | None = None) -> RunOutcome:
-    """Run a search; with `resume` (from `evo.driver.resume.load_run`), continue the one in its run directory.
-    With `handle_signals` (the CLI), SIGTERM and Ctrl-C stop it cleanly (see evo.driver.stop)."""
-    started = time.monotonic()
-    check_config(config)  # ConfigError before a directory or Ray exists
-    if run_dir is not None and not resume:
-        check_new_run_dir(Path(run_dir))  # RunDirError: another run, a file, or a non-empty directory
-    run_dir = Path(resume.run_dir if resume else run_dir or new_run_dir(config)).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if not resume:
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
-        write_marker(run_dir, config)
-    workload = get_workload(config.workload)
-    presets = workload.presets()
-    if config.preset not in presets:
-        raise ValueError(f"unknown preset {config.preset!r} for workload {config.workload!r}; available: {sorted(presets)}")
-    preset = presets[config.preset]
-    print(f"run directory: {run_dir}", file=out, flush=True)
-    own_ray = start_ray(config)
-    if handle_signals:
-        install_handlers()  # after ray.init, which installs its own SIGTERM handler
-    pool = team = mlflow_sink = disk = lineage = None
-    status = "FAILED"
-    try:
-        pool = EvaluatorPool(config.workload, preset, config.evaluator, config.search.seed,
-                             config.evaluators.count, config.evaluators.threads, config.evaluators.accelerator_type,
-                             config.evaluators.placement, on_event=lambda line: print(line, file=out, flush=True))
-        nodes = len({info["node_id"] for info in pool.describe()})
-        print(f"evaluators: {len(pool.slots)} on {nodes} node(s), all timing on {pool.device_type}"
-              + (f" ({pool.accelerator} GPUs)" if pool.kind == "gpu" else ""), file=out, flush=True)
-        if resume:
-            check_device(resume, pool.device_type)
-        device = pool.device_info()
-        lessons = warm_lessons(run_dir, lessons, resume is not None, config.workload, config.preset,
-                               f"{device.kind}:{device.name}")
-        if lessons:
-            print(f"warm start: lessons of {lessons.describe()} ({len(lessons.best)} best genomes, "
-                  f"{lessons.evaluations} evaluations)", file=out, flush=True)
-        gene_space = workload.gene_space(preset, device)
-        if config.genes:
-            gene_space = gene_space.restrict(config.genes)
-        available = list(workload.baselines(preset))
-        names = list(config.baselines) if config.baselines is not None else available
-        missing = [n for n in names if n not in available]
-        if missing:
-            raise ValueError(f"baselines {missing} are not available here; available: {available}")
-        # Start everything that costs CPU (agent processes, the MLflow store) before any timing.
-        store = CodeStore(run_dir / CODE_DIR)
-        for source in (lessons.code.values() if lessons else ()):  # warm-start genomes that carry code
-            store.put(source)
-        pool.sources_of = SourceResolver(store, gene_space.code_gene_names())
-        options = {}
-        if "code" in config.search.agents:
-            options["code"] = code_agent_options(config, run_dir, device)
-            print(f"code agent: {config.code_agent.llm.model} at {config.code_agent.llm.base_url}; lessons "
-                  f"{options['code']['lessons_path']}", file=out, flush=True)
-        team = RayTeam(list(config.search.agents), gene_space, config.search.seed, options)
-        if config.mlflow.enabled:
-            uri = tracking_uri(config.mlflow.tracking_uri)
-            tags = {"workload": config.workload, "preset": config.preset, "run_dir": str(run_dir), "device": device.name}
-            if resume:  # a linked continuation run: the interrupted one stays as it was left
-                tags["continues_run_id"] = _previous_parent_run(uri, config.mlflow.experiment, run_dir) or ""
-            mlflow_sink = MlflowSink(uri, config.mlflow.experiment, run_dir.name + (" (resumed)" if resume else ""),
-                                     config.to_dict(), tags=tags, run_dir=run_dir)
-        team.state()  # waits until the agent actors are up
-        roofline = workload.roofline(preset, pool.measure_rates())
-        if resume and (run_dir / "baselines.json").exists():
-            saved = json.loads((run_dir / "baselines.json").read_text())
-            baselines = {name: EvalResult.from_dict(r) for name, r in saved.items()}
-            print("baselines: as timed before the interruption", file=out, flush=True)
-        else:
-            print(f"timing baselines: {', '.join(names)}", file=out, flush=True)
-            baselines = pool.run_baselines(names)
-            write_baselines(run_dir, baselines)
-        for name, result in baselines.items():
-            print(f"  baseline {name:32s} {result.status:10s} {result.latency_ms:9.2f} ms  {result.message[:80]}",
-                  file=out, flush=True)
-        top = best_baseline(baselines)
-        baseline_ms = top[1].latency_ms if top else math.nan
-        print(f"roofline floor: {roofline.floor_ms:.3f} ms", file=out, flush=True)
-
-        disk = DiskEvidence(run_dir, journaled={e.proposal.hash for e in resume.journal} if resume else set())
-        lineage = LineageSink(run_dir, mlflow_sink)  # lineage page and plots, after each generation and at the end
-        diffs = None
-        if gene_space.code_genes:
-            stages = workload.open_stages(preset, device)
-            diffs = CodeDiffs(run_dir, store, tuple(s for s in stages if s.gene in gene_space.code_gene_names()))
-        sinks = [disk, *([diffs] if diffs else []), Progress(out, baseline_ms, config.search.max_evaluations), lineage]
-        if mlflow_sink:
-            mlflow_sink.log_baselines(baselines, roofline.floor_ms)
-            sinks.append(_MlflowGeneration(mlflow_sink, disk, diffs))
-        search = Search(gene_space, config.search, team, lessons=lessons)
-        executor = pool
-        if resume:
-            executor = ReplayExecutor(pool, search, restore(search, resume))
-            print(f"resuming at generation {search.generation}: {search.evaluations} results restored, "
-                  f"{len(executor.replay)} of the interrupted generation to replay", file=out, flush=True)
-        pool.should_stop = STOP.is_set
-        run_search(search, executor, sinks, should_stop=STOP.is_set)
-        stopped = STOP.is_set()
-        if stopped:
-            print(f"stopped: {search.evaluations} results are recorded; continue with "
-                  f"python -m evo resume {run_dir}", file=out, flush=True)
-
-        summary = make_summary(search, baselines, roofline, config.workload, config.preset,
-                               time.monotonic() - started)
-        summary["mlflow_run_id"] = mlflow_sink.run_id if mlflow_sink else None
-        summary["registered_model"] = None
-        summary["stopped"] = stopped
-        summary["warm_start"] = lessons.describe() if lessons else None
-        write_lessons(run_dir / LESSONS_FILE, lessons_from_search(search, config.workload, config.preset,
-                                                                   f"{device.kind}:{device.name}", run_dir.name,
-                                                                   store))
-        if "code" in options:  # the code agent's lessons as they stand at the end of this run, for MLflow
-            team.wait_idle(config.code_agent.llm.timeout_s)
-            shutil.copyfile(options["code"]["lessons_path"], run_dir / CODE_LESSONS_FILE)
-        summary["best_sources"] = _best_sources(summary, store, gene_space)
-        if mlflow_sink and config.mlflow.register_model and summary["best_genome"] and not stopped:
-            summary["registered_model"] = _register(mlflow_sink, summary, run_dir, config, out)
-        write_json(run_dir / "summary.json", summary)
-        status = "KILLED" if stopped else "FINISHED"
-        _print_summary(summary, run_dir, out)
-        return RunOutcome(run_dir, summary, mlflow_sink.run_id if mlflow_sink else None)
-    finally:
-        if disk:
-            disk.close()
-        if lineage:
-            lineage.finish()
-        if mlflow_sink:
-            summary_path = run_dir / "summary.json"
-            mlflow_sink.finish(json.loads(summary_path.read_text()) if summary_path.exists() else {}, run_dir, status)
-        for part in (team, pool):
-            if part:
-                part.close()
-        if own_ray:
-            ray.shutdown()
+def make_search(parts: RunParts, resume: SavedRun | None, say: Say) -> tuple[Search, object]:
+    """The search and what evaluates its proposals: the pool, behind the replay of a resumed run's results."""
+    search = Search(parts.gene_space, parts.config.search, parts.team, lessons=parts.lessons)
+    executor = parts.pool
+    if resume:
+        executor = ReplayExecutor(parts.pool, search, restore(search, resume))
+        say(f"resuming at generation {search.generation}: {search.evaluations} results restored, "
+            f"{len(executor.replay)} of the interrupted generation to replay")
+    parts.pool.should_stop = STOP.is_set
+    return search, executor
 
 
-def _best_sources(summary: dict, store: CodeStore, gene_space) -> dict[str, str]:
-    """{hash: source} of the best genome's code genes: serving builds the engine from them."""
-    if not summary.get("best_genome"):
-        return {}
-    values = {k: v for domain in ("fusion", "scheduling", "memory") for k, v in summary["best_genome"][domain].items()}
-    return store.sources_for(values, gene_space.code_gene_names())
+def search_until_done(search: Search, executor, sinks: SinkList, run_dir: Path, say: Say) -> bool:
+    """Run the search until its budget is spent or a signal stops it; returns whether it was stopped."""
+    run_search(search, executor, sinks, should_stop=STOP.is_set)
+    stopped = STOP.is_set()
+    if stopped:
+        say(f"stopped: {search.evaluations} results are recorded; continue with python -m evo resume {run_dir}")
+    return stopped
 
 
-def _register(sink: MlflowSink, summary: dict, run_dir: Path, config: RunConfig, out: TextIO) -> str | None:
-    """Register the best engine, if MLflow has caught up; a store that is down only costs the registration."""
+def summarize(parts: RunParts, search: Search, baselines: dict[str, EvalResult], roofline: Roofline,
+              stopped: bool, wall_s: float) -> Summary:
+    """The run's summary, after writing its lessons (and the code agent's, once it is idle)."""
+    config, lessons = parts.config, parts.lessons
+    summary = make_summary(search, baselines, roofline, config.workload, config.preset, wall_s,
+                           mlflow_run_id=parts.mlflow.run_id if parts.mlflow else None, stopped=stopped,
+                           warm_start=lessons.describe() if lessons else None)
+    write_lessons(parts.run_dir / LESSONS_FILE, lessons_from_search(search, config.workload, config.preset,
+                                                                     parts.device_name, parts.run_dir.name,
+                                                                     parts.store))
+    if "code" in parts.agent_options:  # the code agent's lessons as they stand at the end of this run, for MLflow
+        parts.team.wait_idle(config.code_agent.llm.timeout_s)
+        shutil.copyfile(parts.agent_options["code"]["lessons_path"], parts.run_dir / CODE_LESSONS_FILE)
+    return replace(summary, best_sources=_best_sources(summary, parts.store, parts.gene_space))
+
+
+def register_best(parts: RunParts, summary: Summary, stopped: bool, say: Say) -> str | None:
+    """Register the best engine in MLflow (models:/NAME/VERSION), if the config asks, the run was not stopped
+    and MLflow has caught up; a store that is down only costs the registration."""
+    config, sink, run_dir = parts.config, parts.mlflow, parts.run_dir
+    if not (sink and config.mlflow.register_model and summary.found and not stopped):
+        return None
     name = config.mlflow.model_name or f"{config.workload}-{config.preset}-engine"
     if not sink.run_id or sink.pending:
-        print(f"warning: MLflow is behind, the best engine was not registered as {name!r}; "
-              f"serve the run directory {run_dir} instead", file=out, flush=True)
+        say(f"warning: MLflow is behind, the best engine was not registered as {name!r}; "
+            f"serve the run directory {run_dir} instead")
         return None
     try:
         version = register_engine(record_from_summary(summary, str(run_dir)), sink.run_id, name, sink.uri)
     except Exception as exc:  # the evidence is on disk; a failed registration must not lose the summary
-        print(f"warning: registering {name!r} in MLflow failed: {type(exc).__name__}: {exc}", file=out, flush=True)
+        say(f"warning: registering {name!r} in MLflow failed: {type(exc).__name__}: {exc}")
         return None
     return f"models:/{name}/{version}"
 
 
-def _previous_parent_run(uri: str, experiment: str, run_dir: Path) -> str | None:
-    """The newest parent run logged for this run directory, if MLflow can tell."""
-    from mlflow.tracking import MlflowClient
-
-    try:
-        client = MlflowClient(tracking_uri=uri)
-        found = client.get_experiment_by_name(experiment)
-        if found is None:
-            return None
-        runs = client.search_runs([found.experiment_id], filter_string=f"tags.run_dir = '{run_dir}'",
-                                  order_by=["attributes.start_time DESC"], max_results=1)
-        return runs[0].info.run_id if runs else None
-    except Exception:  # MLflow being down must not stop a resume
-        return None
+def _printer(out: TextIO) -> Say:
+    return lambda line: print(line, file=out, flush=True)
 
 
-def _print_summary(summary: dict, run_dir: Path, out: TextIO) -> None:
-    print("\nbest engine", summary["best_hash"], file=out)
-    if summary["best_genome"]:
-        for domain in ("fusion", "scheduling", "memory"):
-            genes = ", ".join(f"{k}={v}" for k, v in summary["best_genome"][domain].items())
+def _best_ms(baselines: dict[str, EvalResult]) -> float:
+    top = best_baseline(baselines)
+    return top[1].latency_ms if top else math.nan
+
+
+def _best_sources(summary: Summary, store: CodeStore, gene_space) -> dict[str, str]:
+    """{hash: source} of the best genome's code genes: serving builds the engine from them."""
+    if not summary.found:
+        return {}
+    values = {k: v for domain in DOMAINS for k, v in summary.best_genome[domain].items()}
+    return store.sources_for(values, gene_space.code_gene_names())
+
+
+def _print_summary(summary: Summary, run_dir: Path, out: TextIO) -> None:
+    print("\nbest engine", summary.best_hash, file=out)
+    if summary.best_genome:
+        for domain in DOMAINS:
+            genes = ", ".join(f"{k}={v}" for k, v in summary.best_genome[domain].items())
             print(f"  {domain:10s} {genes}", file=out)
-    print(f"  latency    {summary['best_latency_ms']:.3f} ms (IQR {summary['best_latency_spread_ms']:.3f}),"
-          f" max rel error {summary['best_max_rel_error']:.2e}", file=out)
-    for name, value in sorted(summary["speedups"].items(), key=lambda kv: kv[1]):
+    print(f"  latency    {summary.best_latency_ms:.3f} ms (IQR {summary.best_latency_spread_ms:.3f}),"
+          f" max rel error {summary.best_max_rel_error:.2e}", file=out)
+    for name, value in sorted(summary.speedups.items(), key=lambda kv: kv[1]):
         print(f"  {value:7.2f}x faster than {name}", file=out)
-    print(f"  {summary['speedup_vs_best_baseline']:7.2f}x faster than the best baseline ({summary['best_baseline']})",
+    print(f"  {summary.speedup_vs_best_baseline:7.2f}x faster than the best baseline ({summary.best_baseline})",
           file=out)
-    if summary["roofline"]:
-        print(f"  {100 * summary['roofline']['fraction_of_floor']:.1f}% of the roofline floor"
-              f" ({summary['roofline']['floor_ms']:.3f} ms)", file=out)
-    print(f"  evaluations {summary['evaluations']} {summary['status_counts']}", file=out)
-    if summary.get("registered_model"):
-        print(f"  registered  {summary['registered_model']} (MLflow run {summary['mlflow_run_id']})", file=out)
+    if summary.roofline:
+        print(f"  {100 * summary.roofline['fraction_of_floor']:.1f}% of the roofline floor"
+              f" ({summary.roofline['floor_ms']:.3f} ms)", file=out)
+    print(f"  evaluations {summary.evaluations} {summary.status_counts}", file=out)
+    if summary.registered_model:
+        print(f"  registered  {summary.registered_model} (MLflow run {summary.mlflow_run_id})", file=out)
     print(f"run directory: {run_dir}", file=out, flush=True)

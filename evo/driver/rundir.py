@@ -12,7 +12,6 @@ Nothing here imports Ray or MLflow.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,6 +20,7 @@ import pyarrow.parquet as pq
 
 from evo.driver.config import ConfigError, RunConfig
 from evo.evidence.journal import SCHEMA, evidence_row
+from evo.evidence.summary import SUMMARY_FILE, Summary
 from evo.core.genome import GenomeError
 from evo.driver.resume import MARKER, RunDirError
 
@@ -70,16 +70,16 @@ def check_new_run_dir(path: Path) -> None:
                           f"a run directory must be new or empty")
 
 
-def finished(run_dir: Path) -> dict | None:
+def finished(run_dir: Path) -> Summary | None:
     """The summary of a run that ended by itself (budget spent); None if it can still be continued."""
-    path = Path(run_dir) / "summary.json"
+    path = Path(run_dir) / SUMMARY_FILE
     if not path.exists():
         return None
     try:
-        summary = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+        summary = Summary.read(path)
+    except ValueError as exc:  # not JSON, or not an object
         raise RunDirError(f"{path} is corrupt: {exc}") from None
-    return None if summary.get("stopped", False) else summary
+    return None if summary.stopped else summary
 
 
 def verify_generations(saved: SavedRun) -> list[str]:

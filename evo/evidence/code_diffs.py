@@ -9,11 +9,11 @@ prompt records.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from evo.core.code import CodeError, CodeStore, OpenStage, code_hash
 from evo.core.records import Evaluated, Proposal
+from evo.evidence.sink import Sink
 from operators.llm.edits import unified_diff
 
 
@@ -31,14 +31,11 @@ class SourceResolver:
             return {}
 
 
-class CodeDiffs:
+class CodeDiffs(Sink):
     def __init__(self, run_dir: Path, store: CodeStore, stages: tuple[OpenStage, ...]) -> None:
         self.run_dir, self.store = Path(run_dir), store
         self.stages = {s.gene: s for s in stages}
         self.files: dict[int, list[tuple[Path, str]]] = {}  # generation -> (file, MLflow artifact folder)
-
-    def on_result(self, evaluated: Evaluated) -> None:
-        pass
 
     def on_generation(self, report, search) -> None:
         files: list[tuple[Path, str]] = []
@@ -54,7 +51,7 @@ class CodeDiffs:
             for digest in self._codes(item):
                 if self.store.has(digest):
                     files.append((self.store.path(digest), "code"))
-            prompt = _notes(item).get("prompt")
+            prompt = item.proposal.artifacts.get("prompt")
             if prompt and (self.run_dir / prompt).exists():
                 files.append((self.run_dir / prompt, "agent"))
         self.files[report.generation] = files
@@ -85,9 +82,3 @@ class CodeDiffs:
         values = item.proposal.genome.values()
         return [values[g] for g in self.stages if values.get(g)]
 
-
-def _notes(item: Evaluated) -> dict:
-    try:
-        return json.loads(item.proposal.notes) if item.proposal.notes else {}
-    except json.JSONDecodeError:
-        return {}

@@ -3,10 +3,12 @@ sources of its code genes and what the search measured. A run's summary, a regis
 Serve app all speak it."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from evo.core.genome import Genome
+from evo.evidence.summary import Summary
 
 ENGINE_FILE = "engine.json"  # the model artifact: workload, preset, genome and the search's figures
 
@@ -45,11 +47,13 @@ class EngineRecord:
                    sources=dict(data.get("sources") or {}))
 
 
-def record_from_summary(summary: dict[str, Any], source: str) -> EngineRecord:
-    if not summary.get("best_genome"):
+def record_from_summary(summary: Summary, source: str) -> EngineRecord:
+    """The best engine of a run's summary; SourceError when the run found none."""
+    if not summary.found:
         raise SourceError(f"{source}: the run found no correct engine (summary.json has no best_genome)")
-    return EngineRecord(workload=summary["workload"], preset=summary["preset"],
-                        genome=Genome.from_dict(summary["best_genome"]), source=source,
-                        latency_ms=summary.get("best_latency_ms"), speedups=summary.get("speedups") or {},
-                        device=summary.get("device", ""), mlflow_run_id=summary.get("mlflow_run_id"),
-                        sources=dict(summary.get("best_sources") or {}))
+    return EngineRecord(workload=summary.workload, preset=summary.preset,
+                        genome=Genome.from_dict(summary.best_genome), source=source,
+                        latency_ms=summary.best_latency_ms if math.isfinite(summary.best_latency_ms) else None,
+                        speedups=dict(summary.speedups),
+                        device=summary.device, mlflow_run_id=summary.mlflow_run_id,
+                        sources=dict(summary.best_sources))

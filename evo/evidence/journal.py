@@ -24,32 +24,41 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from evo.core.faults import crash_point
-from evo.core.records import EvalResult, Evaluated, Proposal
+from evo.core.jsonl import append_line, trim_torn_tail
+from evo.core.records import EvalResult, Evaluated, Proposal, split_notes
 from evo.core.genome import Genome
 from evo.core.search import GenerationReport, Search
+from evo.evidence.sink import FINISHED, Sink
 
-SCHEMA = pa.schema([
+JOURNAL_FILE = "evidence.jsonl"
+
+# The evidence's columns: a proposal's (named once here, in the order files have always had), then every
+# EvalResult field but the genome hash in the record's order, then the proposing agent's notes (its
+# `metrics` and `artifacts` as one JSON object; a code agent: prompt artifact, tokens, cost).
+PROPOSAL_COLUMNS: tuple[tuple[str, pa.DataType], ...] = (
     ("generation", pa.int32()), ("index", pa.int32()), ("genome_hash", pa.string()), ("genome", pa.string()),
-    ("parents", pa.list_(pa.string())), ("agent", pa.string()), ("move", pa.string()), ("move_kind", pa.string()),
-    ("status", pa.string()), ("message", pa.string()), ("error", pa.string()),
-    ("latency_ms", pa.float64()), ("latency_spread_ms", pa.float64()), ("max_rel_error", pa.float64()),
-    ("build_s", pa.float64()), ("eval_s", pa.float64()), ("device", pa.string()), ("threads", pa.int32()),
-    ("evaluator", pa.string()), ("versions", pa.string()), ("roofline_floor_ms", pa.float64()),
-    ("notes", pa.string()),  # the proposing agent's JSON notes (code agent: prompt artifact, tokens, cost)
+    ("parents", pa.list_(pa.string())), ("agent", pa.string()), ("move", pa.string()), ("move_kind", pa.string()))
+_ARROW_TYPES = {"str": pa.string(), "float": pa.float64(), "int": pa.int32()}  # dicts are stored as JSON text
+RESULT_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(EvalResult) if f.name != "genome_hash")
+JSON_FIELDS: frozenset[str] = frozenset(f.name for f in dataclasses.fields(EvalResult) if f.type.startswith("dict"))
+SCHEMA = pa.schema([
+    *PROPOSAL_COLUMNS,
+    *((f.name, _ARROW_TYPES.get(f.type, pa.string())) for f in dataclasses.fields(EvalResult) if f.name != "genome_hash"),
+    ("notes", pa.string()),
 ])
 
 
 def evidence_row(item: Evaluated) -> dict[str, Any]:
+    """One row of evidence (journal line and Parquet row), with exactly the columns of `SCHEMA`."""
     p, r = item.proposal, item.result
-    return {
-        "generation": p.generation, "index": p.index, "genome_hash": p.hash, "genome": p.genome.to_json(),
-        "parents": list(p.parents), "agent": p.agent, "move": p.move, "move_kind": p.move_kind,
-        "status": r.status, "message": r.message, "error": r.error, "latency_ms": r.latency_ms,
-        "latency_spread_ms": r.latency_spread_ms, "max_rel_error": r.max_rel_error, "build_s": r.build_s,
-        "eval_s": r.eval_s, "device": r.device, "threads": r.threads, "evaluator": r.evaluator,
-        "versions": json.dumps(r.versions, sort_keys=True), "roofline_floor_ms": r.roofline_floor_ms,
-        "notes": p.notes,
-    }
+    row: dict[str, Any] = {"generation": p.generation, "index": p.index, "genome_hash": p.hash,
+                           "genome": p.genome.to_json(), "parents": list(p.parents), "agent": p.agent,
+                           "move": p.move, "move_kind": p.move_kind}
+    for name in RESULT_FIELDS:
+        value = getattr(r, name)
+        row[name] = json.dumps(value, sort_keys=True) if name in JSON_FIELDS else value
+    row["notes"] = p.notes_json()
+    return row
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -73,13 +82,14 @@ def _finite(data: Any) -> Any:
     return data
 
 
-class DiskEvidence:
+class DiskEvidence(Sink):
     """Sink writing the journal per result and the Parquet file and checkpoint per generation."""
 
     def __init__(self, run_dir: Path, journaled: set[str] = frozenset()) -> None:
         self.run_dir = Path(run_dir)
         (self.run_dir / "generations").mkdir(parents=True, exist_ok=True)
-        self._journal = open(self.run_dir / "evidence.jsonl", "a")
+        trim_torn_tail(self.run_dir / JOURNAL_FILE)  # a line cut by a crash: the next one must not glue onto it
+        self._journal = open(self.run_dir / JOURNAL_FILE, "a")
         self._journaled = set(journaled)  # results already in the journal (a resumed run replays them)
 
     def on_result(self, evaluated: Evaluated) -> None:
@@ -87,9 +97,7 @@ class DiskEvidence:
             return
         self._journaled.add(evaluated.proposal.hash)
         row = {**evidence_row(evaluated), "recorded_at": time.time()}  # when it arrived: best-so-far over wall time
-        self._journal.write(json.dumps(_finite(row), sort_keys=True) + "\n")
-        self._journal.flush()
-        os.fsync(self._journal.fileno())
+        append_line(self._journal, _finite(row))
 
     def on_generation(self, report: GenerationReport, search: Search) -> None:
         path = self.generation_path(report.generation)
@@ -105,17 +113,20 @@ class DiskEvidence:
     def generation_path(self, generation: int) -> Path:
         return self.run_dir / "generations" / f"gen_{generation:04d}.parquet"
 
-    def close(self) -> None:
+    def close(self, summary=None, status: str = FINISHED) -> None:
         self._journal.close()
 
 
 def evaluated_from_row(row: dict[str, Any]) -> Evaluated:
-    """The inverse of `evidence_row`: every EvalResult field the row has (JSON nulls back to NaN)."""
+    """The inverse of `evidence_row`: every EvalResult field the row has (JSON nulls back to NaN), the
+    notes split back into metrics and artifacts. Rows of older versions (fewer columns) read too."""
+    metrics, artifacts = split_notes(row.get("notes"))
     proposal = Proposal(genome=Genome.from_json(row["genome"]), parents=tuple(row["parents"]), agent=row["agent"],
                         move=row["move"], generation=row["generation"], move_kind=row["move_kind"], index=row["index"],
-                        notes=row.get("notes") or "")
+                        metrics=metrics, artifacts=artifacts)
     values = {f.name: row[f.name] for f in dataclasses.fields(EvalResult) if f.name in row}
-    values["versions"] = json.loads(values.get("versions") or "{}")
+    for name in JSON_FIELDS & set(values):
+        values[name] = json.loads(values[name] or "{}")
     return Evaluated(proposal, EvalResult.from_dict(values))
 
 

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from evo.evidence.journal import read_generations
+from evo.core.jsonl import read_jsonl
+from evo.evidence.journal import JOURNAL_FILE, read_generations
+from evo.evidence.summary import SUMMARY_FILE, Summary
 from evo.core.records import OK, Evaluated
 
 CANDIDATES_FILE = "candidates.json"  # per generation child run, in MLflow's table format (as `log_table` writes)
@@ -73,7 +75,7 @@ class Lineage:
     nodes: dict[str, Node]
     best: str | None
     baseline: tuple[str, float] | None = None  # fastest correct baseline: (name, latency ms)
-    summary: dict[str, Any] = field(default_factory=dict)
+    summary: Summary | None = None  # None while the run has no summary.json (still going, or stopped early)
 
     def children(self) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {h: [] for h in self.nodes}
@@ -136,14 +138,14 @@ def gene_diff(child: Node, parent: Node) -> list[tuple[str, Any, Any]]:
 def load_lineage(run_dir: Path) -> Lineage:
     """Every candidate of a run directory. Raises FileNotFoundError naming what is missing."""
     run_dir = Path(run_dir)
-    rows = _journal_rows(run_dir / "evidence.jsonl") or read_generations(run_dir).to_pylist()
+    rows = read_jsonl(run_dir / JOURNAL_FILE) or read_generations(run_dir).to_pylist()  # JsonlError when damaged
     if not rows and not (run_dir / "generations").is_dir():
         raise FileNotFoundError(f"{run_dir} has neither evidence.jsonl nor generations/*.parquet: not a run directory")
     nodes: dict[str, Node] = {}
     for row in sorted(rows, key=lambda r: (r["generation"], r["index"])):
         nodes[row["genome_hash"]] = _node(row)
-    summary = _read_json(run_dir / "summary.json")
-    best = summary.get("best_hash")
+    summary = _read_summary(run_dir / SUMMARY_FILE)
+    best = summary.best_hash if summary else None
     if best not in nodes:  # a run still going (or stopped before its summary): the fastest correct result
         ok = [n for n in nodes.values() if n.ok]
         best = min(ok, key=lambda n: n.latency_ms).hash if ok else None
@@ -191,13 +193,11 @@ def candidate_table(evaluated: list[Evaluated] | tuple[Evaluated, ...], known: d
 
 def _code_columns(p) -> dict[str, Any]:
     """A code agent's candidate: its code hash, tokens, cost and where its diff and prompt are (else empty)."""
-    try:
-        notes = json.loads(p.notes) if p.notes else {}
-    except json.JSONDecodeError:
-        notes = {}
-    return {"code_hash": notes.get("code_hash", ""), "tokens": notes.get("tokens_in", 0) + notes.get("tokens_out", 0),
-            "cost_usd": notes.get("cost_usd", 0.0),
-            "code_diff": f"diffs/{p.hash}.diff" if notes.get("code_hash") else "", "prompt": notes.get("prompt", "")}
+    metrics, artifacts = p.metrics, p.artifacts
+    code = artifacts.get("code_hash", "")
+    return {"code_hash": code, "tokens": metrics.get("tokens_in", 0) + metrics.get("tokens_out", 0),
+            "cost_usd": metrics.get("cost_usd", 0.0),
+            "code_diff": f"diffs/{p.hash}.diff" if code else "", "prompt": artifacts.get("prompt", "")}
 
 
 def candidate_tags(rows: list[dict[str, Any]]) -> dict[str, str]:
@@ -238,17 +238,11 @@ def _node(row: dict[str, Any]) -> Node:
                 genome=genome, error=row.get("error") or "", eval_s=number("eval_s"), recorded_at=row.get("recorded_at"))
 
 
-def _journal_rows(path: Path) -> list[dict[str, Any]]:
-    """The journal's rows; a line cut short by a kill is skipped (its result was never reported)."""
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
+def _read_summary(path: Path) -> Summary | None:
+    try:
+        return Summary.read(path)
+    except (FileNotFoundError, ValueError, TypeError):  # none yet, or half a file of an older version
+        return None
 
 
 def _read_json(path: Path) -> dict[str, Any]:

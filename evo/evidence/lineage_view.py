@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from evo.evidence.lineage import Lineage, Node, gene_diff, load_lineage
+from evo.evidence.sink import FINISHED, Sink
 
 log = logging.getLogger("evo.evidence.lineage")
 
@@ -59,21 +60,19 @@ def write_lineage(run_dir: Path, out_dir: Path | None = None, lineage: Lineage |
     return files
 
 
-class LineageSink:
-    """Search sink: rewrites the lineage files after every generation and at the end (`finish`) and queues
-    them for the MLflow parent run. Drawing never stops a search: a failure is logged, and
-    `python -m evo report RUN_DIR` draws the files again from the evidence on disk."""
+class LineageSink(Sink):
+    """Search sink: rewrites the lineage files after every generation and when the run ends (`close`) and
+    queues them for the MLflow parent run (so it closes before MLflow's sink). Drawing never stops a
+    search: a failure is logged, and `python -m evo report RUN_DIR` draws the files again from the
+    evidence on disk."""
 
     def __init__(self, run_dir: Path, mlflow_sink=None) -> None:
         self.run_dir, self.mlflow_sink = Path(run_dir), mlflow_sink
 
-    def on_result(self, evaluated) -> None:
-        pass
-
     def on_generation(self, report, search) -> None:
         self.write()
 
-    def finish(self) -> None:
+    def close(self, summary=None, status: str = FINISHED) -> None:
         self.write()
 
     def write(self) -> LineageFiles | None:

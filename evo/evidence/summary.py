@@ -1,12 +1,23 @@
-"""The run's summary: best engine, baselines, speedups, roofline fraction, lineage, counts."""
+"""The run's summary: best engine, baselines, speedups, roofline fraction, lineage, counts.
+
+`Summary` is the record; `summary.json` is its `to_dict` (written by the driver, read by resume, serving,
+the registry and MLflow). `Summary.from_dict` reads any summary.json this project wrote: keys added
+since take their defaults, keys it does not know are ignored.
+"""
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from evo.core.records import STATUSES, SUSPECT, EvalResult
 from evo.core.search import Search
 from evo.workloads.base import Roofline
+
+SUMMARY_FILE = "summary.json"
 
 
 def best_baseline(baselines: dict[str, EvalResult]) -> tuple[str, EvalResult] | None:
@@ -41,39 +52,95 @@ def suspects(search: Search) -> list[dict[str, Any]]:
             for h, item in sorted(search.known.items()) if item.result.status == SUSPECT]
 
 
+@dataclass(frozen=True)
+class Summary:
+    """What a run found, as `summary.json` holds it. Latencies in ms; NaN where nothing was measured."""
+
+    workload: str = ""
+    preset: str = ""
+    best_hash: str | None = None  # None: no correct engine
+    best_genome: dict[str, Any] | None = None  # Genome.to_dict() of the best engine
+    best_latency_ms: float = math.nan
+    best_latency_spread_ms: float = math.nan  # interquartile range of its timed repeats
+    best_max_rel_error: float = math.nan
+    device: str = ""  # what timed the best engine
+    threads: int = 0
+    baselines: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> status, latency, spread, error, message
+    best_baseline: str | None = None  # the fastest correct baseline
+    best_baseline_latency_ms: float = math.nan
+    speedup_vs_best_baseline: float = math.nan
+    speedups: dict[str, float] = field(default_factory=dict)  # baseline name -> its latency / the best's
+    roofline: dict[str, float] | None = None  # floor_ms, flops, bytes, flops_per_s, bytes_per_s, fraction_of_floor
+    lineage: list[dict[str, Any]] = field(default_factory=list)  # the best's ancestry, newest first
+    evaluations: int = 0
+    generations: int = 0
+    status_counts: dict[str, int] = field(default_factory=dict)
+    suspects: list[dict[str, Any]] = field(default_factory=list)  # timed below the roofline floor, never ranked
+    wall_s: float = math.nan
+    mlflow_run_id: str | None = None  # the MLflow parent run, once MLflow was reached
+    registered_model: str | None = None  # models:/NAME/VERSION of the best engine, when registered
+    stopped: bool = False  # stopped by a signal: `python -m evo resume` continues it
+    warm_start: str | None = None  # whose lessons seeded this run
+    best_sources: dict[str, str] = field(default_factory=dict)  # code hash -> source of the best's code genes
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Summary:
+        """From `to_dict` output after a JSON round trip (NaN written as null), of this or an older version."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a summary is a JSON object, got {type(data).__name__}")
+        floats = {f.name for f in dataclasses.fields(cls) if isinstance(f.default, float)}
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: (math.nan if v is None and k in floats else v) for k, v in data.items() if k in names})
+
+    @classmethod
+    def read(cls, path: Path) -> Summary:
+        """The summary.json at `path`; FileNotFoundError or ValueError (json.JSONDecodeError) as they come."""
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    @property
+    def found(self) -> bool:
+        """Whether the run found a correct engine."""
+        return bool(self.best_genome)
+
+
 def make_summary(search: Search, baselines: dict[str, EvalResult], roofline: Roofline | None,
-                 workload: str, preset: str, wall_s: float) -> dict[str, Any]:
+                 workload: str, preset: str, wall_s: float, **run: Any) -> Summary:
+    """The summary of `search`; `run` sets what only the driver knows (mlflow_run_id, stopped, warm_start, ...)."""
     best = search.best()
     latency = best.result.latency_ms if best else math.nan
     top = best_baseline(baselines)
     counts = {s: 0 for s in STATUSES}
     for item in search.known.values():
         counts[item.result.status] += 1
-    return {
-        "workload": workload,
-        "preset": preset,
-        "best_hash": best.proposal.hash if best else None,
-        "best_genome": best.proposal.genome.to_dict() if best else None,
-        "best_latency_ms": latency,
-        "best_latency_spread_ms": best.result.latency_spread_ms if best else math.nan,
-        "best_max_rel_error": best.result.max_rel_error if best else math.nan,
-        "device": best.result.device if best else "",
-        "threads": best.result.threads if best else 0,
-        "baselines": {name: {"status": r.status, "latency_ms": r.latency_ms, "latency_spread_ms": r.latency_spread_ms,
+    return Summary(
+        workload=workload,
+        preset=preset,
+        best_hash=best.proposal.hash if best else None,
+        best_genome=best.proposal.genome.to_dict() if best else None,
+        best_latency_ms=latency,
+        best_latency_spread_ms=best.result.latency_spread_ms if best else math.nan,
+        best_max_rel_error=best.result.max_rel_error if best else math.nan,
+        device=best.result.device if best else "",
+        threads=best.result.threads if best else 0,
+        baselines={name: {"status": r.status, "latency_ms": r.latency_ms, "latency_spread_ms": r.latency_spread_ms,
                              "max_rel_error": r.max_rel_error, "message": r.message} for name, r in baselines.items()},
-        "best_baseline": top[0] if top else None,
-        "best_baseline_latency_ms": top[1].latency_ms if top else math.nan,
-        "speedup_vs_best_baseline": (top[1].latency_ms / latency) if top and best else math.nan,
-        "speedups": speedups(latency, baselines),
-        "roofline": None if roofline is None else {
+        best_baseline=top[0] if top else None,
+        best_baseline_latency_ms=top[1].latency_ms if top else math.nan,
+        speedup_vs_best_baseline=(top[1].latency_ms / latency) if top and best else math.nan,
+        speedups=speedups(latency, baselines),
+        roofline=None if roofline is None else {
             "floor_ms": roofline.floor_ms, "flops": roofline.flops, "bytes": roofline.bytes,
             "flops_per_s": roofline.rates.flops_per_s, "bytes_per_s": roofline.rates.bytes_per_s,
             "fraction_of_floor": roofline.floor_ms / latency if best else math.nan,
         },
-        "lineage": lineage(search, best.proposal.hash) if best else [],
-        "evaluations": search.evaluations,
-        "generations": search.generation,
-        "status_counts": counts,
-        "suspects": suspects(search),
-        "wall_s": wall_s,
-    }
+        lineage=lineage(search, best.proposal.hash) if best else [],
+        evaluations=search.evaluations,
+        generations=search.generation,
+        status_counts=counts,
+        suspects=suspects(search),
+        wall_s=wall_s,
+        **run,
+    )

@@ -18,7 +18,9 @@ stream with a hard cap otherwise, and admitted only while the bytes of the reque
 within `max_inflight_bytes` (beyond, it waits unread up to `max_queue_wait_s`, then 503 with
 Retry-After). Every error, unknown routes and wrong methods included, is the error object
 `{"error": {"field", "message", "status"}}`. Requests are batched with `@serve.batch`: requests with
-the same sequence length and tensor names run as one engine call, concatenated along the batch axis.
+the same tensors, equal in every dim but the batch axis, run as one engine call, concatenated along
+that axis. What a request holds is the workload's `request_specs(preset)`; nothing here knows a
+workload by name.
 """
 # No `from __future__ import annotations` here: FastAPI must see real types (Request) on the routes.
 
@@ -40,11 +42,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from evaluators.check import SeedStream, check_engine
 from evaluators.settings import EvaluatorSettings
-from evo.core.code import build_engine
-from evo.serving.codec import ENCODINGS, RequestError, decode_request, encode_outputs, kda_input_specs, parse_body
+from evo.serving.codec import ENCODINGS, RequestError, decode_request, encode_outputs, parse_body
 from evo.serving.source import EngineRecord, resolve
 from evo.workloads import get_workload
-from evo.workloads.base import DeviceInfo
+from evo.workloads.base import DeviceInfo, Preset, Workload
 
 logger = logging.getLogger("ray.serve")
 
@@ -97,7 +98,6 @@ def _release_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-INPUT_SPECS = {"kda": kda_input_specs}
 
 
 class EngineRejected(RuntimeError):
@@ -116,10 +116,9 @@ class LoadedEngine:
     max_batch: int = 1  # the largest batch (B) the evaluator's cascade verified engines of this workload at
 
 
-def verified_batch(workload: Any, preset: Any) -> int:
+def verified_batch(workload: Workload, preset: Preset) -> int:
     """The largest B the workload's cascade verifies every engine at (its `free_axes`), else the preset's."""
-    axes = getattr(workload, "free_axes", None)
-    values = axes(preset).get("B") if callable(axes) else None
+    values = workload.free_axes(preset).get("B")
     return int(max(values)) if values else int(preset.shape.get("B", 1))
 
 
@@ -139,10 +138,12 @@ def load_engine(source: str, tracking_uri: str | None = None) -> LoadedEngine:
     if preset.device == "cuda" and device != "cuda":
         raise EngineRejected(f"engine {record.genome.hash} is for the cuda preset {preset.name!r}; this replica has no GPU")
     info = DeviceInfo(device, torch.cuda.get_device_name(0) if device == "cuda" else "cpu", torch.get_num_threads())
-    if record.workload not in INPUT_SPECS:
-        raise EngineRejected(f"no HTTP input schema for workload {record.workload!r}; known: {sorted(INPUT_SPECS)}")
     try:
-        engine = build_engine(workload, record.genome, preset, info, record.sources)
+        specs = workload.request_specs(preset)
+    except NotImplementedError as exc:
+        raise EngineRejected(f"engine {record.genome.hash} from {source}: no HTTP input schema: {exc}") from exc
+    try:
+        engine = workload.build(record.genome, preset, info, record.sources)
         settings = EvaluatorSettings()
         with torch.no_grad():
             report = check_engine(engine, workload, preset, workload.check_cases(preset),
@@ -153,19 +154,19 @@ def load_engine(source: str, tracking_uri: str | None = None) -> LoadedEngine:
         raise EngineRejected(f"engine {record.genome.hash} from {source}: {type(exc).__name__}: {exc}") from exc
     if not report.passed:
         raise EngineRejected(f"engine {record.genome.hash} from {source} failed its check: {report.message}")
-    return LoadedEngine(record, engine, INPUT_SPECS[record.workload](preset), device, report.message,
+    return LoadedEngine(record, engine, specs, device, report.message,
                         report.max_rel_error, time.time(), verified_batch(workload, preset))
 
 
 def _run_grouped(loaded: LoadedEngine, requests: list[dict[str, torch.Tensor]]) -> tuple[list[dict], int]:
-    """Requests with equal sequence length and tensor names become one engine call along axis 0, never
-    more than `loaded.max_batch` (verified) batch elements in one call. Returns each request's outputs
-    and the number of engine calls made."""
+    """Requests with the same tensors, equal in every dim but the batch axis (0), become one engine call
+    along axis 0, never more than `loaded.max_batch` (verified) batch elements in one call. Returns each
+    request's outputs and the number of engine calls made."""
     results: list[dict[str, torch.Tensor] | None] = [None] * len(requests)
     groups: list[list[int]] = []
     open_groups: dict[tuple, tuple[list[int], int]] = {}
     for i, inputs in enumerate(requests):
-        key = (tuple(sorted(inputs)), tuple(inputs["q"].shape[1:]) if "q" in inputs else i)
+        key = tuple((name, tuple(tensor.shape[1:])) for name, tensor in sorted(inputs.items()))
         size = int(next(iter(inputs.values())).shape[0])
         members, total = open_groups.get(key, (None, 0))
         if members is None or total + size > loaded.max_batch:

@@ -11,7 +11,8 @@ element (the upper half of the float32 bits); `bfloat16` data are numbers rounde
 JSON `NaN` / `Infinity` literals, and numbers that overflow the dtype, count as non-finite values.
 
 Every bad request raises `RequestError(field, message, status)`: `field` is a dotted path such as
-`inputs.q.shape`, the message says what was received and what is allowed.
+`inputs.x.shape`, the message says what was received and what is allowed. What a request must hold
+is the workload's `request_specs(preset)` (`evo.workloads.requests.TensorSpec`, one per input).
 """
 from __future__ import annotations
 
@@ -19,13 +20,12 @@ import base64
 import binascii
 import json
 import math
-from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 import numpy as np
 import torch
 
-from evo.workloads.base import Preset
+from evo.workloads.requests import TensorSpec  # the schema a workload declares (request_specs)
 
 # dtype name -> (torch dtype, little-endian numpy dtype of the raw b64 bytes)
 DTYPES: dict[str, tuple[torch.dtype, str]] = {
@@ -49,51 +49,6 @@ class RequestError(ValueError):
 
     def to_dict(self) -> dict:
         return {"error": {"field": self.field, "message": self.message, "status": self.status}}
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """What one named input must look like.
-
-    `shape` holds symbols ("B", "T": free, but equal across every tensor of a request) or ints (fixed);
-    `dim_names` optionally names each dim for error messages (e.g. "H" for a fixed 4).
-    """
-
-    name: str
-    shape: tuple[str | int, ...]
-    dtypes: tuple[str, ...]
-    required: bool = True
-    allow_nonfinite: bool = False
-    bounds: tuple[float | None, float | None] = (None, None)  # inclusive (lo, hi); None: unbounded
-    dim_names: tuple[str, ...] = ()
-
-    def describe(self) -> str:
-        """The shape for messages, e.g. "[B, T, H=2, K=32]"."""
-        parts = []
-        for i, d in enumerate(self.shape):
-            name = self.dim_names[i] if i < len(self.dim_names) else None
-            parts.append(str(d) if isinstance(d, str) or name is None or name == str(d) else f"{name}={d}")
-        return "[" + ", ".join(parts) + "]"
-
-
-def kda_input_specs(preset: Preset) -> tuple[TensorSpec, ...]:
-    """q, k, v, g, beta, initial_state for a KDA engine built for `preset`.
-
-    H, K, V are fixed by the preset (the engine is built for them); B and T are free but shared.
-    g is a log decay (<= 0), beta a gate in [0, 1]; initial_state is optional and always float32.
-    """
-    s, dt = preset.shape, (preset.dtype,)
-    H, K, V = s["H"], s["K"], s["V"]
-    bthk = dict(shape=("B", "T", H, K), dim_names=("B", "T", "H", "K"))
-    return (
-        TensorSpec("q", dtypes=dt, **bthk),  # [B, T, H, K]
-        TensorSpec("k", dtypes=dt, **bthk),  # [B, T, H, K]
-        TensorSpec("v", ("B", "T", H, V), dt, dim_names=("B", "T", "H", "V")),  # [B, T, H, V]
-        TensorSpec("g", dtypes=dt, bounds=(None, 0.0), **bthk),  # [B, T, H, K] log decay
-        TensorSpec("beta", ("B", "T", H), dt, bounds=(0.0, 1.0), dim_names=("B", "T", "H")),  # [B, T, H]
-        TensorSpec("initial_state", ("B", H, K, V), ("float32",), required=False,
-                   dim_names=("B", "H", "K", "V")),  # [B, H, K, V]
-    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,7 +2,9 @@
 
     .venv/bin/python -m evo.serving.loadgen http://127.0.0.1:8000 --clients 8 --requests 200 --T 1024
 
-Only for servers on this machine's loopback addresses.
+The requests are the served workload's `example_request`s (read from GET /v1/engine), so any
+workload that declares a request schema can be driven. Only for servers on this machine's loopback
+addresses.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
+from typing import Any, Callable, Mapping
 
 
 @dataclass(frozen=True)
@@ -35,24 +38,31 @@ def post_json(url: str, body: bytes, timeout: float = 60.0) -> tuple[int, dict]:
         return error.code, json.loads(error.read() or b"{}")
 
 
-def load_run(url: str, bodies: list[bytes], clients: int, requests: int) -> LoadReport:
-    """`clients` threads share `requests` POSTs to url/v1/infer; client i sends bodies[i % len]."""
+def load_run(url: str, bodies: list[bytes], clients: int, requests: int,
+             check: Callable[[int, dict], str | None] | None = None) -> LoadReport:
+    """`clients` threads share `requests` POSTs to url/v1/infer; client i sends bodies[i % len].
+
+    With `check`, every 200 response is also judged: `check(body index, response)` returns None when
+    the response is right, else what is wrong with it, which counts as an error."""
     latencies: list[float] = []
     errors: list[str] = []
     lock = threading.Lock()
     per_client = [requests // clients + (1 if i < requests % clients else 0) for i in range(clients)]
 
     def client(index: int) -> None:
-        body = bodies[index % len(bodies)]
+        which = index % len(bodies)
         for _ in range(per_client[index]):
             started = time.perf_counter()
             try:
-                code, response = post_json(f"{url}/v1/infer", body)
+                code, response = post_json(f"{url}/v1/infer", bodies[which])
                 error = None if code == 200 else f"HTTP {code}: {json.dumps(response)[:300]}"
-            except Exception as exc:  # a refused or broken connection is an error too
-                error = repr(exc)
+                elapsed = time.perf_counter() - started
+                if error is None and check is not None:
+                    error = check(which, response)
+            except Exception as exc:  # a refused or broken connection (or a failing check) is an error too
+                error, elapsed = repr(exc), time.perf_counter() - started
             with lock:
-                latencies.append(time.perf_counter() - started)
+                latencies.append(elapsed)
                 if error:
                     errors.append(error)
 
@@ -68,23 +78,31 @@ def load_run(url: str, bodies: list[bytes], clients: int, requests: int) -> Load
                       errors[0] if errors else None)
 
 
-def kda_bodies(url: str, count: int, T: int | None, encoding: str) -> list[bytes]:
-    """Request bodies with fresh random inputs at the served preset's shape (T overridable)."""
+def request_body(inputs: Mapping[str, Any], encoding: str = "b64") -> bytes:
+    """The JSON body of one request: {name: tensor} (None entries left out) in `encoding`."""
     from evo.serving.codec import encode_tensor
+
+    return json.dumps({"inputs": {k: encode_tensor(v, encoding) for k, v in inputs.items() if v is not None},
+                       "encoding": encoding}).encode()
+
+
+def example_bodies(url: str, count: int, encoding: str = "b64", **axes: int) -> list[bytes]:
+    """`count` request bodies for the engine served at `url`: its workload's `example_request` at the
+    served preset's shape (free `axes` overridable, e.g. T=1024), fresh inputs per seed."""
     from evo.workloads import get_workload
-    from evo.workloads.base import CheckCase
 
     with urllib.request.urlopen(f"{url}/v1/engine", timeout=30) as response:
         info = json.loads(response.read())
     workload = get_workload(info["workload"])
     preset = workload.presets()[info["preset"]]
-    shape = {**preset.shape, **({"T": T} if T else {})}
-    bodies = []
-    for seed in range(count):
-        inputs = workload.make_inputs(CheckCase("load", shape, "standard", True), preset.dtype, "cpu", seed)
-        bodies.append(json.dumps({"inputs": {k: encode_tensor(v, encoding) for k, v in inputs.items()},
-                                  "encoding": encoding}).encode())
-    return bodies
+    return [request_body(workload.example_request(preset, seed, **axes), encoding) for seed in range(count)]
+
+
+def _axis(text: str) -> tuple[str, int]:
+    name, sep, value = text.partition("=")
+    if not sep or not name or not value.strip().lstrip("-").isdigit():
+        raise argparse.ArgumentTypeError(f"expected NAME=INTEGER, e.g. T=1024; got {text!r}")
+    return name, int(value)
 
 
 def main() -> int:
@@ -92,11 +110,15 @@ def main() -> int:
     parser.add_argument("url", help="e.g. http://127.0.0.1:8000")
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--T", type=int, default=None, help="sequence length (default: the preset's)")
+    parser.add_argument("--T", type=int, default=None, help="sequence length, the same as --axis T=... "
+                        "(default: the preset's)")
+    parser.add_argument("--axis", type=_axis, action="append", default=[], metavar="NAME=VALUE",
+                        help="a free axis of the served workload at another size than the preset's (repeatable)")
     parser.add_argument("--encoding", choices=("data", "b64"), default="b64")
     args = parser.parse_args()
-    report = load_run(args.url.rstrip("/"), kda_bodies(args.url.rstrip("/"), args.clients, args.T, args.encoding),
-                      args.clients, args.requests)
+    url = args.url.rstrip("/")
+    axes = dict(args.axis, **({"T": args.T} if args.T else {}))
+    report = load_run(url, example_bodies(url, args.clients, args.encoding, **axes), args.clients, args.requests)
     print(json.dumps(asdict(report), indent=2))
     return 0 if report.errors == 0 else 1
 

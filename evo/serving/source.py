@@ -4,10 +4,10 @@ Every source resolves to an `EngineRecord`: the genome, the workload and preset 
 and what the search measured (latency, speedups, device, MLflow lineage run id).
 
 Accepted forms:
-  runs/kda-cpu-20261130-094905     a run directory (holds summary.json and best_genome.json)
-  models:/kda-cpu-engine/3         a registered MLflow model version (or models:/NAME/latest)
+  runs/<name>-20261130-094905      a run directory (holds summary.json and best_genome.json)
+  models:/<name>-engine/3          a registered MLflow model version (or models:/NAME/latest)
   runs:/<run_id>  or  <run_id>     an MLflow run whose artifacts hold the engine (the search's parent run)
-  default:kda/cpu                  the workload's default genome for that preset (no search needed)
+  default:WORKLOAD/PRESET          the workload's default genome for that preset (no search needed)
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from evo.evidence.engine_record import ENGINE_FILE, EngineRecord, SourceError, record_from_summary
+from evo.evidence.summary import Summary
 
 
 def resolve(source: str, tracking_uri: str | None = None) -> EngineRecord:
@@ -33,7 +34,7 @@ def resolve(source: str, tracking_uri: str | None = None) -> EngineRecord:
         summary = path / "summary.json"
         if not summary.is_file():
             raise SourceError(f"run directory {str(path)!r} has no summary.json (did the search finish?)")
-        return record_from_summary(json.loads(summary.read_text()), str(path.resolve()))
+        return record_from_summary(Summary.read(summary), str(path.resolve()))
     raise SourceError(f"engine source {source!r} is not a run directory, 'models:/NAME/VERSION', 'runs:/RUN_ID', "
                       f"an MLflow run id or 'default:WORKLOAD/PRESET'")
 
@@ -78,5 +79,5 @@ def _from_mlflow(source: str, tracking_uri: str | None) -> EngineRecord:
             local = found[0]
         data = json.loads(local.read_text())
     if source.startswith("runs:/"):
-        return record_from_summary(data, source)
+        return record_from_summary(Summary.from_dict(data), source)
     return EngineRecord.from_dict(data, source)

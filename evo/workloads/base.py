@@ -1,19 +1,25 @@
-"""What a workload provides to the search and the evaluators.
+"""What a workload provides to the search, the evaluators and serving: the `Workload` base class.
 
-A workload is one module under `evo/workloads/` exposing an object that satisfies `Workload`:
-presets, a gene space per device, a float64 reference, fresh input draws, an engine builder,
-baselines and a roofline floor. Engines take and return dicts of named tensors so evaluators stay
-workload-agnostic.
+A workload is one module (under `evo/workloads/`, or anywhere importable, named by its dotted path)
+whose `WORKLOAD` is an instance of a `Workload` subclass. The subclass must give presets, a gene
+space per device, check cases, fresh input draws, a float64 reference, an engine builder, baselines
+and a roofline floor; every other hook has a default declared here. Engines take and return dicts
+of named tensors so evaluators and serving stay workload-agnostic.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Protocol
+from types import MappingProxyType
+from typing import Callable, Mapping
 
+from evo.core.code import OpenStage
 from evo.core.genome import GeneSpace, Genome
+from evo.workloads.requests import TensorSpec
 
-# An engine maps named input tensors to named output tensors: engine(**inputs) -> {"o": ..., ...}.
+# An engine maps named input tensors to named output tensors: engine(**inputs) -> {output name: tensor}.
 Engine = Callable[..., dict]
+
+NO_SOURCES: Mapping[str, str] = MappingProxyType({})  # `build`'s sources for a genome without code genes
 
 
 @dataclass(frozen=True)
@@ -79,38 +85,111 @@ class Roofline:
         object.__setattr__(self, "floor_ms", floor_s * 1e3)
 
 
-class Workload(Protocol):
-    name: str
-    input_names: tuple[str, ...]
-    output_names: tuple[str, ...]
+class Workload:
+    """The base class of every workload: each hook declared once, with its default.
 
-    def presets(self) -> dict[str, Preset]: ...
+    A subclass must set `name`, `input_names` and `output_names` and override the eight hooks that
+    raise `NotImplementedError` here (`presets`, `gene_space`, `check_cases`, `make_inputs`,
+    `reference`, `build`, `baselines`, `roofline`). The others have defaults that fit a workload
+    with one fixed shape, no open stages and no serving schema; override them to opt in.
 
-    def gene_space(self, preset: Preset, device: DeviceInfo) -> GeneSpace: ...
+    Hooks are plain methods called by name: the evaluators (check, guard, timing), the search driver,
+    serving (schema, batching limit) and the load generator (example requests) read only these.
+    """
+
+    name: str = ""  # how runs, lessons and registered models name it, e.g. "sum"
+    input_names: tuple[str, ...] = ()  # the engine's keyword arguments
+    output_names: tuple[str, ...] = ()  # the keys of the dict an engine returns
+    reference_baseline: str | None = None  # the baseline benchmark speedups are against (what a user
+    # runs today); None, or absent from a run: the fastest baseline
+
+    # ------------------------------------------------------------------ required hooks
+    def presets(self) -> dict[str, Preset]:
+        """Name -> preset (problem size, dtype, device) a run can be configured with."""
+        raise self._missing("presets")
+
+    def gene_space(self, preset: Preset, device: DeviceInfo) -> GeneSpace:
+        """The genes (and code genes, one per open stage) of engines for `preset` on `device`."""
+        raise self._missing("gene_space")
 
     def check_cases(self, preset: Preset) -> list[list[CheckCase]]:
         """Cascade stages: cheap cases first; a candidate stops at the first failing stage. The cases
         must cover every value of every free axis (see `free_axes`)."""
+        raise self._missing("check_cases")
 
-    # Optional: `free_axes(preset) -> {axis: (values verified, ...)}`: the shape axes callers may vary
-    # (batch, sequence length, heads, ...) and every value the cascade verifies an engine at. Serving
-    # refuses a batch larger than the largest verified "B". Without it, only the preset's shape is free.
-
-    def make_inputs(self, case: CheckCase, dtype: str, device: str, seed: int) -> dict: ...
+    def make_inputs(self, case: CheckCase, dtype: str, device: str, seed: int) -> dict:
+        """Fresh inputs for `case`: {input name: tensor on `device`, or None for an absent optional}."""
+        raise self._missing("make_inputs")
 
     def reference(self, inputs: dict) -> dict:
         """Float64 outputs of the plainest possible implementation: the oracle."""
+        raise self._missing("reference")
 
-    def build(self, genome: Genome, preset: Preset, device: DeviceInfo) -> Engine: ...
-
-    # Optional: genomes that carry code (`evo.core.code`). `open_stages(preset, device) -> (OpenStage, ...)`
-    # names the stages whose implementation a code gene may replace (the gene space declares one
-    # `CodeGene` per open stage); such a workload's builder is then `build(genome, preset, device,
-    # sources=None)`, where `sources` maps code hash -> source for the code genes the genome sets. The
-    # evaluator passes `sources` only when they are non-empty, so workloads without open stages keep
-    # the three-argument `build`.
+    def build(self, genome: Genome, preset: Preset, device: DeviceInfo,
+              sources: Mapping[str, str] = NO_SOURCES) -> Engine:
+        """The engine `genome` describes, for `preset` on `device`. `sources` maps code hash -> source
+        for the code genes the genome sets (see `open_stages`); empty for a genome without code."""
+        raise self._missing("build")
 
     def baselines(self, preset: Preset) -> dict[str, Callable[[DeviceInfo], Engine]]:
         """Name -> builder of each baseline engine that is available here."""
+        raise self._missing("baselines")
 
-    def roofline(self, preset: Preset, rates: MachineRates) -> Roofline: ...
+    def roofline(self, preset: Preset, rates: MachineRates) -> Roofline:
+        """The preset's floor on `rates`: its FLOPs and bytes moved."""
+        raise self._missing("roofline")
+
+    # ------------------------------------------------------------------ optional hooks
+    def free_axes(self, preset: Preset) -> dict[str, tuple[int, ...]]:
+        """The shape axes callers may vary (batch, sequence length, ...), each with every value the
+        cascade verifies an engine at. Serving refuses a batch larger than the largest verified "B".
+        Default: only the preset's own shape."""
+        return {axis: (int(value),) for axis, value in preset.shape.items()}
+
+    def open_stages(self, preset: Preset, device: DeviceInfo) -> tuple[OpenStage, ...]:
+        """The stages whose implementation a code gene may replace (`evo.core.code`); the gene space
+        declares one `CodeGene` per open stage. Default: none (genomes carry no code)."""
+        return ()
+
+    def output_dtypes(self, preset: Preset) -> dict[str, str]:
+        """Output name -> the dtype an engine must return it in. Default: the preset's dtype for all."""
+        return {name: preset.dtype for name in self.output_names}
+
+    def forbidden_callables(self) -> list[tuple[object, str]]:
+        """(owner, attribute) pairs an engine must not call while it builds and runs, beyond this
+        workload's `reference` (always guarded): oracles and baselines that would pass the check for
+        free. Default: nothing more."""
+        return []
+
+    def timing_case(self, preset: Preset) -> CheckCase:
+        """The case engines are timed on. Default: a check case at the preset shape, else the first
+        check case's distribution at the preset shape."""
+        cases = [case for stage in self.check_cases(preset) for case in stage]
+        if not cases:
+            raise ValueError(f"workload {self.name!r} has no check cases for preset {preset.name!r}")
+        for case in cases:
+            if dict(case.shape) == dict(preset.shape):
+                return case
+        return CheckCase(name=f"preset:{preset.name}", shape=dict(preset.shape), distribution=cases[0].distribution)
+
+    def request_specs(self, preset: Preset) -> tuple[TensorSpec, ...]:
+        """The HTTP request schema of an engine built for `preset`: one `TensorSpec` per input, whose
+        first dim is the batch axis. Serving needs it; a workload without it cannot be served."""
+        raise NotImplementedError(f"workload {self.name!r} ({type(self).__module__}.{type(self).__qualname__}) "
+                                  f"declares no request schema: override request_specs(preset) to serve it")
+
+    def example_request(self, preset: Preset, seed: int, **axes: int) -> dict:
+        """Inputs of one request as a client would send them (CPU tensors; absent optionals left out),
+        at the preset's shape with any free `axes` changed, e.g. `example_request(p, 3, T=128)`.
+        Default: the timing case's distribution. The load generator sends these."""
+        allowed = self.free_axes(preset)
+        unknown = sorted(set(axes) - set(allowed))
+        if unknown:
+            raise ValueError(f"axes {unknown} are not free axes of {self.name}/{preset.name}; free: {sorted(allowed)}")
+        like = self.timing_case(preset)
+        case = CheckCase("example", {**preset.shape, **axes}, like.distribution, like.with_initial_state)
+        return {k: v for k, v in self.make_inputs(case, preset.dtype, "cpu", seed).items() if v is not None}
+
+    def _missing(self, hook: str) -> NotImplementedError:
+        return NotImplementedError(f"workload {self.name!r} ({type(self).__module__}.{type(self).__qualname__}) "
+                                   f"must override Workload.{hook}")

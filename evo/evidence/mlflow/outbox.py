@@ -6,7 +6,8 @@ down, the operations stay there, one warning says MLflow is behind, and replay i
 exponential backoff; `python -m evo mlflow-sync RUN_DIR` replays what a finished run left behind.
 
 Files in the run directory:
-  mlflow_outbox.jsonl          pending operations, one JSON object a line (absent when none are pending)
+  mlflow_outbox.jsonl          pending operations, one JSON object a line (absent when none are pending);
+                               read with `evo.core.jsonl.read_jsonl`: a last line torn by a crash is dropped
   mlflow_run.json              tracking URI, experiment, this sink's key and the run ids created so far
   mlflow_outbox.dropped.jsonl  operations the store refused for good (e.g. a param logged with a new value)
 
@@ -33,6 +34,8 @@ from typing import Any, Iterator
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
+
+from evo.core.jsonl import read_jsonl, trim_torn_tail
 
 log = logging.getLogger("evo.mlflow")
 
@@ -71,7 +74,8 @@ class Outbox:
         self.state: dict[str, Any] = {"key": uuid.uuid4().hex, "runs": {}, **state}
         self.state.update({k: v for k, v in (("uri", uri), ("experiment", experiment)) if v})
         self._save_state()
-        self.ops: list[dict] = _read_ops(self.path)
+        self.ops: list[dict] = read_jsonl(self.path)  # a line torn by a crash is skipped
+        trim_torn_tail(self.path)  # and cut, so the next operation starts on a line of its own
         self.client = MlflowClient(tracking_uri=self.state["uri"])
         self.request_timeout_s = request_timeout_s
         self.failures, self.next_attempt, self.last_error = 0, 0.0, ""
@@ -211,18 +215,6 @@ class Outbox:
         tmp = self.state_path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(self.state, indent=2, sort_keys=True))
         os.replace(tmp, self.state_path)
-
-
-def _read_ops(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    ops = []
-    for line in path.read_text().splitlines():
-        try:
-            ops.append(json.loads(line))
-        except json.JSONDecodeError:
-            log.warning("skipping a torn line in %s (a crash while it was written): %.80s", path, line)
-    return ops
 
 
 def _permanent(exc: Exception) -> bool:

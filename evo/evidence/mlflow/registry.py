@@ -17,17 +17,17 @@ from evo.evidence.engine_record import ENGINE_FILE, EngineRecord
 
 
 class EnginePyfunc(mlflow.pyfunc.PythonModel):
-    """predict({"q": array, ...}) -> {"o": array, "final_state": array} with the engine on CPU."""
+    """predict({input name: array}) -> {output name: float32 array} with the engine on CPU; the names
+    are the workload's (`input_names`, `output_names`)."""
 
     def load_context(self, context) -> None:
-        from evo.core.code import build_engine
         from evo.workloads import get_workload
         from evo.workloads.base import DeviceInfo
 
         record = EngineRecord.from_dict(json.loads(Path(context.artifacts["engine"]).read_text()), "pyfunc")
         workload = get_workload(record.workload)
         preset = workload.presets()[record.preset]
-        self.engine = build_engine(workload, record.genome, preset, DeviceInfo("cpu", "cpu", 1), record.sources)
+        self.engine = workload.build(record.genome, preset, DeviceInfo("cpu", "cpu", 1), record.sources)
         self.dtype = preset.dtype
 
     # No type hints on predict: MLflow would read them as a (list-of-rows) schema.

@@ -21,13 +21,14 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from evo.evidence.lineage import CANDIDATES_FILE, candidate_table, candidate_tags, write_candidate_table
 from evo.evidence.mlflow.outbox import OUTBOX_FILE, Outbox, tracking_uri
 from evo.core.records import EvalResult
 from evo.core.search import GenerationReport, Search
-from evo.evidence.summary import best_baseline
+from evo.evidence.sink import FINISHED, Sink
+from evo.evidence.summary import Summary, best_baseline
 
 MAX_BATCH = 100  # MLflow accepts at most 100 params/tags per log_batch
 MAX_METRICS = 1000  # and at most 1000 metrics
@@ -60,6 +61,7 @@ class MlflowSink:
         self.outbox = Outbox(self.run_dir, uri, experiment, request_timeout_s)
         self.finish_wait_s = finish_wait_s
         self.baseline_ms = math.nan
+        self.finished = False  # whether `finish` ran (the parent run is ended once)
         self.session = uuid.uuid4().hex[:8]
         self.parent = f"{self.session}/parent"
         now = _now()
@@ -90,9 +92,6 @@ class MlflowSink:
             tags["best_baseline"] = top[0]
         self._batch(self.parent, metrics=metrics, tags=tags)
         self.outbox.pump()
-
-    def on_result(self, evaluated) -> None:
-        pass  # results reach MLflow per generation, after the Parquet file is on disk
 
     def on_generation(self, report: GenerationReport, search: Search, parquet: Path | None = None,
                       extra: list[tuple[Path, str]] = ()) -> None:
@@ -137,20 +136,22 @@ class MlflowSink:
         each call replaces what an earlier one logged."""
         for path in paths:
             self._artifact(self.parent, Path(path), "lineage")
+        self.outbox.pump()
 
-    def finish(self, summary: dict, run_dir: Path, status: str = "FINISHED") -> bool:
+    def finish(self, summary: Summary | dict | None, run_dir: Path, status: str = "FINISHED") -> bool:
         """Log the summary, end the parent run and wait up to `finish_wait_s` for MLflow to have it all.
 
         Returns whether MLflow has everything; if not, the outbox stays in the run directory.
         """
+        summary = summary if isinstance(summary, Summary) else Summary.from_dict(summary or {})  # {}: none was made
+        self.finished = True
         now = _now()
-        final = {"final_best_latency_ms": summary.get("best_latency_ms"),
-                 "speedup_vs_best_baseline": summary.get("speedup_vs_best_baseline")}
-        final.update({f"speedup_vs_{name}": v for name, v in summary.get("speedups", {}).items()})
-        roofline = summary.get("roofline") or {}
-        final["fraction_of_roofline"] = roofline.get("fraction_of_floor")
+        final = {"final_best_latency_ms": summary.best_latency_ms,
+                 "speedup_vs_best_baseline": summary.speedup_vs_best_baseline,
+                 **{f"speedup_vs_{name}": v for name, v in summary.speedups.items()},
+                 "fraction_of_roofline": (summary.roofline or {}).get("fraction_of_floor")}
         metrics = [(k, float(v), now, 0) for k, v in final.items() if v is not None and math.isfinite(v)]
-        self._batch(self.parent, metrics=metrics, tags={"best_hash": str(summary.get("best_hash")), "run_dir": str(run_dir)})
+        self._batch(self.parent, metrics=metrics, tags={"best_hash": str(summary.best_hash), "run_dir": str(run_dir)})
         for name in ("summary.json", "best_genome.json", "baselines.json", "config.yaml", "lessons.yaml",
                      "code_lessons.md", "agent/log.jsonl"):
             if (Path(run_dir) / name).exists():
@@ -180,6 +181,22 @@ class MlflowSink:
         path = path.resolve()
         stored = path.relative_to(self.run_dir.resolve()) if path.is_relative_to(self.run_dir.resolve()) else path
         self.outbox.add({"op": "artifact", "run": ref, "path": str(stored), "artifact_path": artifact_path})
+
+
+class MlflowEvidence(Sink):
+    """The MLflow sink in the search's list: each generation reaches MLflow after its Parquet file (and its
+    code diffs) are on disk, so it comes after those sinks; at the end, the summary and the parent run's
+    status (so it closes after the lineage sink has queued its last drawing)."""
+
+    def __init__(self, mlflow: MlflowSink, run_dir: Path, parquet_of: Callable[[int], Path],
+                 extra_of: Callable[[int], list[tuple[Path, str]]] = lambda generation: []) -> None:
+        self.mlflow, self.run_dir, self.parquet_of, self.extra_of = mlflow, Path(run_dir), parquet_of, extra_of
+
+    def on_generation(self, report: GenerationReport, search: Search) -> None:
+        self.mlflow.on_generation(report, search, self.parquet_of(report.generation), self.extra_of(report.generation))
+
+    def close(self, summary: Summary | None = None, status: str = FINISHED) -> None:
+        self.mlflow.finish(summary, self.run_dir, status)
 
 
 def sync(run_dir: Path, uri: str | None = None, wait_s: float = 30.0) -> int:

@@ -1,8 +1,9 @@
 """Kimi Delta Attention (KDA) forward, inference: the first workload of the engine factory.
 
-`WORKLOAD` satisfies `evo.workloads.base.Workload`. Modules: reference (float64 oracle), inputs
+`WORKLOAD` is a `evo.workloads.base.Workload`. Modules: reference (float64 oracle), inputs
 (presets, distributions, check cases), genes (gene space and Plan), stages (the chunked math),
-engine (genome -> engine), open_code (the stages a genome may carry as code), baselines, roofline.
+engine (genome -> engine), open_code (the stages a genome may carry as code), baselines, roofline,
+requests (the HTTP request schema and the load generator's requests).
 """
 from __future__ import annotations
 
@@ -10,20 +11,23 @@ from typing import Callable, Mapping
 
 from evo.core.code import OpenStage
 from evo.core.genome import GeneSpace, Genome
-from evo.workloads.base import CheckCase, DeviceInfo, Engine, MachineRates, Preset, Roofline
+from evo.workloads.base import NO_SOURCES, CheckCase, DeviceInfo, Engine, MachineRates, Preset, Roofline, Workload
 from evo.workloads.kda import baselines as _baselines
 from evo.workloads.kda import engine as _engine
 from evo.workloads.kda import genes as _genes
 from evo.workloads.kda import inputs as _inputs
 from evo.workloads.kda import open_code as _open_code
 from evo.workloads.kda import reference as _reference
+from evo.workloads.kda import requests as _requests
 from evo.workloads.kda import roofline as _roofline
+from evo.workloads.requests import TensorSpec
 
 
-class KdaWorkload:
+class KdaWorkload(Workload):
     name = "kda"
     input_names = ("q", "k", "v", "g", "beta", "initial_state")
     output_names = ("o", "final_state")
+    reference_baseline = "fla_chunk_kda"  # what a user runs today (flash-linear-attention's chunked KDA)
 
     def presets(self) -> dict[str, Preset]:
         return _inputs.presets()
@@ -61,7 +65,7 @@ class KdaWorkload:
         return _open_code.open_stages(preset, device)
 
     def build(self, genome: Genome, preset: Preset, device: DeviceInfo,
-              sources: Mapping[str, str] | None = None) -> Engine:
+              sources: Mapping[str, str] = NO_SOURCES) -> Engine:
         """`sources`: code hash -> source for the code genes `genome` sets (see `open_stages`)."""
         return _engine.build(genome, preset, device, sources)
 
@@ -70,6 +74,12 @@ class KdaWorkload:
 
     def roofline(self, preset: Preset, rates: MachineRates) -> Roofline:
         return _roofline.roofline(preset, rates)
+
+    def request_specs(self, preset: Preset) -> tuple[TensorSpec, ...]:
+        return _requests.request_specs(preset)
+
+    def example_request(self, preset: Preset, seed: int, **axes: int) -> dict:
+        return _requests.example_request(preset, seed, **axes)
 
 
 WORKLOAD = KdaWorkload()

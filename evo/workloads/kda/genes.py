@@ -10,35 +10,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from evo.core.genome import Constraint, Gene, GeneSpace, Genome, Scalar
+from evo.core.genome import Constraint, Gene, GeneSpace, Genome, Ignored, Scalar, StagePipeline
 from evo.workloads.base import DeviceInfo, Preset
 from evo.workloads.kda import open_code as _open_code
 from evo.workloads.kda import triton as _triton
 from evo.workloads.kda.triton import genes as _triton_genes
 
 STAGES = ("gate", "l2norm", "intra", "recurrence", "output")
-FUSE_GENES = ("fuse_gate_l2norm", "fuse_l2norm_intra", "fuse_intra_recurrence", "fuse_recurrence_output")
 BACKEND_VALUES = ("eager", "compile")
 CPU_THREADS = (1, 2, 4, 8, 16)
 
-
-def _fusion_genes() -> list[Gene]:
-    docs = {
-        "fuse_gate_l2norm": "run gate and l2norm in one function (one compiled graph when compiled)",
-        "fuse_l2norm_intra": "run l2norm and the intra-chunk matrices in one function",
-        "fuse_intra_recurrence": "compute intra-chunk matrices per chunk inside the state loop",
-        "fuse_recurrence_output": "compute the output inside the state loop (else one batched pass after it)",
-    }
-    defaults = {"fuse_gate_l2norm": True}
-    genes = [
-        Gene(name, "fusion", (defaults.get(name, False), not defaults.get(name, False)), defaults.get(name, False), doc)
-        for name, doc in docs.items()
-    ]
-    genes += [
-        Gene(f"backend_{stage}", "fusion", BACKEND_VALUES, "eager", f"how the {stage} stage runs: eager torch or torch.compile")
-        for stage in STAGES
-    ]
-    return genes
+# The torch engine's stages: the backend_<stage> and fuse_<a>_<b> genes, their "fused stages share one
+# backend" constraint and the fused groups a Plan runs all come from here.
+PIPELINE = StagePipeline(
+    STAGES, BACKEND_VALUES,
+    fused=(True, False, False, False),
+    fuse_docs=("run gate and l2norm in one function (one compiled graph when compiled)",
+               "run l2norm and the intra-chunk matrices in one function",
+               "compute intra-chunk matrices per chunk inside the state loop",
+               "compute the output inside the state loop (else one batched pass after it)"),
+    backend_doc="how the {stage} stage runs: eager torch or torch.compile",
+)
+FUSE_GENES = tuple(gene for gene, _, _ in PIPELINE.boundaries())
 
 
 def _scheduling_genes(device: DeviceInfo) -> list[Gene]:
@@ -75,15 +68,6 @@ def _memory_genes(preset: Preset) -> list[Gene]:
     ]
 
 
-def _same_backend_when_fused(values: Mapping[str, Scalar]) -> str | None:
-    for gene, (left, right) in zip(FUSE_GENES, zip(STAGES, STAGES[1:])):
-        bl, br = values.get(f"backend_{left}"), values.get(f"backend_{right}")
-        if values.get(gene) is True and bl != br:
-            return (f"{gene}=True joins stages {left!r} and {right!r}, but backend_{left}={bl!r} and "
-                    f"backend_{right}={br!r}; give both one backend or set {gene}=False")
-    return None
-
-
 def _sub_chunk_divides_chunk(values: Mapping[str, Scalar]) -> str | None:
     c, C = values.get("sub_chunk_size"), values.get("chunk_size")
     if isinstance(c, int) and isinstance(C, int) and (c > C or C % c):
@@ -104,11 +88,12 @@ def _code_for_its_engine(values: Mapping[str, Scalar]) -> str | None:
 
 def gene_space(preset: Preset, device: DeviceInfo) -> GeneSpace:
     """Genes legal for `preset` on `device` (names are a contract with operators and configs)."""
-    genes = _fusion_genes() + _scheduling_genes(device) + _memory_genes(preset)
+    genes = list(PIPELINE.genes()) + _scheduling_genes(device) + _memory_genes(preset)
     constraints = (
-        Constraint("fused stages share one backend", _same_backend_when_fused),
+        PIPELINE.constraint(),
         Constraint("sub_chunk_size divides chunk_size", _sub_chunk_divides_chunk),
     )
+    ignored: tuple[Ignored, ...] = ()
     if _triton.runnable(device):  # the Triton engine joins as a genome choice (never on a plain CPU)
         dtypes = _triton_genes.compute_dtypes(preset)
         genes = [Gene(g.name, g.domain, dtypes, _triton_genes.default_compute_dtype(preset),
@@ -117,7 +102,8 @@ def gene_space(preset: Preset, device: DeviceInfo) -> GeneSpace:
         genes += _triton_genes.genes(preset, device)
         constraints += _triton_genes.constraints() + (
             Constraint("code genes apply to their own engine", _code_for_its_engine),)
-    return GeneSpace("kda", tuple(genes), constraints, _open_code.code_genes(preset, device))
+        ignored = _triton_genes.ignored(PIPELINE)
+    return GeneSpace("kda", tuple(genes), constraints, _open_code.code_genes(preset, device), ignored, PIPELINE)
 
 
 @dataclass(frozen=True)
@@ -142,7 +128,7 @@ class Plan:
         v = genome.values()
         return cls(
             fuse=tuple(bool(v[g]) for g in FUSE_GENES),
-            backends=tuple(str(v[f"backend_{s}"]) for s in STAGES),
+            backends=tuple(str(v[PIPELINE.backend_gene(s)]) for s in STAGES),
             chunk_size=int(v["chunk_size"]),
             sub_chunk_size=int(v["sub_chunk_size"]),
             intra_algorithm=str(v["intra_algorithm"]),
@@ -157,10 +143,4 @@ class Plan:
 
     def groups(self) -> list[tuple[tuple[str, ...], str]]:
         """Fused groups of consecutive stages, each with its (shared) backend."""
-        groups = [[STAGES[0]]]
-        for stage, linked in zip(STAGES[1:], self.fuse):
-            if linked:
-                groups[-1].append(stage)
-            else:
-                groups.append([stage])
-        return [(tuple(g), self.backends[STAGES.index(g[0])]) for g in groups]
+        return [(g, self.backends[STAGES.index(g[0])]) for g in PIPELINE.partition(self.fuse)]

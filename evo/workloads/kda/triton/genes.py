@@ -1,20 +1,27 @@
-"""The Triton genes of the KDA gene space (added where `runnable(device)`), and their constraints.
+"""The Triton genes of the KDA gene space (added where `runnable(device)`), their constraints, and the
+genes each engine ignores.
 
 `engine` picks the implementation: "triton" (this package's kernels) or "torch" (the stage engine).
 Genes shared with the torch engine keep their meaning: chunk_size, compute_dtype (plus "tfloat32",
 triton only), state_layout, preallocate_outputs, fuse_l2norm_intra (prepare folded into the intra
-kernel) and fuse_recurrence_output (output inside the recurrence kernel). block_v, num_warps and
-num_stages only shape Triton launches; the torch-only genes (backends, sub-chunk size, intra
-algorithm, exponent form, layout, intermediates) do nothing for a Triton genome.
+kernel) and fuse_recurrence_output (output inside the recurrence kernel); cuda_graph wraps either
+engine. block_v, num_warps and num_stages only shape Triton launches, so a torch genome ignores them;
+the torch-only genes (`TORCH_ONLY` and the pipeline's backends) do nothing for a Triton genome, whose
+engine has no CPU thread count either. fuse_gate_l2norm and fuse_intra_recurrence are not read by the
+Triton engine but pinned by a constraint (to their defaults), so they need no rule. A canonical genome
+(`evo.core.genome.Ignored`) gives every ignored gene its default: one hash per engine built.
 """
 from __future__ import annotations
 
 from typing import Mapping
 
-from evo.core.genome import Constraint, Gene, Scalar
+from evo.core.genome import Constraint, Gene, Ignored, Scalar, StagePipeline
 from evo.workloads.base import DeviceInfo, Preset
 
 BLOCK_V = (64, 32, 128, 16)
+# read by the torch stage engine (its Plan) and not by the Triton engine (its TritonPlan), besides the backends
+TORCH_ONLY = ("sub_chunk_size", "intra_algorithm", "exponent_form", "threads", "layout", "intermediates")
+TRITON_ONLY = ("block_v", "num_warps", "num_stages")  # read by TritonPlan only
 
 
 def genes(preset: Preset, device: DeviceInfo) -> list[Gene]:
@@ -87,3 +94,22 @@ def constraints() -> tuple[Constraint, ...]:
         Constraint("tfloat32 operands need the triton engine", _tf32_needs_triton),
         Constraint("pipelined stages fit shared memory", _stages_fit_shared_memory),
     )
+
+
+def ignored(pipeline: StagePipeline) -> tuple[Ignored, ...]:
+    """What each engine does not read: the torch stage engine's genes (its backends from `pipeline`)
+    under engine='triton', the Triton launch genes under engine='torch'."""
+    backends = tuple(pipeline.backend_gene(s) for s in pipeline.stages)
+    return (
+        Ignored(backends + TORCH_ONLY, _triton_engine,
+                "the Triton engine reads neither backends nor the torch stage engine's algorithm and layout genes"),
+        Ignored(TRITON_ONLY, _torch_engine, "the torch stage engine does not launch Triton kernels"),
+    )
+
+
+def _triton_engine(values: Mapping[str, Scalar]) -> bool:
+    return values.get("engine") == "triton"
+
+
+def _torch_engine(values: Mapping[str, Scalar]) -> bool:
+    return values.get("engine") == "torch"
