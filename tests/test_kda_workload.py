@@ -67,3 +67,10 @@ def test_roofline_counts_flops_and_bytes() -> None:
     assert cpu.floor_ms == pytest.approx(1e3 * max(cpu.flops / 145e9, cpu.bytes / 4e9))
     big = W.roofline(W.presets()["h200"], rates)
     assert big.flops > 100 * cpu.flops
+
+
+def test_label_names_the_engine_and_its_hash() -> None:
+    genome = W.gene_space(SMALL, DEVICE).default()
+    label = W.label(genome)
+    assert label.startswith(f"{genome['engine'] if 'engine' in genome.values() else 'torch'} {genome.hash[:8]} (")
+    assert f"C={genome['chunk_size']}" in label

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from evo.core.genome import Genome
 from evo.workloads import get_workload
 from evo.workloads.base import CheckCase, DeviceInfo, Preset, Workload
 
@@ -153,6 +154,8 @@ def test_optional_hooks_have_declared_defaults():
     assert bare.forbidden_callables() == []
     assert bare.timing_case(preset).name == "full"  # the check case at the preset shape
     assert bare.reference_baseline is None
+    genome = Genome("bare")
+    assert bare.label(genome) == genome.hash[:8]
     with pytest.raises(ValueError, match=r"axes \['H'\] are not free axes of bare/p; free: \['B', 'T'\]"):
         bare.example_request(preset, 0, H=3)
 

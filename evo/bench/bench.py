@@ -173,10 +173,10 @@ def bench(config: RunConfig, genomes_file: str | None, sample: int, search_budge
         if genome.hash in seen:
             continue
         seen.add(genome.hash)
-        entries.append((_label(genome), source, genome, _report(evaluator.evaluate(genome.to_json()), genome.hash)))
+        entries.append((evaluator.workload.label(genome), source, genome, _report(evaluator.evaluate(genome.to_json()), genome.hash)))
     if search_budget > 0:
         for genome, result in run_search(evaluator, space, config, search_budget):
-            entries.append((_label(genome), "search", genome, _report(result, genome.hash)))
+            entries.append((evaluator.workload.label(genome), "search", genome, _report(result, genome.hash)))
     available = sorted(evaluator.workload.baselines(evaluator.preset))
     for name in baselines if baselines is not None else (config.baselines or available):
         entries.append((f"baseline:{name}", "baseline", None, _report(evaluator.evaluate_baseline(name), name)))
@@ -185,21 +185,6 @@ def bench(config: RunConfig, genomes_file: str | None, sample: int, search_budge
     stamp = {**evaluator.describe(), "baselines_available": available}
     write(rows, out_dir, f"{config.workload}/{config.preset} on {stamp['device']}", stamp)
     return rows, out_dir
-
-
-def _label(genome: Genome) -> str:
-    """A readable name: engine kind, short hash and the genes that matter most for it."""
-    v = genome.values()
-    kind = v.get("engine", "torch")
-    parts = [f"C={v.get('chunk_size')}", str(v.get("compute_dtype"))]
-    if kind == "triton":
-        fused = [name for gene, name in (("fuse_l2norm_intra", "prepare"), ("fuse_recurrence_output", "output"))
-                 if v.get(gene)]
-        parts += [f"block_v={v.get('block_v')}", f"fused {'+'.join(fused)}" if fused else "4 kernels",
-                  f"state {v.get('state_layout')}"]
-    if v.get("cuda_graph"):
-        parts.append("CUDA graph")
-    return f"{kind} {genome.hash[:8]} ({', '.join(parts)})"
 
 
 def _report(result: EvalResult, what: str) -> EvalResult:

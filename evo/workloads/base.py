@@ -190,6 +190,11 @@ class Workload:
         case = CheckCase("example", {**preset.shape, **axes}, like.distribution, like.with_initial_state)
         return {k: v for k, v in self.make_inputs(case, preset.dtype, "cpu", seed).items() if v is not None}
 
+    def label(self, genome: Genome) -> str:
+        """A readable name of `genome` for benchmark tables: the genes that matter most, and a short
+        hash. Default: the short hash."""
+        return genome.hash[:8]
+
     def _missing(self, hook: str) -> NotImplementedError:
         return NotImplementedError(f"workload {self.name!r} ({type(self).__module__}.{type(self).__qualname__}) "
                                    f"must override Workload.{hook}")

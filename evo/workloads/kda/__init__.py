@@ -75,6 +75,20 @@ class KdaWorkload(Workload):
     def roofline(self, preset: Preset, rates: MachineRates) -> Roofline:
         return _roofline.roofline(preset, rates)
 
+    def label(self, genome: Genome) -> str:
+        """Engine kind, short hash and the genes that matter most for it, e.g. "triton 1a2b3c4d (C=64, ...)"."""
+        v = genome.values()
+        kind = v.get("engine", "torch")
+        parts = [f"C={v.get('chunk_size')}", str(v.get("compute_dtype"))]
+        if kind == "triton":
+            fused = [name for gene, name in (("fuse_l2norm_intra", "prepare"), ("fuse_recurrence_output", "output"))
+                     if v.get(gene)]
+            parts += [f"block_v={v.get('block_v')}", f"fused {'+'.join(fused)}" if fused else "4 kernels",
+                      f"state {v.get('state_layout')}"]
+        if v.get("cuda_graph"):
+            parts.append("CUDA graph")
+        return f"{kind} {genome.hash[:8]} ({', '.join(parts)})"
+
     def request_specs(self, preset: Preset) -> tuple[TensorSpec, ...]:
         return _requests.request_specs(preset)
 
