@@ -29,7 +29,7 @@ class FusionAgent(Agent):
     def groups(self, genes: dict) -> list[list[str]]:
         """Stages partitioned into fused groups, in pipeline order."""
         pipeline = self._pipeline()
-        return [list(g) for g in pipeline.partition(pipeline.links(genes))] if pipeline else []
+        return [list(stages) for stages, _ in pipeline.groups(genes)] if pipeline else []
 
     def move_kinds(self, parent: Genome) -> list[str]:
         pipeline = self._pipeline()

@@ -50,6 +50,13 @@ class Proposal:
         return json.dumps(merged, sort_keys=True) if merged else ""
 
 
+def nan_for_null(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with JSON null back to NaN in the float fields of the dataclass `cls` (JSON has no NaN: the
+    evidence writes it as null)."""
+    floats = {f.name for f in fields(cls) if isinstance(f.default, float)}
+    return {k: (math.nan if v is None and k in floats else v) for k, v in data.items()}
+
+
 def split_notes(notes: str | dict[str, Any] | None) -> tuple[dict[str, float], dict[str, str]]:
     """(metrics, artifacts) from evidence's `notes` (a JSON object, or '' / None when there are none):
     numbers become metrics, everything else an artifact. Unreadable notes count as none."""
@@ -100,8 +107,7 @@ class EvalResult:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EvalResult:
         """From `to_dict` output, also after a JSON round trip (which writes NaN as null)."""
-        floats = {f.name for f in fields(cls) if isinstance(f.default, float)}
-        return cls(**{k: (math.nan if v is None and k in floats else v) for k, v in data.items()})
+        return cls(**nan_for_null(cls, data))
 
     def with_evaluator(self, evaluator: str) -> EvalResult:
         return replace(self, evaluator=evaluator)

@@ -263,9 +263,8 @@ class Search:
         if self.pending:
             raise RuntimeError(f"end_generation() with {len(self.pending)} proposals untold")
         current = sorted(self._current, key=lambda e: e.proposal.index)
-        self._account(current)
+        improved = self._account(current)
         if current:
-            improved = frozenset(e.proposal.hash for e in current if improves_on_parent(e, self.known))
             self.team.tell(Feedback(self.generation, tuple(current), improved))
         counts = {s: sum(1 for e in current if e.result.status == s) for s in STATUSES}
         ok = [e.fitness for e in current if math.isfinite(e.fitness)]
@@ -296,14 +295,16 @@ class Search:
         # the same order as end_generation accounts them, so effects and yields come out identical
         self._account(sorted(evaluated, key=lambda e: (e.proposal.generation, e.proposal.index)))
 
-    def _account(self, items: list[Evaluated]) -> None:
-        """Add results to the gene effects and the agents' yields (children that improve on their parent,
-        by the same rule as the feedback that feeds the agents' own statistics)."""
+    def _account(self, items: list[Evaluated]) -> frozenset[str]:
+        """Add results to the gene effects and the agents' yields; returns the hashes of the results that
+        improve on their parent (`improves_on_parent`), which the agents' feedback carries too."""
         self.effects.observe(items)
+        improved = frozenset(e.proposal.hash for e in items if improves_on_parent(e, self.known))
         for item in items:
             if item.proposal.agent in self.yields:
                 self.yields[item.proposal.agent][0] += 1
-                self.yields[item.proposal.agent][1] += int(improves_on_parent(item, self.known))
+                self.yields[item.proposal.agent][1] += int(item.proposal.hash in improved)
+        return improved
 
     def state(self) -> dict[str, Any]:
         return {

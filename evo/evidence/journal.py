@@ -39,11 +39,12 @@ PROPOSAL_COLUMNS: tuple[tuple[str, pa.DataType], ...] = (
     ("generation", pa.int32()), ("index", pa.int32()), ("genome_hash", pa.string()), ("genome", pa.string()),
     ("parents", pa.list_(pa.string())), ("agent", pa.string()), ("move", pa.string()), ("move_kind", pa.string()))
 _ARROW_TYPES = {"str": pa.string(), "float": pa.float64(), "int": pa.int32()}  # dicts are stored as JSON text
-RESULT_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(EvalResult) if f.name != "genome_hash")
-JSON_FIELDS: frozenset[str] = frozenset(f.name for f in dataclasses.fields(EvalResult) if f.type.startswith("dict"))
+_RESULT_TYPES: dict[str, str] = {f.name: f.type for f in dataclasses.fields(EvalResult) if f.name != "genome_hash"}
+RESULT_FIELDS: tuple[str, ...] = tuple(_RESULT_TYPES)
+JSON_FIELDS: frozenset[str] = frozenset(name for name, kind in _RESULT_TYPES.items() if kind.startswith("dict"))
 SCHEMA = pa.schema([
     *PROPOSAL_COLUMNS,
-    *((f.name, _ARROW_TYPES.get(f.type, pa.string())) for f in dataclasses.fields(EvalResult) if f.name != "genome_hash"),
+    *((name, _ARROW_TYPES.get(kind, pa.string())) for name, kind in _RESULT_TYPES.items()),
     ("notes", pa.string()),
 ])
 

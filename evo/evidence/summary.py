@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from evo.core.records import STATUSES, SUSPECT, EvalResult
+from evo.core.records import STATUSES, SUSPECT, EvalResult, nan_for_null
 from evo.core.search import Search
 from evo.workloads.base import Roofline
 
@@ -91,9 +91,8 @@ class Summary:
         """From `to_dict` output after a JSON round trip (NaN written as null), of this or an older version."""
         if not isinstance(data, dict):
             raise ValueError(f"a summary is a JSON object, got {type(data).__name__}")
-        floats = {f.name for f in dataclasses.fields(cls) if isinstance(f.default, float)}
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: (math.nan if v is None and k in floats else v) for k, v in data.items() if k in names})
+        return cls(**nan_for_null(cls, {k: v for k, v in data.items() if k in names}))
 
     @classmethod
     def read(cls, path: Path) -> Summary:

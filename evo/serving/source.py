@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from evo.evidence.engine_record import ENGINE_FILE, EngineRecord, SourceError, record_from_summary
-from evo.evidence.summary import Summary
+from evo.evidence.summary import SUMMARY_FILE, Summary
 
 
 def resolve(source: str, tracking_uri: str | None = None) -> EngineRecord:
@@ -31,9 +31,9 @@ def resolve(source: str, tracking_uri: str | None = None) -> EngineRecord:
         return _from_mlflow(source, tracking_uri)
     path = Path(source).expanduser()
     if path.is_dir():
-        summary = path / "summary.json"
+        summary = path / SUMMARY_FILE
         if not summary.is_file():
-            raise SourceError(f"run directory {str(path)!r} has no summary.json (did the search finish?)")
+            raise SourceError(f"run directory {str(path)!r} has no {SUMMARY_FILE} (did the search finish?)")
         return record_from_summary(Summary.read(summary), str(path.resolve()))
     raise SourceError(f"engine source {source!r} is not a run directory, 'models:/NAME/VERSION', 'runs:/RUN_ID', "
                       f"an MLflow run id or 'default:WORKLOAD/PRESET'")
@@ -66,7 +66,7 @@ def _from_mlflow(source: str, tracking_uri: str | None) -> EngineRecord:
     if re.fullmatch(r"[0-9a-f]{32}", source):
         source = f"runs:/{source}"
     # A run holds summary.json; a registered model holds engine.json among its artifacts.
-    artifact = f"{source.rstrip('/')}/summary.json" if source.startswith("runs:/") else source
+    artifact = f"{source.rstrip('/')}/{SUMMARY_FILE}" if source.startswith("runs:/") else source
     with tempfile.TemporaryDirectory() as tmp:
         try:
             local = Path(mlflow.artifacts.download_artifacts(artifact_uri=artifact, dst_path=tmp, tracking_uri=uri))
