@@ -1,12 +1,15 @@
 """Tensors laid out in one flat shared byte buffer, so the judge and the engine's process exchange
 inputs and outputs without pickling tensors back to the judge.
 
-The judge allocates the arenas (CPU shared memory, or CUDA memory shared through IPC), writes inputs
-and reads outputs through views; the engine's process gets the same views from a `Slot` table. Only
-the judge ever sends pickles; the engine's process answers in JSON.
+The judge allocates the arenas (CPU: an anonymous memory file, `memfd_create`, whose descriptor goes to
+the engine's process over its own channel; CUDA: device memory shared through IPC), writes inputs and
+reads outputs through views; the engine's process gets the same views from a `Slot` table. Only the
+judge ever sends pickles; the engine's process answers in JSON.
 """
 from __future__ import annotations
 
+import mmap
+import os
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -67,8 +70,18 @@ def view(arena: torch.Tensor, slot: Slot) -> torch.Tensor:
     return flat.view(dtype_of(slot.dtype)).view(slot.shape)
 
 
-def allocate(nbytes: int, device: str) -> torch.Tensor:
-    """A flat uint8 arena of at least `nbytes` (rounded up to 1 MiB) the other process can map."""
+def allocate(nbytes: int, device: str) -> tuple[torch.Tensor, int | None]:
+    """A flat uint8 arena of at least `nbytes` (rounded up to 1 MiB) the other process can map, and on
+    CPU the descriptor of its memory file (the caller closes it once sent)."""
     size = max(1 << 20, -(-nbytes // (1 << 20)) * (1 << 20))
-    arena = torch.empty(size, dtype=torch.uint8, device=device)
-    return arena.share_memory_() if arena.device.type == "cpu" else arena
+    if torch.device(device).type != "cpu":
+        return torch.empty(size, dtype=torch.uint8, device=device), None
+    fd = os.memfd_create("evo-arena", os.MFD_CLOEXEC)
+    os.ftruncate(fd, size)
+    return attach(fd, size), fd
+
+
+def attach(fd: int, size: int) -> torch.Tensor:
+    """The CPU arena behind a memory file's descriptor, as a flat uint8 tensor (the mapping outlives `fd`)."""
+    mapping = mmap.mmap(fd, size)
+    return torch.frombuffer(mapping, dtype=torch.uint8)

@@ -6,9 +6,11 @@ inputs, owns the clock and compares. What this process is told, it is told in pi
 what it says back is JSON, so nothing it sends can run code in the judge.
 
 Set up once, before any workload code is imported or the engine is built, and the same for every
-call afterwards (so a check and a timed call look alike from inside):
-- its own session (the judge can freeze the whole process group) and death with its parent;
-- the judge's environment, the judge's cores and thread count;
+call afterwards (so a check and a timed call look alike from inside), after the zygote confined the
+process (`evaluators.jail`):
+- its own session and death with its parent;
+- the environment the judge gives engines (`evaluators.zygote.engine_environment`), its cores and
+  thread count;
 - memory poisoning always on (torch.empty & co. return NaN-filled memory), if the judge asks for it;
 - guards on the workload's reference and baselines (`evaluators.guard`), for genome engines.
 Each call: read the inputs from the judge's arena, call the engine, require plain contiguous tensors of
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import multiprocessing
 import os
 import pickle
 import resource
@@ -77,7 +78,6 @@ def cut_network() -> str:
 def _configure(spec: dict) -> None:
     os.environ.clear()
     os.environ.update(spec["env"])
-    multiprocessing.current_process().authkey = spec["authkey"]  # to fetch shared arenas from the judge
     if spec["cores"]:
         os.sched_setaffinity(0, spec["cores"])
     if spec.get("memory_bytes"):
@@ -94,6 +94,7 @@ def _configure(spec: dict) -> None:
 class _Runner:
     def __init__(self, conn: Any, spec: dict) -> None:
         self.conn = conn
+        self.sock = socket.socket(fileno=os.dup(conn.fileno()))  # arenas' descriptors arrive on it
         self.spec = spec
         self.device = torch.device(spec["device"])
         self.in_arena: torch.Tensor | None = None
@@ -158,8 +159,15 @@ class _Runner:
 
     # ------------------------------------------------------------------ one call
     def _inputs(self, message: dict) -> dict:
-        if message.get("arenas") is not None:
-            self.in_arena, self.out_arena = message["arenas"]
+        shared = message.get("arenas")
+        if shared is not None and "fds" in shared:
+            _, fds, _, _ = socket.recv_fds(self.sock, 1, 2)
+            (in_fd, out_fd), (in_size, out_size) = fds, shared["fds"]
+            self.in_arena, self.out_arena = arenas.attach(in_fd, in_size), arenas.attach(out_fd, out_size)
+            os.close(in_fd)
+            os.close(out_fd)
+        elif shared is not None:
+            self.in_arena, self.out_arena = shared["tensors"]
         return {name: None if slot is None else arenas.view(self.in_arena, slot)
                 for name, slot in message["inputs"].items()}
 

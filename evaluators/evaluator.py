@@ -26,8 +26,9 @@ import hashlib
 import math
 import secrets
 import time
-from dataclasses import dataclass
-from typing import Mapping
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, replace
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -35,15 +36,21 @@ import torch
 from evo.core.code import CodeError, check_sources, code_hash
 from evo.core.genome import Genome, GenomeError
 from evo.core.records import BUILD_ERROR, INCORRECT, OK, RUNTIME_ERROR, SUSPECT, TIMEOUT, EvalResult
+from evo.core.retiming import PairedTiming
+from evo.core.seeds import derive_seed
 from evo.workloads import get_workload
 from evo.workloads.base import CheckCase, DeviceInfo, MachineRates, Preset, Workload
 from evaluators import device as devices
-from evaluators.check import SeedStream, compare_outputs, expected_dtypes, worse
+from evaluators import telemetry
+from evaluators.check import compare_outputs, expected_dtypes, worse
+from evaluators import jail
+from evaluators.guard import hidden_paths
 from evaluators.sandbox import CallResult, EngineProcess, EngineProcessError
 from evaluators.settings import EvaluatorSettings
 from evaluators.timing import Timing, measure_rates, num_threads, summarize
 from evaluators.zygote import Zygote
 
+_SPEC_CACHE_SIZE = 256  # output specs kept for cases of distinct shapes
 _CALIBRATION_CALLS = 5  # echo calls that measure the judge's own cost of a call, before the engine is built
 _FORBIDDEN_ADVICE = "engines must compute their answer, not call the workload's reference or a baseline"
 
@@ -66,6 +73,19 @@ class _Verdict:
     error: str = ""
     elapsed_ms: float = math.nan
     rel_error: float = math.nan
+
+
+class OsSeeds:
+    """Input seeds from the OS's randomness (63 bits: torch and numpy accept them), never repeated."""
+
+    def __init__(self) -> None:
+        self._used: set[int] = set()
+
+    def next(self) -> int:
+        while (seed := secrets.randbits(63)) in self._used:
+            pass
+        self._used.add(seed)
+        return seed
 
 
 class Evaluator:
@@ -96,13 +116,19 @@ class Evaluator:
         self._versions = devices.versions(self.device)
         self._tolerance = settings.tolerance(self.preset.dtype)  # a missing dtype is a config error: fail now
         self._dtypes = expected_dtypes(self.workload, self.preset)
-        # The salt is a secret of this process: engines cannot predict the inputs they will be given.
-        self._seeds = SeedStream(seed, name, salt=secrets.randbits(64))
+        # Every call's inputs come from a seed drawn from the OS's randomness: no stream to replay.
+        self._seeds = OsSeeds()
+        if settings.sandbox == "strict" and (why := jail.unavailable()):
+            raise ValueError(f"evaluator setting sandbox='strict' cannot confine engines on this machine: {why}."
+                             " Set `evaluator: {sandbox: none}` in the config to judge trusted engines unconfined")
+        self._versions["sandbox"] = settings.sandbox  # in every result's versions
         self._timing_case = self.workload.timing_case(self.preset)  # by default a check case at the preset shape
         self._rates: MachineRates | None = None  # measured on first need, then cached
         self._floor_ms: float | None = None
         self._spec_cache: dict[tuple, dict] = {}
         self._seen: dict[tuple, str] = {}  # fingerprints of this evaluation's outputs -> the call that returned them
+        self._telemetry_start: dict = {}  # the machine as the current evaluation started (evaluators.telemetry)
+        self._paired_seed, self._retimings = derive_seed(seed, f"{name}:paired"), 0  # paired call orders
         Zygote.shared()  # starts now (imports torch there), ready by the first evaluation
 
     # ----------------------------------------------------------------- public API
@@ -184,15 +210,24 @@ class Evaluator:
     def _evaluate(self, genome_hash: str, start: float, engine: dict) -> EvalResult:
         self.roofline_floor_ms()  # the ceilings are measured before any engine runs
         self._seen = {}
+        self._telemetry_start = telemetry.sample(self.device)
         try:
             # The judge's own work (drawing inputs, the reference) runs on one thread, so no idle worker
             # thread of its pool spins on the engine's cores while a call is timed.
-            with num_threads(1), EngineProcess(self.device, threads=self._info.threads, settle_s=self.settings.settle_s,
-                                               poison=self.settings.poison_memory,
-                                               memory_bytes=int(self.settings.engine_memory_gb * 2**30),
-                                               network=self.settings.engine_network) as process:
-                process.launch(preload=(type(self.workload).__module__,))
-                return self._judge(process, genome_hash, start, engine)
+            process = self.engine_process(guarded=bool(engine.get("guarded")))
+            with num_threads(1):
+                try:
+                    process.launch(preload=(type(self.workload).__module__,))
+                    result = self._judge(process, genome_hash, start, engine)
+                except EngineProcessError as exc:
+                    result = self._failed(genome_hash, start, exc, "sandbox", self._limit(build=True))
+                finally:
+                    process.close()
+            if process.survivors:  # the PID namespace and the cgroup make this impossible: say so loudly
+                result = replace(result, status=INCORRECT, latency_ms=math.nan,
+                                 message=f"processes {list(process.survivors)} of this candidate outlived it"
+                                         f" (killed): {result.message}")
+            return result
         finally:
             gc.collect()
             if self.device != "cpu":
@@ -276,10 +311,13 @@ class Evaluator:
                             message=f"{note}; {len(timing.samples_ms)} timed calls", **stamp)
 
     def _plan(self, rng: np.random.Generator, checks: bool = True) -> list[_Call]:
-        """Every check case and warm-up + timed call, shuffled; the first `warmup` calls at the timing
-        shape in the shuffled order are the warm-up."""
+        """Every check case, the cases drawn over the workload's domain for this evaluation (from `rng`)
+        and the warm-up + timed calls, shuffled; the first `warmup` calls at the timing shape in the
+        shuffled order are the warm-up."""
         cases = [case for stage in self.workload.check_cases(self.preset) for case in stage] if checks else []
+        drawn = self._drawn_cases(rng) if checks else []
         calls = [_Call(case, False, f"check case {case.name!r}") for case in cases]
+        calls += [_Call(case, False, f"drawn case {case.name!r} {_shape_text(case)}") for case in drawn]
         calls += [_Call(self._timing_case, True, "") for _ in range(self.settings.warmup + self.settings.repeats)]
         order = rng.permutation(len(calls))
         return [calls[i] for i in order]
@@ -399,10 +437,27 @@ class Evaluator:
     def _draw(self, case: CheckCase) -> dict:
         return self.workload.make_inputs(case, self.preset.dtype, self.device, self._seeds.next())
 
+    def _drawn_cases(self, rng: np.random.Generator) -> list[CheckCase]:
+        """This evaluation's random cases over the workload's domain; one outside it is a workload bug."""
+        domain = self.workload.domain(self.preset)
+        drawn = list(self.workload.draw_cases(self.preset, rng))
+        for case in drawn:
+            outside = domain.outside(case.shape, self.preset.shape)
+            if outside:
+                raise ValueError(f"workload {self.workload.name!r} drew case {case.name!r} outside its own domain:"
+                                 f" {outside}")
+        return drawn
+
     def _specs(self, case: CheckCase) -> dict[str, tuple[tuple[int, ...], str]]:
-        """The (shape, dtype) of each output for `case`, from the reference of one draw, cached."""
+        """The (shape, dtype) of each output for `case`: as the workload declares them, else from the
+        reference of one draw, cached (a bounded cache: drawn cases come in ever new shapes)."""
+        declared = self.workload.output_shapes(case)
+        if declared is not None:
+            return {n: (tuple(declared[n]), d) for n, d in self._dtypes.items()}
         key = _case_key(case)
         if key not in self._spec_cache:
+            if len(self._spec_cache) >= _SPEC_CACHE_SIZE:
+                self._spec_cache.clear()
             reference = self.workload.reference(self._draw(case))
             self._spec_cache[key] = {n: (tuple(reference[n].shape), d) for n, d in self._dtypes.items()}
         return self._spec_cache[key]
@@ -440,7 +495,8 @@ class Evaluator:
             status=status,
             eval_s=time.perf_counter() - start,
             device=self._device_label(),
-            versions=dict(self._versions),
+            versions={**self._versions, **telemetry.as_versions(telemetry.around(self._telemetry_start,
+                                                                                 telemetry.sample(self.device)))},
             evaluator=self.name,
             **fields,
         )
@@ -448,9 +504,122 @@ class Evaluator:
     def _device_label(self) -> str:
         return f"{self._info.kind}:{self._info.name}"
 
+    # ================================================================= held engines: paired re-timing
+    # The pieces `evaluators.paired` times several engines with, interleaved call by call: the same build,
+    # first call, call checks and clock as an evaluation, with each engine's process kept open.
+    def compare(self, a: str, b: str, *, calls: int = 16, warmup: int = 2, min_effect: float = 0.02,
+                sources: Mapping[str, str] | None = None, reason: str = "ab", generation: int = -1) -> PairedTiming:
+        """Engine `a` against engine `b`, paired (`evaluators.paired`): each is genome JSON, `default` (the
+        gene space's default genome), `baseline:NAME` or a baseline's name. Ratio = a's latency / b's."""
+        return self.retime([a, b], calls=calls, warmup=warmup, min_effect=min_effect, sources=sources,
+                           reason=reason, generation=generation)[0]
+
+    def retime(self, engines: Sequence[str], *, calls: int = 16, warmup: int = 2, min_effect: float = 0.02,
+               sources: Mapping[str, str] | None = None, reason: str = "ab", generation: int = -1) -> list[PairedTiming]:
+        """The first engine against each of the others, all timed in one interleaved run (see `compare`)."""
+        from evaluators.paired import retime  # the module builds on this class's pieces below
+
+        rng = np.random.default_rng([self._paired_seed, self._retimings])  # the call orders: seeded, by count
+        self._retimings += 1
+        return retime(self, list(engines), rng, calls=calls, warmup=warmup, min_effect=min_effect,
+                      sources=dict(sources or {}), reason=reason, generation=generation)
+
+    def resolve(self, engine: str, sources: Mapping[str, str] | None = None) -> tuple[str, dict]:
+        """(label, what the engine's process builds) for genome JSON, `default`, `baseline:NAME` or a
+        baseline's name; ValueError naming what is wrong and what is accepted."""
+        baselines = self.workload.baselines(self.preset)
+        text = engine.strip()
+        if text == "default":
+            text = self.workload.gene_space(self.preset, self._info).default().to_json()
+        if not text.startswith("{"):
+            name = text.removeprefix("baseline:")
+            if name not in baselines:
+                raise ValueError(f"unknown engine {engine!r}: give genome JSON, 'default', or a baseline of "
+                                 f"{self.workload.name}/{self.preset.name}: {sorted(baselines)}")
+            return f"baseline:{name}", {"baseline": name, "guarded": False}
+        try:
+            genome = self.workload.gene_space(self.preset, self._info).validate(Genome.from_json(text))
+            code = self._code(genome, sources or {})
+        except (GenomeError, CodeError) as exc:
+            raise ValueError(f"invalid genome: {exc}") from exc
+        return genome.hash, {"genome_json": genome.to_json(), "guarded": True, "sources": code}
+
+    @contextmanager
+    def holding(self) -> Iterator[ExitStack]:
+        """The judge's state for engines kept open: one thread for its own work, fresh output fingerprints;
+        engine processes entered on the stack yielded are killed on leaving."""
+        self._seen = {}
+        try:
+            with num_threads(1), ExitStack() as stack:
+                yield stack
+        finally:
+            gc.collect()
+            if self.device != "cpu":
+                torch.cuda.empty_cache()
+
+    def engine_process(self, guarded: bool = True) -> EngineProcess:
+        """An engine process with this evaluator's settings and sandbox, not launched yet (`hold` launches
+        it); `guarded` (a genome's engine, not a baseline): its view leaves out the reference's files."""
+        return EngineProcess(self.device, threads=self._info.threads, settle_s=self.settings.settle_s,
+                             poison=self.settings.poison_memory,
+                             memory_bytes=int(self.settings.engine_memory_gb * 2**30),
+                             network=self.settings.engine_network, sandbox=self.settings.sandbox,
+                             hidden=hidden_paths(self.workload) if guarded else ())
+
+    def hold(self, process: EngineProcess, engine: dict, deadline: float) -> tuple[str | None, float]:
+        """Launch `process`, build `engine` there and check its first call: (why it failed, or None;
+        the judge's cost of a call to subtract from its timed calls, ms)."""
+        null_ms = 0.0
+        try:
+            process.launch(preload=(type(self.workload).__module__,))
+            process.configure(self.workload, self.preset, self._info, **engine)
+            if self.settings.subtract_call_overhead:
+                null_ms = 1e3 * process.calibrate(self._draw(self._timing_case), self._specs(self._timing_case),
+                                                  repeats=_CALIBRATION_CALLS)
+            built = process.build(timeout_s=min(self.settings.build_timeout_s, deadline - time.perf_counter()))
+            if built["forbidden_calls"] or built.get("forbidden"):
+                return f"build called {', '.join(sorted(set(built['forbidden_calls'])))}: {_FORBIDDEN_ADVICE}", null_ms
+            if built.get("op") != "built":
+                return _summary("build failed", built), null_ms
+            first = self._checked(process, _Call(self._timing_case, False, "first call at the preset shape"),
+                                  deadline, first=True)
+        except EngineProcessError as exc:
+            return f"{exc.kind}: {exc}", null_ms
+        return (None if first.status is None else f"{first.status}: {first.message}"), null_ms
+
+    def timed_call(self, process: EngineProcess, where: str, deadline: float, null_ms: float = 0.0
+                   ) -> tuple[float, str | None, tuple]:
+        """One call at the timing shape on fresh inputs: (latency ms, a failure found without the reference
+        or None, what `verify` checks against the reference, now or after the run)."""
+        call = _Call(self._timing_case, True, where)
+        try:
+            inputs, result, failure = self._call(process, call, deadline)
+        except EngineProcessError as exc:
+            return math.nan, f"{where}: {exc.kind}: {exc}", ()
+        if failure is not None:
+            return math.nan, f"{failure.status}: {failure.message}", ()
+        return max(result.elapsed_s * 1e3 - null_ms, 0.0), None, (call, inputs, result)
+
+    def verify(self, pending: tuple) -> str | None:
+        """A timed call's outputs against the float64 reference: why they are wrong, or None."""
+        verdict = self._compare(*pending)
+        return None if verdict.status is None else f"{verdict.status}: {verdict.message}"
+
+    @property
+    def defer_checks(self) -> bool:
+        """Whether checks wait until the timed calls are done (CPU: a reference between calls would evict
+        the engines' working sets from the caches they share)."""
+        return self.device == "cpu"
+
 
 def _case_key(case: CheckCase) -> tuple:
     return tuple(sorted(case.shape.items())), case.with_initial_state
+
+
+def _shape_text(case: CheckCase) -> str:
+    """e.g. "(B=3 T=133 H=2 K=32 V=32, beta_edges, with initial state)": a drawn case's message says where."""
+    dims = " ".join(f"{axis}={value}" for axis, value in case.shape.items())
+    return f"({dims}, {case.distribution}{', with initial state' if case.with_initial_state else ''})"
 
 
 def _fingerprint(outputs: Mapping[str, torch.Tensor] | None) -> tuple:

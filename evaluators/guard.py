@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import types
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable
 
 if TYPE_CHECKING:  # the guards are installed before any workload code is imported
@@ -109,3 +110,21 @@ def forbidden_targets(workload: Workload) -> list[tuple[object, str]]:
     """(owner, attribute) pairs an engine must not call: the workload's `reference` method, plus
     whatever the workload declares through `forbidden_callables()` (by default nothing more)."""
     return [(workload, "reference"), *((owner, attr) for owner, attr in workload.forbidden_callables())]
+
+
+def hidden_paths(workload: Workload) -> tuple[str, ...]:
+    """What an untrusted engine's view of the files leaves out (`evaluators.jail`), so it cannot load a
+    fresh, unguarded copy of what it may not call: the source and compiled files of every module that
+    owns a forbidden callable (the reference's and the baselines' modules), the judge's own package, and
+    the project's git objects (they hold every version of those files)."""
+    paths: list[Path] = []
+    for owner, _ in forbidden_targets(workload):
+        if isinstance(owner, types.ModuleType) and getattr(owner, "__file__", None):
+            source = Path(owner.__file__)
+            paths.append(source)
+            paths.extend(sorted(source.parent.glob(f"__pycache__/{source.stem}.*.pyc")))
+    judge = Path(__file__).resolve().parent
+    paths.append(judge)
+    if (judge.parent / ".git").exists():
+        paths.append(judge.parent / ".git")
+    return tuple(dict.fromkeys(str(p.resolve()) for p in paths))

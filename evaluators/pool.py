@@ -34,10 +34,11 @@ from evaluators.evaluator import Evaluator
 from evaluators.placement import NodeView, PlacementError, SlotPlan, initial_plan, placement_kind, plan_slots
 from evaluators.settings import EvaluatorSettings, PoolSettings
 from evo.core.records import RUNTIME_ERROR, TIMEOUT, EvalResult, Proposal
+from evo.core.retiming import PairedTiming, failed_timing
 from evo.core.seeds import derive_seed
 from evo.workloads.base import DeviceInfo, MachineRates, Preset
 
-__all__ = ["EvaluatorPool", "PlacementError", "PoolSettings"]
+__all__ = ["EvaluatorPool", "PlacementError", "PoolSettings", "RetimeJob"]
 
 _MAX_FAILED_STARTS = 3  # per node: after this many actors failed to start there, the node is skipped
 _GRACE_S = 60.0  # beyond eval_timeout_s: the evaluator's own deadline fires first (killing the engine takes time)
@@ -62,6 +63,36 @@ class PlacedEvaluator(Evaluator):
         return {**super().describe(), "node_id": ray.get_runtime_context().get_node_id(),
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "host": socket.gethostname(), "pid": os.getpid(),
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+@dataclass(frozen=True)
+class RetimeJob:
+    """One paired re-timing for an evaluator (`Evaluator.retime`): the first engine against each other."""
+
+    engines: tuple[str, ...]  # genome JSON, "default" or "baseline:NAME"
+    sources: dict[str, str]  # code hash -> source for the genomes' code genes
+    calls: int = 16
+    warmup: int = 2
+    min_effect: float = 0.02
+    reason: str = ""
+    generation: int = -1
+
+    def failed(self, message: str, evaluator: str) -> list[PairedTiming]:
+        """What the job answers when its evaluator could not (died, hung)."""
+        labels = [e if not e.lstrip().startswith("{") else "genome" for e in self.engines]
+        return [failed_timing(labels[0], b, message, self.min_effect, reason=self.reason, generation=self.generation,
+                              evaluator=evaluator) for b in labels[1:]]
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One call of an evaluator actor's method, and what stands for its result when the actor cannot give one."""
+
+    key: Any  # what the caller gets back beside the result
+    method: str
+    args: tuple
+    kwargs: dict
+    failed: Callable[[str, str, str, str], Any]  # (status, message, error, evaluator) -> the result
 
 
 @dataclass(eq=False)  # identity: a slot is one actor's place in the pool
@@ -215,18 +246,32 @@ class EvaluatorPool:
 
     # -- evaluation -----------------------------------------------------------------------------
     def run_baselines(self, names: list[str]) -> dict[str, EvalResult]:
-        jobs = [(name, "evaluate_baseline", name) for name in names]
-        return {key: result for key, result in self._dispatch(jobs, hash_of=lambda n: f"baseline:{n}")}
+        jobs = [_Job(name, "evaluate_baseline", (name,), {}, _eval_failure(f"baseline:{name}")) for name in names]
+        return {key: result for key, result in self._dispatch(jobs)}
 
     def run(self, proposals: list[Proposal]) -> Iterator[tuple[Proposal, EvalResult]]:
-        # (proposal, method, genome JSON[, sources]): only genomes with code genes need sources
-        jobs = [(p, "evaluate", p.genome.to_json(), *filter(None, [self.sources_of(p)])) for p in proposals]
-        yield from self._dispatch(jobs, hash_of=lambda p: p.hash)
+        # (genome JSON[, sources]): only genomes with code genes need sources
+        jobs = [_Job(p, "evaluate", (p.genome.to_json(), *filter(None, [self.sources_of(p)])), {}, _eval_failure(p.hash))
+                for p in proposals]
+        yield from self._dispatch(jobs)
 
-    def _dispatch(self, jobs, hash_of) -> Iterator[tuple[Any, EvalResult]]:
+    def retime(self, jobs: list[RetimeJob]) -> list[list[PairedTiming]]:
+        """Paired re-timings (`evaluators.paired`), each in one evaluator, spread over the ready ones;
+        the answers in job order. An evaluator that dies or hangs answers `failed` records."""
+        calls = [_Job(i, "retime", (list(job.engines),),
+                      {"calls": job.calls, "warmup": job.warmup, "min_effect": job.min_effect, "sources": job.sources,
+                       "reason": job.reason, "generation": job.generation},
+                      lambda status, message, error, evaluator, job=job: job.failed(f"{status}: {message}", evaluator))
+                 for i, job in enumerate(jobs)]
+        if not jobs:
+            return []
+        answers = dict(self._dispatch(calls, timeout_factor=max(len(job.engines) for job in jobs)))
+        return [answers.get(i) or job.failed("not timed: the run was stopped", "") for i, job in enumerate(jobs)]
+
+    def _dispatch(self, jobs: list[_Job], timeout_factor: float = 1) -> Iterator[tuple[Any, Any]]:
         queue = collections.deque(jobs)
         running: dict[Any, tuple[tuple, _Slot, float]] = {}  # ref -> (job, slot, started)
-        timeout = self.settings.eval_timeout_s + _GRACE_S
+        timeout = self.settings.eval_timeout_s * timeout_factor + _GRACE_S
         lost_since: float | None = None
         while queue or running:
             if self.should_stop():  # in-flight work is abandoned (its actors are killed at close)
@@ -243,7 +288,7 @@ class EvaluatorPool:
                     break
                 if id(slot) not in busy:
                     job = queue.popleft()
-                    running[getattr(slot.actor, job[1]).remote(*job[2:])] = (job, slot, time.monotonic())
+                    running[getattr(slot.actor, job.method).remote(*job.args, **job.kwargs)] = (job, slot, time.monotonic())
             if not running and not self.ready_slots():  # nothing can take work: wait a while for evaluators
                 lost_since = lost_since or time.monotonic()
                 if time.monotonic() - lost_since > self.node_wait_s:
@@ -265,21 +310,20 @@ class EvaluatorPool:
                     self._ready(starting[ref])
                     continue
                 job, slot, _ = running.pop(ref)
-                result = self._collect(ref, hash_of(job[0]), slot)
+                result = self._collect(ref, job, slot)
                 if result is None:
                     queue.appendleft(job)
                     self.requeued += 1
                 else:
-                    yield job[0], result
+                    yield job.key, result
             for ref, (job, slot, started) in list(running.items()):
                 if time.monotonic() - started > timeout:
                     running.pop(ref)
                     self._replace(slot)
-                    yield job[0], EvalResult(hash_of(job[0]), TIMEOUT, message=f"evaluation exceeded eval_timeout_s + "
-                                             f"{_GRACE_S:g} s = {timeout:g} s; evaluator killed and replaced",
-                                             evaluator=slot.name)
+                    yield job.key, job.failed(TIMEOUT, f"evaluation exceeded eval_timeout_s + {_GRACE_S:g} s = "
+                                                       f"{timeout:g} s; evaluator killed and replaced", "", slot.name)
 
-    def _collect(self, ref, genome_hash: str, slot: _Slot) -> EvalResult | None:
+    def _collect(self, ref, job: _Job, slot: _Slot) -> Any:
         """The job's result, or None when the actor's node left (the job is to be re-queued)."""
         try:
             return ray.get(ref)
@@ -288,11 +332,11 @@ class EvaluatorPool:
                 self._retire(slot, "its node left the cluster; its evaluation is re-queued")
                 return None
             self._replace(slot)
-            return EvalResult(genome_hash, RUNTIME_ERROR, message="evaluator process died during evaluation; replaced",
-                              error=str(exc)[:2000], evaluator=slot.name)
+            return job.failed(RUNTIME_ERROR, "evaluator process died during evaluation; replaced", str(exc)[:2000],
+                              slot.name)
         except Exception as exc:  # an error the evaluator failed to turn into a status
-            return EvalResult(genome_hash, RUNTIME_ERROR, message=f"{type(exc).__name__}: {exc}"[:500],
-                              error=traceback.format_exc()[-2000:], evaluator=slot.name)
+            return job.failed(RUNTIME_ERROR, f"{type(exc).__name__}: {exc}"[:500], traceback.format_exc()[-2000:],
+                              slot.name)
 
     def _kill(self, slot: _Slot) -> None:
         try:
@@ -303,6 +347,11 @@ class EvaluatorPool:
     def close(self) -> None:
         for slot in self.slots:
             self._kill(slot)
+
+
+def _eval_failure(genome_hash: str) -> Callable[[str, str, str, str], EvalResult]:
+    return lambda status, message, error, evaluator: EvalResult(genome_hash, status, message=message, error=error,
+                                                                evaluator=evaluator)
 
 
 def _short(node_id: str) -> str:

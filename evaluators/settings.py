@@ -112,6 +112,15 @@ class EvaluatorSettings:
         " with no interfaces (where the OS refuses that, Python's socket connect/bind/send raise instead)",
         lambda x: isinstance(x, bool),
     )
+    sandbox: str = _option(
+        "strict",
+        "how engine processes are confined: 'strict' (an unprivileged user with no capabilities and a seccomp"
+        " filter, in PID, mount, IPC and network namespaces of their own, a read-only view of the files with"
+        " the reference, baselines and judge hidden, a private /tmp, cgroups bounding cores, memory and"
+        " processes; needs root, Linux namespaces and libseccomp), or 'none' (the judge's user and"
+        " namespaces: for trusted engines only). Every result records which one judged it",
+        lambda x: x in ("strict", "none"),
+    )
     min_timing_s: float | None = _option(
         None,
         "if set, keep timing past `repeats` until the timed calls add up to this many seconds",

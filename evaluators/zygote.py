@@ -6,12 +6,17 @@ and inherits nothing of the judge (no seeds, no inputs, no references). Unlike m
 server it does not re-import the judge's `__main__` (a Ray worker's, or pytest's).
 
 Protocol on a Unix socket to the judge (both sides are ours; engines never see it):
-- `{"op": "spawn", "preload": [module, ...]}` with one file descriptor attached (the engine's end of
-  its connection): import the modules once (the workload's: later forks start with them loaded), fork;
-  the child closes the zygote's socket, starts its own session and runs `engine_process.main`; answer
-  `{"pid": N}`;
-- `{"op": "wait", "pid": N}`: reap that child (the judge killed it first), answer `{"exitcode": C}`;
+- `{"op": "spawn", "preload": [module, ...], "jail": plan}` with one file descriptor attached (the
+  engine's end of its connection): import the modules once (the workload's: later forks start with
+  them loaded), fork a holder; the holder enters the plan's namespaces (`evaluators.jail`) and forks
+  the engine's process, which confines itself and runs `engine_process.main`; answer
+  `{"pid": N, "holder": H, "error": ""}` once it is confined (or why it could not be);
+- `{"op": "wait", "holder": H}`: wait for that holder (the judge killed the engine first), answer
+  `{"exitcode": C}`, the engine process's exit code;
 - `{"op": "ping"}`: answer `{"pong": true}` once started.
+The zygote starts with the engines' environment (`engine_environment`: no keys, tokens or
+passwords, none of Ray's or MLflow's variables), since a forked process can read the environment
+it was exec'd with.
 The zygote and its children die with the judge (PR_SET_PDEATHSIG). Modules read some environment
 variables when they are imported (TRITON_INTERPRET, TORCH_*, CUDA_*, ...): when those differ in the
 judge from what the zygote started with, `Zygote.shared()` starts a new zygote.
@@ -27,10 +32,24 @@ import socket
 import subprocess
 import sys
 import threading
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Mapping
+
+from evaluators import jail
 
 _MESSAGE = 4096
+
+
+@dataclass(frozen=True)
+class Spawned:
+    """An engine process as the zygote started it: its pid (None if it never started), its holder's pid
+    (what `Zygote.exitcode` waits on), the judge's end of its connection, and why confinement failed."""
+
+    pid: int | None
+    holder: int
+    conn: Connection
+    error: str = ""
 
 
 class Zygote:
@@ -56,7 +75,7 @@ class Zygote:
         self._lock = threading.Lock()
         self._process = subprocess.Popen(
             [sys.executable, "-m", "evaluators.zygote", str(theirs.fileno()), json.dumps(sys.path)],
-            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=engine_environment(os.environ),
         )
         theirs.close()
         atexit.register(self.stop)
@@ -64,15 +83,16 @@ class Zygote:
     def alive(self) -> bool:
         return self._process.poll() is None
 
-    def spawn(self, preload: tuple[str, ...] = ()) -> tuple[int, Connection]:
-        """A new engine process: (pid, the judge's end of its connection)."""
+    def spawn(self, preload: tuple[str, ...] = (), plan: dict | None = None) -> Spawned:
+        """A new engine process, confined by `plan` (a `JailPlan` as JSON; None: unconfined)."""
         judge_end, engine_end = socket.socketpair()
-        request = json.dumps({"op": "spawn", "preload": list(preload)}).encode()
+        request = json.dumps({"op": "spawn", "preload": list(preload), "jail": plan}).encode()
         with self._lock:
             socket.send_fds(self._sock, [request], [engine_end.fileno()])
             engine_end.close()
             answer = self._answer()
-        return int(answer["pid"]), Connection(judge_end.detach())
+        return Spawned(answer.get("pid"), int(answer["holder"]), Connection(judge_end.detach()),
+                       str(answer.get("error") or ""))
 
     def wait_ready(self) -> None:
         """Return once the zygote has finished starting (its imports would disturb a measurement)."""
@@ -80,10 +100,11 @@ class Zygote:
             self._sock.sendall(json.dumps({"op": "ping"}).encode())
             self._answer()
 
-    def exitcode(self, pid: int) -> int | None:
-        """Reap a (killed or exited) engine process and return its exit code (negative: signal)."""
+    def exitcode(self, holder: int) -> int | None:
+        """Wait for a (killed or exited) engine process's holder; the engine process's exit code
+        (negative: the signal that ended it)."""
         with self._lock:
-            self._sock.sendall(json.dumps({"op": "wait", "pid": pid}).encode())
+            self._sock.sendall(json.dumps({"op": "wait", "holder": holder}).encode())
             return self._answer().get("exitcode")
 
     def stop(self) -> None:
@@ -102,6 +123,7 @@ class Zygote:
 def _serve(sock: socket.socket) -> None:
     from evaluators import engine_process  # preloaded here, so each fork starts ready
 
+    reports: dict[int, _Reports] = {}
     while True:
         try:
             message, fds, _, _ = socket.recv_fds(sock, _MESSAGE, 4)
@@ -112,22 +134,82 @@ def _serve(sock: socket.socket) -> None:
         request = json.loads(message)
         if request["op"] == "spawn":
             _preload(request.get("preload", ()))
-            pid = os.fork()
-            if pid == 0:
+            plan = request.get("jail")
+            report_r, report_w = os.pipe()
+            holder = os.fork()
+            if holder == 0:
                 sock.close()
-                _child(engine_process, fds[0])
+                os.close(report_r)
+                _hold(engine_process, fds[0], plan, report_w)
+            os.close(report_w)
             for fd in fds:
                 os.close(fd)
-            sock.sendall(json.dumps({"pid": pid}).encode())
+            reports[holder] = _Reports(report_r)
+            answer = reports[holder].until_started()
+            sock.sendall(json.dumps({**answer, "holder": holder}).encode())
         elif request["op"] == "ping":
             sock.sendall(json.dumps({"pong": True}).encode())
         elif request["op"] == "wait":
+            holder = int(request["holder"])
+            code: Any = reports.pop(holder).exit_code() if holder in reports else None
             try:
-                _, status = os.waitpid(int(request["pid"]), 0)
-                code: Any = os.waitstatus_to_exitcode(status)
+                os.waitpid(holder, 0)
             except ChildProcessError:
-                code = None
+                pass
             sock.sendall(json.dumps({"exitcode": code}).encode())
+
+
+class _Reports:
+    """The lines a holder and its engine process write on their report pipe: `pid N` (the holder),
+    `jail ok` or `jail <error>` (the engine process, once confined), `exit C` (the holder, at the end)."""
+
+    def __init__(self, fd: int) -> None:
+        self._file = os.fdopen(fd, "r")
+        self.lines: dict[str, str] = {}
+
+    def _next(self) -> bool:
+        line = self._file.readline()
+        if not line:
+            return False
+        key, _, value = line.strip().partition(" ")
+        self.lines[key] = value
+        return True
+
+    def until_started(self) -> dict:
+        while ("pid" not in self.lines or "jail" not in self.lines) and self._next():
+            pass
+        jail = self.lines.get("jail", "the engine process ended before it was confined")
+        if "pid" not in self.lines:
+            return {"pid": None, "error": self.lines.get("error", "the holder process died")}
+        return {"pid": int(self.lines["pid"]), "error": "" if jail == "ok" else jail}
+
+    def exit_code(self) -> int | None:
+        while "exit" not in self.lines and self._next():
+            pass
+        self._file.close()
+        value = self.lines.get("exit")
+        return int(value) if value not in (None, "") else None
+
+
+def _hold(engine_process: Any, fd: int, plan: dict | None, report: int) -> None:
+    """The holder: enter the new namespaces, fork the engine's process, wait for it, report its exit."""
+    code = 0
+    try:
+        engine_process.die_with_parent()
+        if plan is not None:
+            jail.enter_namespaces(jail.JailPlan.from_json(plan))
+        pid = os.fork()
+        if pid == 0:
+            _child(engine_process, fd, plan, report)
+        os.close(fd)
+        os.write(report, f"pid {pid}\n".encode())
+        _, status = os.waitpid(pid, 0)
+        os.write(report, f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
+    except BaseException as exc:  # noqa: BLE001 - reported to the zygote, which tells the judge
+        os.write(report, f"error {type(exc).__name__}: {exc}\n".replace("\n", " ").encode() + b"\n")
+        code = 1
+    finally:
+        os._exit(code)
 
 
 def _preload(modules: Any) -> None:
@@ -141,14 +223,36 @@ def _preload(modules: Any) -> None:
 
 def _import_environment() -> dict[str, str]:
     """The environment variables that change what importing torch, triton and friends does."""
-    prefixes = ("TRITON", "TORCH", "PYTORCH", "CUDA", "OMP", "MKL", "KMP", "OPENBLAS", "LD_", "PYTHON")
-    return {k: v for k, v in os.environ.items() if k.startswith(prefixes)}
+    return {k: v for k, v in os.environ.items() if k.startswith(_IMPORT_PREFIXES)}
 
 
-def _child(engine_process: Any, fd: int) -> None:
+_IMPORT_PREFIXES = ("TRITON", "TORCH", "PYTORCH", "CUDA", "OMP", "MKL", "KMP", "OPENBLAS", "LD_", "PYTHON")
+_ENGINE_NAMES = ("PATH", "LANG", "LANGUAGE", "TZ", "CC", "CXX", "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES")
+_SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSW", "CREDENTIAL", "AUTH", "COOKIE", "SESSION")
+
+
+def engine_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """What an engine may see of the judge's environment: the variables that steer torch, Triton, CUDA
+    and the thread pools, the locale and PATH; nothing whose name suggests a secret."""
+    kept = {k: v for k, v in env.items()
+            if (k in _ENGINE_NAMES or k.startswith(_IMPORT_PREFIXES) or k.startswith("LC_"))
+            and not any(word in k.upper() for word in _SECRET_WORDS)}
+    return kept
+
+
+def _child(engine_process: Any, fd: int, plan: dict | None, report: int) -> None:
+    """The engine's process: confined (when there is a plan) before any engine code, then the engine."""
     code = 0
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        try:
+            if plan is not None:
+                jail.confine(jail.JailPlan.from_json(plan), keep_fds=(fd, report))
+            os.write(report, b"jail ok\n")
+        except BaseException as exc:  # noqa: BLE001 - the engine must not run unconfined
+            os.write(report, f"jail {type(exc).__name__}: {exc}".replace("\n", " ").encode() + b"\n")
+            raise
+        os.close(report)
         engine_process.main(Connection(fd))
     except BaseException:  # noqa: BLE001 - the judge sees the closed connection
         code = 1

@@ -1,4 +1,5 @@
-"""Command line: `python -m evo run CONFIG [--out DIR] [--set key=value ...]`."""
+"""Command line: `python -m evo run CONFIG [--out DIR] [--set key=value ...]`, and the other commands
+(`resume`, `compare`, `bench`, `ab`, `serve`, `genes`, `report`, `mlflow-sync`)."""
 from __future__ import annotations
 
 import argparse
@@ -9,10 +10,25 @@ from pathlib import Path
 from evo.driver.config import ConfigError, load_config
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m evo", description="Evolve inference engines on Ray.")
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends each option's default, unless its help already says what the default is (a computed one)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or isinstance(action, (argparse._StoreTrueAction, argparse._StoreConstAction, argparse._HelpAction)):
+            return text
+        if action.option_strings and action.default in (None, []):
+            return f"{text} (default: none)"
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: one subparser per command, every option with its help and its default."""
+    parser = argparse.ArgumentParser(prog="python -m evo", description="Evolve inference engines on Ray.",
+                                     formatter_class=_HelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    run_cmd = commands.add_parser("run", help="run a search from a YAML config")
+    add = lambda name, **kw: commands.add_parser(name, formatter_class=_HelpFormatter, **kw)  # noqa: E731
+    run_cmd = add("run", help="run a search from a YAML config")
     run_cmd.add_argument("config", help="YAML experiment config (the files under configs/)")
     run_cmd.add_argument("--out", help="run directory (default: <out_dir>/<name>-<timestamp>)")
     run_cmd.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -20,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     run_cmd.add_argument("--warm-start", metavar="RUN_DIR|LESSONS|EXPERIMENT", default=None,
                          help="start from what an earlier run of the same workload, preset and device learned: its "
                               "run directory, its lessons.yaml, or an MLflow experiment (its newest run with lessons)")
-    compare_cmd = commands.add_parser("compare", help="benchmark search strategies at the same budget and seeds")
+    _verbosity_flags(run_cmd)
+    compare_cmd = add("compare", help="benchmark search strategies at the same budget and seeds")
     compare_cmd.add_argument("config", help="YAML experiment config (a smoke-sized one under configs/ is quick)")
     compare_cmd.add_argument("--strategies", default="agents,random,tpe",
                              help="comma-separated: agents, agents-basic, agents+optuna, random, tpe, agents-warm")
@@ -30,19 +47,22 @@ def main(argv: list[str] | None = None) -> int:
                                            "(default: <out_dir>/compare-<name>-<timestamp>)")
     compare_cmd.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                              help="override a config value (repeatable)")
-    resume_cmd = commands.add_parser("resume", help="continue a search from its run directory")
+    resume_cmd = add("resume", help="continue a search from its run directory")
     resume_cmd.add_argument("run_dir", help="the run directory of an interrupted search")
-    serve_cmd = commands.add_parser("serve", help="serve a run's best engine over HTTP with Ray Serve")
+    _verbosity_flags(resume_cmd)
+    serve_cmd = add("serve", help="serve a run's best engine over HTTP with Ray Serve")
     serve_cmd.add_argument("engine", metavar="RUN",
                            help="run directory, models:/NAME/VERSION, runs:/RUN_ID, an MLflow run id or default:WORKLOAD/PRESET")
-    serve_cmd.add_argument("--host", default="127.0.0.1")
-    serve_cmd.add_argument("--port", type=int, default=8000)
+    serve_cmd.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    serve_cmd.add_argument("--port", type=int, default=8000, help="HTTP port; it must be free")
     serve_cmd.add_argument("--name", default="engine", help="Serve application name")
-    serve_cmd.add_argument("--max-batch-size", type=int, default=8)
-    serve_cmd.add_argument("--tracking-uri", default=None, help="MLflow store for models:/ and runs:/ sources")
-    genes_cmd = commands.add_parser("genes", help="print a workload preset's gene space")
-    genes_cmd.add_argument("config")
-    bench_cmd = commands.add_parser("bench", help="evaluate genomes and every baseline in this process (no Ray, no MLflow needed)")
+    serve_cmd.add_argument("--max-batch-size", type=int, default=8,
+                           help="most requests a replica runs as one batched call")
+    serve_cmd.add_argument("--tracking-uri", default=None, help="MLflow store for models:/ and runs:/ sources "
+                                                                "(default: $MLFLOW_TRACKING_URI, else ./mlflow.db)")
+    genes_cmd = add("genes", help="print a workload preset's gene space")
+    genes_cmd.add_argument("config", help="YAML experiment config: its workload, preset and genes restriction")
+    bench_cmd = add("bench", help="evaluate genomes and every baseline in this process (no Ray, no MLflow needed)")
     bench_cmd.add_argument("config", help="YAML experiment config (the files under configs/)")
     bench_cmd.add_argument("--genomes", default=None, metavar="FILE",
                            help="JSON list or JSON lines of genomes (full, or flat {gene: value} with defaults)")
@@ -54,16 +74,33 @@ def main(argv: list[str] | None = None) -> int:
     bench_cmd.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow even when it is installed")
     bench_cmd.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                            help="override a config value, e.g. --set evaluator.repeats=5 (repeatable)")
-    sync_cmd = commands.add_parser("mlflow-sync", help="replay the MLflow writes a run left pending (store was down)")
+    ab_cmd = add("ab", help="paired test of two engines: latency ratio, 95%% interval, verdict")
+    ab_cmd.add_argument("config", help="YAML experiment config (workload, preset, evaluator settings)")
+    ab_cmd.add_argument("a", metavar="A", help="genome JSON or a file of it, a genome hash from a run's evidence, "
+                                               "'default', or a baseline's name")
+    ab_cmd.add_argument("b", metavar="B", help="the same kinds as A")
+    ab_cmd.add_argument("--calls", type=int, default=None, help="paired calls per engine (default search.intensify.calls)")
+    ab_cmd.add_argument("--warmup", type=int, default=None, help="untimed calls per engine first (default search.intensify.warmup)")
+    ab_cmd.add_argument("--min-effect", type=float, default=None,
+                        help="smallest difference called faster/slower (default search.intensify.min_effect)")
+    ab_cmd.add_argument("--run", dest="runs", action="append", default=[], metavar="RUN_DIR",
+                        help="where to look up genome hashes (repeatable; default: every run under out_dir)")
+    ab_cmd.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value (repeatable)")
+    sync_cmd = add("mlflow-sync", help="replay the MLflow writes a run left pending (store was down)")
     sync_cmd.add_argument("run_dir", metavar="RUN_DIR", help="run directory holding mlflow_outbox.jsonl")
     sync_cmd.add_argument("--tracking-uri", default=None, help="MLflow store (default: the one the run used)")
     sync_cmd.add_argument("--wait", type=float, default=30.0, help="seconds to keep retrying an unreachable store")
-    report_cmd = commands.add_parser("report", help="print the best engine's ancestry and write the lineage page")
+    report_cmd = add("report", help="print the best engine's ancestry and write the lineage page")
     report_cmd.add_argument("run", metavar="RUN_DIR|RUN_ID", help="run directory, or MLflow run id (runs:/ID)")
     report_cmd.add_argument("--out", default=None,
                             help="folder for lineage.html and its PNGs (default: RUN_DIR/lineage, or ./lineage-<run id>)")
     report_cmd.add_argument("--tracking-uri", default=None, help="MLflow store for a run id (default: as `run` uses)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.abspath(".inductor_cache"))
     if args.command == "serve":
@@ -91,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from evo.driver.run import run
 
-        outcome = run(saved.config, resume=saved, handle_signals=True)
+        outcome = run(saved.config, resume=saved, handle_signals=True, verbosity=args.verbosity)
         return 0 if outcome.summary.best_hash else 1
     if args.command == "report":
         from evo.core.jsonl import JsonlError
@@ -122,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         return _print_genes(config)
     if args.command == "bench":
         return _bench(config, args)
+    if args.command == "ab":
+        return _ab(config, args)
     if args.command == "compare":
         from evo.bench.compare import compare
 
@@ -154,11 +193,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: cannot warm-start: {exc}", file=sys.stderr)
             return 2
     try:
-        outcome = run(config, args.out, handle_signals=True, lessons=lessons, checked=True)
+        outcome = run(config, args.out, handle_signals=True, lessons=lessons, checked=True, verbosity=args.verbosity)
     except (ConfigError, RunDirError, LessonsError) as exc:  # before the search starts (lessons of another device)
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
     return 0 if outcome.summary.best_hash else 1
+
+
+def _verbosity_flags(command: argparse.ArgumentParser) -> None:
+    """-q / -v of the commands that run a search (levels of evo.driver.progress: -1, 0, 1)."""
+    group = command.add_mutually_exclusive_group()
+    group.add_argument("-q", "--quiet", dest="verbosity", action="store_const", const=-1, default=0,
+                       help="print only warnings and the final summary (run.log still gets every line)")
+    group.add_argument("-v", "--verbose", dest="verbosity", action="store_const", const=1,
+                       help="also print debug lines (and write them to run.log)")
 
 
 def _one_line(exc: Exception) -> str:
@@ -201,6 +249,21 @@ def _bench(config, args) -> int:
     return 0 if any(r.status == "ok" for r in rows) else 1
 
 
+def _ab(config, args) -> int:
+    from evo.bench.ab import ab, report
+
+    settings = config.search.intensify
+    try:
+        timing = ab(config, args.a, args.b, calls=args.calls or settings.calls,
+                    warmup=settings.warmup if args.warmup is None else args.warmup,
+                    min_effect=settings.min_effect if args.min_effect is None else args.min_effect, runs=args.runs)
+    except (ValueError, RuntimeError) as exc:  # a genome that is not JSON, an ambiguous hash, no CUDA here
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    print(report(timing), flush=True)
+    return 2 if timing.verdict == "failed" else 0
+
+
 def _print_genes(config) -> int:
     from evo.workloads import get_workload
     from evo.workloads.base import DeviceInfo
@@ -208,11 +271,31 @@ def _print_genes(config) -> int:
     workload = get_workload(config.workload)
     preset = workload.presets()[config.preset]
     device = DeviceInfo(preset.device, preset.device, config.evaluators.threads)
-    for row in workload.gene_space(preset, device).describe():
-        print(f"{row['domain']:10s} {row['gene']:24s} default={row['default']!s:22s} {row['values']}  {row['doc']}")
+    space = workload.gene_space(preset, device)
+    for line in gene_table(space.describe()):
+        print(line)
+    shown = {name for row in space.describe() for name in row["constraint"].split("; ") if name}
+    for constraint in space.constraints:
+        if constraint.name not in shown:
+            print(f"constraint over several genes: {constraint.name}")
     import importlib.util
 
     if preset.device == "cuda" and importlib.util.find_spec("triton") is None:
         print("note: triton is not importable here, so the Triton engine's genes are not listed; they join"
               " the gene space where triton is installed (no GPU is needed to list them)")
     return 0
+
+
+GENE_COLUMNS = ("gene", "domain", "values", "default", "constraint")
+
+
+def gene_table(rows: list[dict]) -> list[str]:
+    """`GeneSpace.describe()` rows as an aligned table with a header; each gene's doc is the last column."""
+    cells = [[", ".join(map(str, row[c])) if c == "values" else str(row[c]) for c in GENE_COLUMNS] for row in rows]
+    header = [*GENE_COLUMNS, "doc"]
+    widths = [max(len(text) for text in column) for column in zip(GENE_COLUMNS, *cells)]
+    lines = ["  ".join(text.ljust(w) for text, w in zip(header, [*widths, 0])).rstrip()]
+    lines.append("  ".join("-" * w for w in [*widths, 3]))
+    for row, cell in zip(rows, cells):
+        lines.append("  ".join(text.ljust(w) for text, w in zip([*cell, row["doc"]], [*widths, 0])).rstrip())
+    return lines

@@ -10,8 +10,10 @@ runs only in an evaluator's isolated engine process.
 
 It never blocks a generation: `propose` hands over the proposals finished so far and queues new
 work on background threads, so the other agents keep proposing while the model thinks. After each
-result of its own it asks the model for the lesson (the critique) and appends it to the lessons file
-of the (workload, device kind), which later runs read. Every exchange is kept as a JSON artifact in
+result of its own that failed, or that the search found faster than its parent (with intensification:
+confirmed by a paired re-timing), it asks the model for the lesson (the critique) and appends it to
+the lessons file of the (workload, device kind), which later runs read; a correct result that was not
+found faster gets no lesson (its single timing proves nothing). Every exchange is kept as a JSON artifact in
 the run directory (`agent/`), secrets redacted; calls, tokens, dollars and wall time are counted per
 candidate (in its `metrics` and `artifacts`) and for the run, against the budget in the settings.
 """
@@ -29,7 +31,7 @@ from typing import Any, Mapping
 from evo.core.code import CodeError, CodeStore, OpenStage, check_source, code_hash
 from evo.core.effects import GeneEffects
 from evo.core.genome import GeneSpace, Genome, GenomeError
-from evo.core.proposer import register_proposer
+from evo.core.proposer import Feedback, register_proposer
 from evo.core.records import Evaluated, Proposal, split_notes
 from evo.workloads import get_workload
 from evo.workloads.base import DeviceInfo
@@ -97,6 +99,7 @@ class CodeAgent(Agent):
         self.handed: dict[str, Proposal] = {}  # given to the search at the last propose, by hash
         self.best_ms = math.inf
         self._known: set[str] = set()
+        self._unproven: set[str] = set()  # own correct results not confirmed faster than their parent: no lesson
         self._lock = threading.RLock()
         self._futures: list[Future] = []
         self._pool = ThreadPoolExecutor(max_workers=settings.concurrency, thread_name_prefix="code-agent")
@@ -128,6 +131,15 @@ class CodeAgent(Agent):
                 self._futures.append(self._pool.submit(self._guard, self._propose_one, job))
         return [replace(p, generation=generation) for p in handed]
 
+    def tell(self, feedback: Feedback) -> None:
+        """As every agent; and a correct result of its own that the search did not find faster than its
+        parent (`feedback.improved`: with intensification, confirmed by a paired re-timing) gets no
+        lesson: its single timing claims an effect nobody measured (a comment-only edit "9% faster")."""
+        with self._lock:
+            self._unproven |= {e.proposal.hash for e in feedback.own(self.name)
+                               if e.result.ok and e.proposal.hash not in feedback.improved}
+        super().tell(feedback)
+
     def observe(self, results: tuple[Evaluated, ...]) -> None:
         with self._lock:
             for item in results:
@@ -136,7 +148,13 @@ class CodeAgent(Agent):
                     self.best_ms = min(self.best_ms, item.result.latency_ms)
                 self._known.add(item.proposal.hash)
                 mine = self.mine.pop(item.proposal.hash, None)
-                if mine is not None:
+                if mine is not None and item.proposal.hash in self._unproven:
+                    self._unproven.discard(item.proposal.hash)
+                    self._write_record({"id": f"critique-{item.proposal.hash}", "kind": "critique",
+                                        "stage": mine.stage, "genome": item.proposal.hash,
+                                        "outcome": "no lesson: correct, but not found faster than its parent "
+                                                   "(equal within noise, or not re-timed)"})
+                elif mine is not None:
                     self._futures.append(self._pool.submit(self._guard, self._critique, item, mine))
 
     def close(self) -> None:

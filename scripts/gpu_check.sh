@@ -63,6 +63,15 @@ else
   "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests/test_kda_triton.py tests/test_kda_triton_code.py
 fi
 
+# The judge confines engines (evaluator.sandbox strict) where this machine allows it; else it says so.
+WHY=$("$PYTHON" -c "from evaluators.sandbox import probe_strict; print(probe_strict())" 2>&1 | tail -1)
+if [ -z "$WHY" ]; then
+  echo "sandbox: strict (engines confined: namespaces, seccomp, cgroups)"
+else
+  echo "sandbox: NONE -- engines run UNCONFINED on this machine ($WHY)"
+  SETTINGS+=(--set evaluator.sandbox=none)
+fi
+
 echo "== bench: $PRESET, genomes from $GENOMES, baselines $BASELINES =="
 "$PYTHON" -m evo bench "$CONFIG" --set "preset=$PRESET" --genomes "$GENOMES" --baselines "$BASELINES" \
   --out "$OUT" "${SETTINGS[@]}"

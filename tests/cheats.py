@@ -5,7 +5,9 @@ builds the honest engine, any other value wraps the honest engine in that cheat.
 like any workload, so the cheats go through the evaluator's full path (build, first call, check,
 timing) with every guard the evaluator applies to every engine.
 
-CHEATS lists the cheats that must come back 'incorrect'. PROBES lists engines that try to tell checks
+CHEATS lists the cheats that must come back 'incorrect'. DOMAIN_CHEATS (KDA only) are right everywhere
+but on a part of the input domain no fixed check case reaches: the cases drawn over the domain on
+every evaluation must make them 'incorrect' (tests/test_domain.py). PROBES lists engines that try to tell checks
 from timed calls (or to fool the judge's clock) and cheat only when they think they can: the judge
 gives them nothing to tell apart, so they must never come back 'ok' at a latency their cheat bought.
 """
@@ -15,10 +17,12 @@ import threading
 import time
 from typing import Callable, Mapping
 
+import numpy as np
 import torch
 
 from evaluators.check import expected_dtypes
 from evo.core.genome import Gene, GeneSpace, Genome
+from evo.workloads.domain import InputDomain
 from evo.workloads.base import NO_SOURCES, CheckCase, DeviceInfo, Engine, MachineRates, Preset, Roofline, Workload
 
 # cheat -> (class in the issue, what it does)
@@ -53,6 +57,18 @@ CHEATS: dict[str, tuple[str, str]] = {
     # issue 9: batch size and head count never varied
     "batch1_only": ("axes", "right for B=1 only: every batch element gets element 0's answer"),
     "heads_upto_preset": ("axes", "right only up to the preset's head count (KDA H, fake D)"),
+}
+
+# issue 23: the cascade checked a few points of each free axis and value range; users send the rest.
+# Each is right everywhere but on a part of the domain no fixed check case reaches (KDA only).
+DOMAIN_CHEATS: dict[str, str] = {
+    "batch_3_to_7": "wrong only for B in 3..7 (the fixed cases check B = 1, 2 and 8)",
+    "batch_over_2_long": "wrong only for B > 2 at T > 77",
+    "ragged_64": "wrong only for T > 64 with T % 64 in 1..12 (a short last chunk of 64)",
+    "beta_zero": "wrong only on tokens whose beta is exactly 0",
+    "beyond_4t": "wrong only for T beyond 4x the preset's T",
+    "correlated_keys": "wrong only when consecutive keys point almost the same way",
+    "decay_floor": "wrong only when g sits at the domain's floor (log decay -5) on over 1% of its entries",
 }
 
 # Engines that cheat only when they believe a call is timed, not checked (or that the judge's clock is theirs).
@@ -92,6 +108,15 @@ class CheatWorkload(Workload):
     def free_axes(self, preset: Preset) -> dict[str, tuple[int, ...]]:
         return self.base.free_axes(preset)
 
+    def domain(self, preset: Preset) -> InputDomain:
+        return self.base.domain(preset)
+
+    def draw_cases(self, preset: Preset, rng: np.random.Generator) -> list[CheckCase]:
+        return self.base.draw_cases(preset, rng)
+
+    def output_shapes(self, case: CheckCase) -> dict[str, tuple[int, ...]] | None:
+        return self.base.output_shapes(case)
+
     def output_dtypes(self, preset: Preset) -> dict[str, str]:
         return expected_dtypes(self.base, preset)
 
@@ -116,7 +141,7 @@ class CheatWorkload(Workload):
 
 
 def _gene_values() -> tuple[str, ...]:
-    return (NONE, *CHEATS, *PROBES)
+    return (NONE, *CHEATS, *PROBES, *DOMAIN_CHEATS)
 
 
 def _cast(outputs: dict, dtypes: dict[str, str]) -> dict:
@@ -361,11 +386,13 @@ def _patch_comparison(honest, w, preset):
 
 
 def _patch_timer(honest, w, preset):
-    import evaluators.evaluator as evaluator
-
     real = time.perf_counter
     time.perf_counter = lambda: real() / 100.0
-    evaluator.Evaluator._below_floor = lambda self, latency_ms: False
+    try:  # the strict sandbox hides the judge's modules: nothing to patch there
+        import evaluators.evaluator as evaluator
+        evaluator.Evaluator._below_floor = lambda self, latency_ms: False
+    except ImportError:
+        pass
     return lambda **x: {k: torch.zeros_like(v) for k, v in honest(**x).items()}
 
 
@@ -435,6 +462,40 @@ def _probe_clock(honest, w, preset):
     return honest
 
 
+# ---- issue 23 -----------------------------------------------------------------------------------------
+def _wrong_when(condition: Callable[[dict, Preset], bool]):
+    """Honest, but o off by 1% whenever `condition(inputs, preset)` holds."""
+    def wrap(honest, w, preset):
+        def engine(**x):
+            out = honest(**x)
+            return {**out, "o": out["o"] * 1.01} if condition(x, preset) else out
+        return engine
+    return wrap
+
+
+def _beta_zero(honest, w, preset):
+    def engine(**x):
+        out = honest(**x)
+        zero = (x["beta"] == 0)[..., None]  # [B, T, H, 1]
+        return {**out, "o": torch.where(zero, out["o"] * 1.01, out["o"])} if zero.any() else out
+    return engine
+
+
+def _consecutive_cosine(k: torch.Tensor) -> float:
+    k = torch.nn.functional.normalize(k.float(), dim=-1)  # [B, T, H, K]
+    return float((k[:, 1:] * k[:, :-1]).sum(-1).mean()) if k.shape[1] > 1 else 0.0
+
+
+_DOMAIN_WRAPPERS: dict[str, Callable] = {
+    "batch_3_to_7": _wrong_when(lambda x, p: 3 <= x["q"].shape[0] <= 7),
+    "batch_over_2_long": _wrong_when(lambda x, p: x["q"].shape[0] > 2 and x["q"].shape[1] > 77),
+    "ragged_64": _wrong_when(lambda x, p: x["q"].shape[1] > 64 and 1 <= x["q"].shape[1] % 64 <= 12),
+    "beta_zero": _beta_zero,
+    "beyond_4t": _wrong_when(lambda x, p: x["q"].shape[1] > 4 * p.shape["T"]),
+    "correlated_keys": _wrong_when(lambda x, p: _consecutive_cosine(x["k"]) > 0.9),
+    "decay_floor": _wrong_when(lambda x, p: float((x["g"] <= -5.0).float().mean()) > 0.01),
+}
+
 _WRAPPERS: dict[str, Callable] = {
     "zeros": _zeros, "constant": _constant, "inplace": _inplace, "memoise": _memoise,
     "memoise_by_shape": _memoise_by_shape, "bf16": _bf16, "fixed_seed": _fixed_seed,
@@ -450,7 +511,8 @@ _WRAPPERS: dict[str, Callable] = {
     "probe_flags": _probe(_flags_differ), "probe_stack": _probe(_stack_differs), "probe_gap": _probe(_back_to_back),
     "probe_clock": _probe_clock,
 }
-assert set(_WRAPPERS) == set(CHEATS) | set(PROBES)
+_WRAPPERS.update(_DOMAIN_WRAPPERS)
+assert set(_WRAPPERS) == set(CHEATS) | set(PROBES) | set(DOMAIN_CHEATS)
 
 
 def _kda() -> CheatWorkload:

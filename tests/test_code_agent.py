@@ -155,6 +155,31 @@ def test_a_result_is_critiqued_into_the_lessons_file_which_the_next_agent_reads(
     assert critique in server.requests[0]["messages"][1]["content"]
 
 
+def test_a_correct_edit_not_found_faster_gets_no_lesson_and_a_confirmed_one_does(tmp_path, fake):
+    """The search tells the agent which children improved (with intensification: confirmed by a paired
+    re-timing); a correct edit outside that set (a comment-only change timed lucky once) is not a lesson."""
+    from evo.core.proposer import Feedback
+
+    other = Step(edit(replace="    o = torch.cumsum(x, 1)\n", rationale="positional dim"))
+    with ScriptedLlmServer([GOOD, other, Step("Direct calls pay.")]) as server:
+        agent = make_agent(server, tmp_path, critique=True, queue=2)
+        proposals = one_round(agent)
+        assert len(proposals) == 2 and proposals[0].hash != proposals[1].hash
+        evaluator = Evaluator(fake, "cpu", EvaluatorSettings(warmup=1, repeats=3), seed=1)
+        items = tuple(Evaluated(p, evaluator.evaluate(p.genome.to_json(), dict(p.sources))) for p in proposals)
+        assert all(item.result.status == OK for item in items), [i.result.message for i in items]
+        agent.tell(Feedback(1, items[:1], frozenset()))  # equal within noise: not improved
+        assert agent.wait_idle(60)
+        path = tmp_path / "lessons" / "fake-cpu.md"
+        assert not path.exists() or items[0].proposal.hash not in path.read_text()
+        assert any(line["outcome"].startswith("no lesson") and line["genome"] == items[0].proposal.hash
+                   for line in log_lines(tmp_path))
+        agent.tell(Feedback(2, items[1:2], frozenset({items[1].proposal.hash})))  # confirmed faster: a lesson
+        assert agent.wait_idle(60)
+        assert items[1].proposal.hash in path.read_text() and "Direct calls pay." in path.read_text()
+        agent.close()
+
+
 def test_state_survives_a_restart(tmp_path):
     with ScriptedLlmServer([GOOD]) as server:
         agent = make_agent(server, tmp_path)

@@ -44,3 +44,12 @@ def test_wrong_types_and_values_are_named():
         load_config(None, ["search.generations"])
     with pytest.raises(ConfigError, match="not found"):
         load_config("nope.yaml")
+
+
+def test_an_empty_config_file_is_an_error_pointing_at_the_sample(tmp_path):
+    for text in ("", "\n# nothing but comments\n"):
+        path = tmp_path / "empty.yaml"
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=r"empty\.yaml.*empty \(or only comments\).*configs/kda_smoke\.yaml"):
+            load_config(path)
+    assert load_config(CONFIGS / "kda_smoke.yaml").preset == "cpu_small"  # the sample it names loads

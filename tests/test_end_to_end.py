@@ -47,6 +47,17 @@ def test_summary_reports_best_baselines_and_roofline(outcome):
     assert 0 < summary["roofline"]["fraction_of_floor"] < 1
     assert json.loads((result.run_dir / "best_genome.json").read_text()) == summary["best_genome"]
     assert "best engine" in log and "vs best baseline" in log
+    # the final paired re-timing against every baseline: each speedup with its 95% interval
+    assert set(summary["speedup_ci"]) == set(config.baselines), log[-3000:]
+    for name, (low, high) in summary["speedup_ci"].items():
+        assert 0 < low <= summary["speedup_paired"][name] <= high
+    assert summary["intensification"]["retimings"] <= summary["intensification"]["budget"]
+    final = [json.loads(line) for line in (result.run_dir / "retimings.jsonl").read_text().splitlines()]
+    assert {r["b"] for r in final if r["reason"] == "baseline"} == {f"baseline:{n}" for n in config.baselines}
+    assert "paired:" in log and "re-timings" in log
+    # one line per finished candidate, and the whole log in the run directory
+    assert sum(line.startswith("cand gen ") for line in log.splitlines()) == summary["evaluations"], log[-3000:]
+    assert "best engine" in (result.run_dir / "run.log").read_text()
 
 
 def test_best_engine_is_correct_on_fresh_inputs(outcome):
@@ -80,6 +91,8 @@ def test_mlflow_holds_parent_and_generation_runs(outcome):
     assert all(b.value <= a.value for a, b in zip(history, history[1:]))
     assert parent.data.metrics["speedup_vs_best_baseline"] == pytest.approx(result.summary.speedup_vs_best_baseline)
     assert "fraction_of_roofline" in parent.data.metrics
+    for name in config.baselines:
+        assert parent.data.metrics[f"speedup_ci_low_vs_{name}"] <= parent.data.metrics[f"speedup_ci_high_vs_{name}"]
     assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {"summary.json", "best_genome.json"}
     children = client.search_runs([experiment.experiment_id],
                                   filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
@@ -102,6 +115,7 @@ def test_best_engine_is_registered_as_a_model_linked_to_the_search(outcome):
     client = MlflowClient(tracking_uri=uri)
     model_version = client.get_model_version(name, version)
     assert model_version.run_id == result.mlflow_run_id
+    assert set(model_version.tags) >= {f"speedup_ci.{b}" for b in config.baselines}, model_version.tags
     record = resolve(registered, uri)
     assert record.genome.hash == result.summary.best_hash and record.preset == config.preset
     mlflow.set_tracking_uri(uri)

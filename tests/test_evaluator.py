@@ -47,7 +47,8 @@ def test_correct_engine_is_ok_with_latency_and_spread(ev):
     ("noisy", INCORRECT, "tolerance 1.0e-05"),
     ("raise_build", BUILD_ERROR, "deliberate failure at build time"),
     ("raise_run", RUNTIME_ERROR, "deliberate failure at run time"),
-    ("raise_small", RUNTIME_ERROR, "on check case 'small"),  # 'small' or 'small_wide_b1', whichever comes first
+    # 'small' or 'small_wide_b1', or a drawn case with T < 16, whichever comes first
+    ("raise_small", RUNTIME_ERROR, ("on check case 'small", "drawn case")),
     ("oom", RUNTIME_ERROR, "out of memory"),
     ("shared_outputs", INCORRECT, "share memory"),
     ("strided", INCORRECT, "not contiguous"),
@@ -56,7 +57,7 @@ def test_correct_engine_is_ok_with_latency_and_spread(ev):
 def test_faults_become_statuses(ev, impl, status, words):
     r = ev.evaluate(fw.genome_json(impl))
     assert r.status == status, r.message
-    assert words in r.message
+    assert any(w in r.message for w in ((words,) if isinstance(words, str) else words)), r.message
     assert not r.ok and math.isnan(r.latency_ms)
     if status != INCORRECT:
         assert "Error" in r.error and "Traceback" in r.error

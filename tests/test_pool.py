@@ -50,6 +50,22 @@ def test_baselines_run_through_the_pool(pool):
     assert results["torch_cumsum"].status == OK and results["broken"].status == "incorrect"
 
 
+def test_paired_re_timings_run_through_the_pool_one_answer_per_job(pool):
+    """Each job in one evaluator actor (`Evaluator.retime`), answers in job order; a wrong engine fails."""
+    from evaluators.pool import RetimeJob
+
+    good, same = fake_workload.genome_json("cumsum"), fake_workload.genome_json("cumsum", threads=1)
+    jobs = [RetimeJob((good, same), {}, calls=8, warmup=0, reason="parent", generation=3),
+            RetimeJob((fake_workload.genome_json("zeros"), "baseline:torch_cumsum"), {}, calls=8, warmup=0),
+            RetimeJob((good, "torch_cumsum", "broken"), {}, calls=8, warmup=0, reason="baseline")]
+    (aa,), (wrong,), final = pool.retime(jobs)
+    assert aa.verdict != "failed" and aa.pairs == 8 and aa.reason == "parent" and aa.generation == 3, aa.message
+    assert aa.evaluator.startswith("evaluator-") and aa.telemetry
+    assert wrong.verdict == "failed" and "incorrect" in wrong.message
+    assert len(final) == 2 and all(t.verdict == "failed" for t in final)  # the broken baseline fails the run
+    assert "baseline:broken" in final[0].message
+
+
 def test_unplaceable_evaluators_fail_fast(ray_local):
     settings = EvaluatorSettings()
     with pytest.raises(PlacementError, match="need 64 CPUs"):

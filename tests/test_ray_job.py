@@ -160,6 +160,9 @@ def cluster(tmp_path_factory):
     try:
         wait_for(lambda: http_answers("http://127.0.0.1:8265/api/version"), 90, "the Ray job server", OSError)
         wait_for(lambda: http_ok(f"{TRACKING}/health"), 90, "the MLflow server", OSError)
+        # the job server answers before its agent has registered ("No available agent to submit job")
+        wait_for(lambda: project.run(terminal_3(), "ray job submit --no-wait -- true", timeout=60).returncode == 0,
+                 180, "the Ray job agent", (subprocess.TimeoutExpired,))
         yield project
     finally:
         for process in (head, store):

@@ -151,6 +151,18 @@ def test_served_outputs_match_the_float64_reference(server):
     assert info["verification"]["max_rel_error"] < 1e-5
     assert info["hash"] == Genome.from_dict(info["genome"]).hash
     assert {"latency_ms", "speedups", "device", "mlflow_run_id", "last_swap"} <= set(info)
+    status, response = post(server, json.dumps(info["example_request"]).encode())  # the example it offers works
+    assert status == 200 and set(response["outputs"]) == {"o", "final_state"}, response
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_the_curl_evo_serve_prints_is_answered(server):
+    from evo.serving.serve_cli import curl_for
+
+    command = curl_for("kda", "cpu_small", server.url)
+    done = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=120)
+    response = json.loads(done.stdout)
+    assert done.returncode == 0 and set(response["outputs"]) == {"o", "final_state"}, done.stdout[:500]
 
 
 def _mutate(body: bytes, change) -> bytes:
@@ -181,6 +193,20 @@ def test_bad_requests_get_4xx_naming_the_field_and_the_replica_stays_healthy(ser
     code, response = post(server, good)
     assert code == 200
     assert_matches_reference(good_inputs, response)
+
+
+def test_requests_beyond_the_verified_domain_get_422_naming_the_bound(server):
+    """Serve refuses what the cascade never verified (test_serving_domain.py walks every bound)."""
+    T_max = WORKLOAD.domain(PRESET).axes["T"].hi
+    _, body = request_body(12, encoding="b64")
+    longer = _mutate(body, lambda d: d["inputs"]["q"].update(shape=[1, T_max + 1, 2, 32]))
+    below_floor = _mutate(body, lambda d: d["inputs"]["g"].update(b64=base64.b64encode(
+        torch.full((1, 50, 2, 32), -5.5).numpy().tobytes()).decode()))
+    for raw, field, words in ((longer, "inputs.q.shape", f"(T) is {T_max + 1}"), (below_floor, "inputs.g", "[-5, 0]")):
+        code, response = post(server, raw)
+        assert code == 422 and response["error"]["field"].startswith(field), response
+        assert words in response["error"]["message"], response
+    assert get(server, "/healthz")[0] == 200
 
 
 def test_malformed_json_and_oversized_payloads(server):

@@ -1,6 +1,7 @@
 """SIGTERM (what `ray job stop` sends) stops a search cleanly: what finished is on disk, MLflow says
 KILLED, the run directory is consistent, and `evo resume` completes it without re-evaluating."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -47,8 +48,28 @@ def test_sigterm_stops_cleanly_and_the_run_resumes(tmp_path):
                               filter_string=f"tags.run_dir = '{run_dir.resolve()}'")
     assert [r.info.status for r in runs if "mlflow.parentRunId" not in r.data.tags] == ["KILLED"]
 
-    resumed = evo(tmp_path, "resume", str(run_dir))
+    # one line per finished candidate, as it arrived, and the same lines in the run's run.log
+    assert sorted(candidate_hashes(output)) == sorted(h[:12] for h in hashes), output[-3000:]
+
+    resumed = evo(tmp_path, "resume", "-q", str(run_dir))  # -q: only the final summary (and warnings)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert not candidate_hashes(resumed.stdout) and "best engine" in resumed.stdout, resumed.stdout[-3000:]
     after = journal(run_dir)
     assert len({r["genome_hash"] for r in after}) == len(after) == 20
     assert [r for r in after if r["genome_hash"] in set(hashes)] == rows
+    logged = (run_dir / "run.log").read_text()  # both runs' lines, the quiet one's too
+    assert set(candidate_hashes(logged)) == {r["genome_hash"][:12] for r in after} and "best engine" in logged
+
+    # the Python API reads the finished run back: summary, baselines, one row per evaluation
+    import evo as api
+
+    result = api.load_run(run_dir)
+    frame = result.dataframe()
+    assert len(frame) == 20 and sorted(frame["genome_hash"]) == sorted(r["genome_hash"] for r in after)
+    assert result.summary.evaluations == 20 and result.best_hash in set(frame["genome_hash"])
+    assert set(result.baselines) == {"torch_cumsum"} and result.baselines["torch_cumsum"].ok
+
+
+def candidate_hashes(text: str) -> list[str]:
+    """The genome hash (12 characters) of each per-candidate line (evo.driver.progress.CandidateLines)."""
+    return [line.split(" | ")[1] for line in text.splitlines() if re.search(r"(^|: )cand gen ", line)]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping
 
@@ -408,12 +409,21 @@ class GeneSpace:
         return replace(self, genes=tuple(genes[g.name] for g in self.genes))
 
     def describe(self) -> list[dict[str, Any]]:
-        """The gene table (for docs, configs and logs)."""
+        """The gene table (for docs, configs and logs); `constraint` names the rules that mention the gene."""
         return [
-            {"gene": g.name, "domain": g.domain, "values": list(g.values), "default": g.default, "doc": g.doc}
+            {"gene": g.name, "domain": g.domain, "values": list(g.values), "default": g.default,
+             "constraint": "; ".join(self.constraints_of(g.name)), "doc": g.doc}
             for g in self.genes
-        ] + [{"gene": g.name, "domain": g.domain, "values": ["<code hash>"], "default": None, "doc": g.doc}
-             for g in self.code_genes]
+        ] + [{"gene": g.name, "domain": g.domain, "values": ["<code hash>"], "default": None,
+              "constraint": "; ".join(self.constraints_of(g.name)), "doc": g.doc} for g in self.code_genes]
+
+    def constraints_of(self, gene: str) -> list[str]:
+        """The names of the constraints that involve `gene`: the stage pipeline's rule for its genes, and
+        every constraint whose name mentions the gene (a rule is a function, so its name is what it says)."""
+        names = [c.name for c in self.constraints if re.search(rf"\b{re.escape(gene)}\b", c.name)]
+        if self.pipeline is not None and gene in self.pipeline.gene_names():
+            names.insert(0, self.pipeline.constraint_name)
+        return list(dict.fromkeys(names))
 
 
 def _legal(value: Any, allowed: Iterable[Scalar]) -> bool:

@@ -138,7 +138,13 @@ def from_search(search, workload: str, preset: str, device: str, source: str,
     for item in search.known.values():  # this run's timings replace an earlier run's for the same genome
         if math.isfinite(item.fitness):
             best[item.proposal.hash] = (item.proposal.genome.to_dict(), item.fitness)
-    top = sorted(best.values(), key=lambda b: b[1])[:KEEP_BEST]
+    ranked = sorted(best.items(), key=lambda kv: kv[1][1])
+    # the search's best first: with intensification its wins were confirmed by paired re-timing, while a
+    # faster single timing of another genome may be luck (`evo.core.search`)
+    incumbent = search.best() if callable(getattr(search, "best", None)) else None
+    if incumbent is not None and incumbent.proposal.hash in best:
+        ranked.sort(key=lambda kv: kv[0] != incumbent.proposal.hash)  # stable: the rest stay by latency
+    top = [b for _, b in ranked[:KEEP_BEST]]
     known_code = earlier.code if earlier else {}
     code = {}
     for genome, _ in top:

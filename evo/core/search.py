@@ -13,13 +13,23 @@ to the agents to steer their moves, and each agent's yield (children that improv
 `evo.core.proposer.improves_on_parent`, the same rule as the agents' own statistics), by which the
 offspring are split among the agents. Lessons of earlier runs (`evo.core.lessons`) can seed all
 three: best genomes, agent statistics, effects.
+
+Intensification (`search.intensify`, on where a `Retimer` is given: a run's evaluator pool): one timing
+is one noisy sample, so a candidate that looks faster than the incumbent (the search's best) or than
+its parent is challenged in a paired re-timing against it (`evo.core.retiming`). Only a candidate
+whose whole 95% interval is faster by at least `min_effect` becomes the incumbent, counts as a win of
+its agent (its yield, its move statistics, "best from") and so reaches the lessons; the others are
+recorded as equal within noise (or slower, or failed). Re-timings are bounded by `budget_share` of
+`max_evaluations`, fastest-looking candidates first; a candidate left unchallenged is not credited.
+Without a retimer (the in-process bench, tests) a single timing decides, as it always did.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -31,6 +41,7 @@ from evo.core.lessons import Lessons
 from evo.core.population import Population, PopulationSettings
 from evo.core.proposer import Archive, Feedback, ProposalRequest, improves_on_parent
 from evo.core.records import STATUSES, EvalResult, Evaluated, Parent, Proposal
+from evo.core.retiming import FASTER, Challenge, IntensifySettings, PairedTiming, Retimer
 from evo.core.seeds import derive_seed
 
 # The default team: one agent per genome domain (registered under the domain's name) and recombination.
@@ -55,6 +66,7 @@ class SearchSettings:
     population: PopulationSettings = field(default_factory=PopulationSettings)
     learning: bool = True  # agents steer by the per-gene effects of every result and the offspring are split
     # by each agent's measured yield; false: per-move statistics only, offspring shared round-robin
+    intensify: IntensifySettings = field(default_factory=IntensifySettings)  # paired re-timing of challengers
 
     def __post_init__(self) -> None:
         for name, value in (("generations", self.generations), ("offspring", self.offspring),
@@ -93,7 +105,8 @@ class GenerationReport:
     evaluations: int  # total so far
     status_counts: dict[str, int]
     median_latency_ms: float  # over this generation's ok results
-    wall_s: float  # this generation's wall time
+    wall_s: float  # this generation's wall time, its re-timings included
+    retimings: tuple[PairedTiming, ...] = ()  # this generation's paired re-timings (intensification)
 
     @property
     def fraction_valid(self) -> float:
@@ -109,7 +122,8 @@ class GenerationReport:
 
 
 class Search:
-    def __init__(self, gene_space: GeneSpace, settings: SearchSettings, team: Team, lessons: Lessons | None = None) -> None:
+    def __init__(self, gene_space: GeneSpace, settings: SearchSettings, team: Team, lessons: Lessons | None = None,
+                 retimer: Retimer | None = None) -> None:
         self.gene_space = gene_space
         self.settings = settings
         self.team = team
@@ -125,6 +139,9 @@ class Search:
         self.effects = GeneEffects()  # evidence of every result, failures included
         self.yields: dict[str, list[int]] = {a: [0, 0] for a in settings.agents}  # agent -> [children, wins]
         self.lessons = lessons
+        self.retimer = retimer
+        self.incumbent: Evaluated | None = None  # with intensification: the best, confirmed by paired re-timing
+        self.retimings: list[PairedTiming] = []  # every paired re-timing of this search, in order
         if lessons is not None:
             self._learn_from(lessons)
 
@@ -151,8 +168,14 @@ class Search:
             or time.monotonic() - self._started > self.settings.max_wall_s
         )
 
+    @property
+    def intensifying(self) -> bool:
+        """Whether challengers are re-timed (a retimer was given and `search.intensify.enabled`)."""
+        return self.retimer is not None and self.settings.intensify.enabled
+
     def best(self) -> Evaluated | None:
-        return self.population.best()
+        """The incumbent when intensifying (its wins were confirmed paired), else the fastest single timing."""
+        return self.incumbent if self.intensifying else self.population.best()
 
     # -- ask ------------------------------------------------------------------------------------
     def ask(self) -> list[Proposal]:
@@ -263,7 +286,8 @@ class Search:
         if self.pending:
             raise RuntimeError(f"end_generation() with {len(self.pending)} proposals untold")
         current = sorted(self._current, key=lambda e: e.proposal.index)
-        improved = self._account(current)
+        timings = self._intensify(current) if self.intensifying else []
+        improved = self._account(current, timings)
         if current:
             self.team.tell(Feedback(self.generation, tuple(current), improved))
         counts = {s: sum(1 for e in current if e.result.status == s) for s in STATUSES}
@@ -276,30 +300,86 @@ class Search:
             status_counts=counts,
             median_latency_ms=statistics.median(ok) if ok else math.nan,
             wall_s=time.monotonic() - self._generation_started,
+            retimings=tuple(timings),
         )
         self._current = []
         self.generation += 1
         return report
 
     # -- saved state ----------------------------------------------------------------------------
-    def restore(self, evaluated: list[Evaluated], generation: int) -> None:
-        """Adopt results recorded by an earlier session, as if told, and continue at `generation`."""
-        self.adopt(evaluated)
+    def restore(self, evaluated: list[Evaluated], generation: int, retimings: Sequence[PairedTiming] = ()) -> None:
+        """Adopt results recorded by an earlier session, as if told, and continue at `generation`;
+        `retimings`: the paired re-timings recorded with them (they decide wins and the incumbent again)."""
+        self.adopt(evaluated, [t for t in retimings if t.generation < generation])
         self.generation = generation
 
-    def adopt(self, evaluated: list[Evaluated]) -> None:
+    def adopt(self, evaluated: list[Evaluated], retimings: Sequence[PairedTiming] = ()) -> None:
         """Record results that were evaluated but not asked in this session (never evaluated again)."""
         for item in evaluated:
             self.known[item.proposal.hash] = item
             self.population.offer(item)
+        self.retimings += list(retimings)
         # the same order as end_generation accounts them, so effects and yields come out identical
-        self._account(sorted(evaluated, key=lambda e: (e.proposal.generation, e.proposal.index)))
+        self._account(sorted(evaluated, key=lambda e: (e.proposal.generation, e.proposal.index)), retimings)
 
-    def _account(self, items: list[Evaluated]) -> frozenset[str]:
+    # -- intensification --------------------------------------------------------------------------
+    def _intensify(self, current: list[Evaluated]) -> list[PairedTiming]:
+        """Re-time this generation's challengers (fastest-looking first, within the budget left)."""
+        left = self.settings.intensify.budget(self.settings.max_evaluations) - len(self.retimings)
+        challenges = []
+        for item in sorted((e for e in current if e.result.ok), key=lambda e: (e.fitness, e.proposal.hash)):
+            if len(challenges) >= left:
+                break
+            holder, reason = self._holder(item)
+            if holder is not None:
+                challenges.append(Challenge(item, holder, reason, self.generation))
+        if not challenges:
+            return []
+        answers = self.retimer.retime(challenges, self.settings.intensify)
+        if len(answers) != len(challenges):
+            raise RuntimeError(f"the retimer answered {len(answers)} of {len(challenges)} challenges")
+        timings = [replace(t, a=c.challenger.proposal.hash, b=c.holder.proposal.hash, reason=c.reason,
+                           generation=c.generation) for c, t in zip(challenges, answers)]
+        self.retimings += timings
+        return timings
+
+    def _holder(self, item: Evaluated) -> tuple[Evaluated | None, str]:
+        """What `item` looks faster than and must beat paired: the incumbent, else its fastest parent."""
+        incumbent = self.incumbent
+        if incumbent is not None and item.fitness < incumbent.fitness and item.proposal.hash != incumbent.proposal.hash:
+            return incumbent, "incumbent"
+        parents = [self.known[h] for h in item.proposal.parents if h in self.known and self.known[h].result.ok]
+        if parents and improves_on_parent(item, self.known):
+            return min(parents, key=lambda e: (e.fitness, e.proposal.hash)), "parent"
+        return None, ""
+
+    def _crown(self, items: list[Evaluated], confirmed: Mapping[str, PairedTiming]) -> None:
+        """Move the incumbent, generation by generation: the first correct engine takes it (nothing to
+        compare it with); later, a challenger confirmed faster than the incumbent (the fastest by the
+        paired ratio when several are)."""
+        for _, group in itertools.groupby(items, key=lambda e: e.proposal.generation):
+            ok = [e for e in group if e.result.ok]
+            if self.incumbent is None:
+                self.incumbent = min(ok, key=lambda e: (e.fitness, e.proposal.hash), default=None)
+                continue
+            holder = self.incumbent.proposal.hash
+            winners = [(confirmed[e.proposal.hash].ratio, e.proposal.hash, e) for e in ok
+                       if e.proposal.hash in confirmed and confirmed[e.proposal.hash].reason == "incumbent"
+                       and confirmed[e.proposal.hash].b == holder]
+            if winners:
+                self.incumbent = min(winners, key=lambda w: (w[0], w[1]))[2]
+
+    def _account(self, items: list[Evaluated], retimings: Sequence[PairedTiming] = ()) -> frozenset[str]:
         """Add results to the gene effects and the agents' yields; returns the hashes of the results that
-        improve on their parent (`improves_on_parent`), which the agents' feedback carries too."""
+        improve on their parent, which the agents' feedback carries too: by `improves_on_parent`, or
+        when intensifying only those a paired re-timing confirmed faster (`evo.core.retiming`)."""
         self.effects.observe(items)
-        improved = frozenset(e.proposal.hash for e in items if improves_on_parent(e, self.known))
+        if self.intensifying:
+            confirmed = {t.a: t for t in retimings if t.verdict == FASTER}
+            improved = frozenset(e.proposal.hash for e in items if e.proposal.hash in confirmed)
+            self._crown(items, confirmed)
+        else:
+            improved = frozenset(e.proposal.hash for e in items if improves_on_parent(e, self.known))
         for item in items:
             if item.proposal.agent in self.yields:
                 self.yields[item.proposal.agent][0] += 1
@@ -316,4 +396,6 @@ class Search:
             "agent_yields": {a: list(v) for a, v in self.yields.items()},
             "gene_effects": self.effects.to_dict(),
             "warm_start": self.lessons.describe() if self.lessons else None,
+            "incumbent": self.incumbent.proposal.hash if self.incumbent else None,
+            "retimings": len(self.retimings),
         }

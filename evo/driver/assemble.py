@@ -176,16 +176,18 @@ def start_mlflow(config: RunConfig, run_dir: Path, device: DeviceInfo, resume: S
     return sink
 
 
-def evidence_sinks(parts: RunParts, resume: SavedRun | None, progress: Sink) -> list[Sink]:
+def evidence_sinks(parts: RunParts, resume: SavedRun | None, *reporters: Sink) -> list[Sink]:
     """The search's sinks, in the order each generation reaches them: the journal and Parquet file first,
-    the code diffs, the progress line, MLflow (which logs the files before it), the lineage drawing."""
-    disk = DiskEvidence(parts.run_dir, journaled={e.proposal.hash for e in resume.journal} if resume else set())
+    the code diffs, the `reporters` (progress lines), MLflow (which logs the files before it), the lineage
+    drawing."""
+    disk = DiskEvidence(parts.run_dir, journaled={e.proposal.hash for e in resume.journal} if resume else set(),
+                        resumed_at=(resume.state or {}).get("generation", 0) if resume else None)
     diffs = None
     if parts.gene_space.code_genes:
         stages = parts.workload.open_stages(parts.preset, parts.device)
         code_genes = parts.gene_space.code_gene_names()
         diffs = CodeDiffs(parts.run_dir, parts.store, tuple(s for s in stages if s.gene in code_genes))
-    sinks: list[Sink] = [disk, *([diffs] if diffs else []), progress]
+    sinks: list[Sink] = [disk, *([diffs] if diffs else []), *reporters]
     if parts.mlflow:
         sinks.append(MlflowEvidence(parts.mlflow, parts.run_dir, disk.generation_path,
                                     lambda generation: diffs.files.pop(generation, []) if diffs else []))

@@ -18,7 +18,7 @@ import yaml
 from evaluators.settings import EvaluatorSettings, PoolSettings
 from evo.core.population import PopulationSettings
 from evo.core.search import SearchSettings
-from evo.workloads import DEFAULT_WORKLOAD
+from evo.workloads import DEFAULT_WORKLOAD, SAMPLE_CONFIG
 from operators.code_settings import CodeAgentSettings
 
 
@@ -66,11 +66,15 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} not found")
+            raise ConfigError(f"config file {str(path)!r} not found; the sample config {SAMPLE_CONFIG} of this "
+                              f"repository is a small, complete one")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.safe_load(path.read_text())
         except yaml.YAMLError as exc:
             raise ConfigError(f"config {str(path)!r} is not valid YAML: {exc}") from exc
+        if data is None:  # an empty file would silently run the full default search
+            raise ConfigError(f"config {str(path)!r} is empty (or only comments); give the sections to change, "
+                              f"e.g. copy the sample config {SAMPLE_CONFIG} of this repository")
         if not isinstance(data, dict):
             raise ConfigError(f"config {str(path)!r} must be a mapping of sections, got {type(data).__name__}")
     for item in overrides:

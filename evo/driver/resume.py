@@ -24,7 +24,7 @@ import yaml
 
 from evo.driver.config import RunConfig, config_from_dict
 from evo.core.jsonl import JsonlError, read_jsonl
-from evo.evidence.journal import evaluated_from_row, write_json
+from evo.evidence.journal import evaluated_from_row, read_retimings, write_json
 from evo.core.records import Evaluated, Proposal
 from evo.core.search import Search
 
@@ -112,7 +112,7 @@ def restore(search: Search, saved: SavedRun) -> dict[str, Evaluated]:
         if missing:
             raise RunDirError(f"{saved.run_dir / 'evidence.jsonl'} lacks {len(missing)} results that state.json "
                               f"counts as evaluated (e.g. {sorted(missing)[0]}): the run directory is inconsistent")
-    search.restore(complete, generation)
+    search.restore(complete, generation, read_retimings(saved.run_dir, generation))
     return {e.proposal.hash: e for e in saved.journal if e.proposal.generation >= generation}
 
 

@@ -26,14 +26,16 @@ from evo.core.records import EvalResult
 from evo.core.search import GenerationReport, Search
 from evo.driver.assemble import RunParts, Say, assemble, evidence_sinks, open_run_dir, start_ray
 from evo.driver.config import RunConfig
+from evo.driver.progress import NORMAL, SUMMARY, CandidateLines, RunLog, log
 from evo.driver.resume import ReplayExecutor, SavedRun, restore
+from evo.driver.retime import PoolRetimer, final_retiming
 from evo.driver.rundir import check_config
 from evo.driver.stop import STOP, install_handlers
 from evo.evidence.engine_record import record_from_summary
-from evo.evidence.journal import write_baselines, write_json
+from evo.evidence.journal import append_retimings, write_baselines, write_json
 from evo.evidence.mlflow.registry import register_engine
 from evo.evidence.sink import FINISHED, KILLED, Sink, SinkList
-from evo.evidence.summary import SUMMARY_FILE, Summary, best_baseline, make_summary
+from evo.evidence.summary import SUMMARY_FILE, Summary, best_baseline, make_summary, with_final_retimings
 from evo.workloads.base import Roofline
 
 CODE_LESSONS_FILE = "code_lessons.md"  # the code agent's lessons file as it stood at the end of the run
@@ -47,50 +49,63 @@ class RunOutcome:
 
 
 def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout, resume: SavedRun | None = None,
-        handle_signals: bool = False, lessons: Lessons | None = None, checked: bool = False) -> RunOutcome:
+        handle_signals: bool = False, lessons: Lessons | None = None, checked: bool = False,
+        verbosity: int = NORMAL) -> RunOutcome:
     """Run a search; with `resume` (from `evo.driver.resume.load_run`), continue the one in its run directory.
     With `handle_signals` (the CLI), SIGTERM and Ctrl-C stop it cleanly (see evo.driver.stop). `checked`:
-    the caller has run `check_config` already (the CLI does, before it imports Ray)."""
+    the caller has run `check_config` already (the CLI does, before it imports Ray). `verbosity`: QUIET
+    (only the final summary), NORMAL or VERBOSE (debug) on `out`; the run's log is also in RUN_DIR/run.log."""
     started = time.monotonic()
-    say = _printer(out)
+    say = _printer()
     if not checked:
         check_config(config)  # ConfigError before a directory or Ray exists
-    run_dir = open_run_dir(config, run_dir, resume)
-    say(f"run directory: {run_dir}")
     with ExitStack() as stack:  # whatever was started is closed in reverse order, however the run ends
+        run_log = RunLog(out, verbosity)
+        stack.callback(run_log.close)
+        run_dir = open_run_dir(config, run_dir, resume)
+        run_log.attach_file(run_dir)
+        say(f"run directory: {run_dir}")
         if start_ray(config):
             stack.callback(ray.shutdown)
         if handle_signals:
             install_handlers()  # after ray.init, which installs its own SIGTERM handler
         parts = assemble(config, run_dir, resume, lessons, say, stack)
         roofline, baselines = time_baselines(parts, resume, say)
-        progress = Progress(out, _best_ms(baselines), config.search.max_evaluations)
-        sinks = stack.enter_context(SinkList(evidence_sinks(parts, resume, progress)))
+        progress = Progress(_best_ms(baselines), config.search.max_evaluations)
+        sinks = stack.enter_context(SinkList(evidence_sinks(parts, resume, CandidateLines(_known_latencies(resume)),
+                                                            progress)))
         if parts.mlflow:
             parts.mlflow.log_baselines(baselines, roofline.floor_ms)
         search, executor = make_search(parts, resume, say)
         stopped = search_until_done(search, executor, sinks, run_dir, say)
         summary = summarize(parts, search, baselines, roofline, stopped, time.monotonic() - started)
+        summary = retime_best(parts, search, baselines, summary, stopped, say)
         summary = replace(summary, registered_model=register_best(parts, summary, stopped, say))
         write_json(run_dir / SUMMARY_FILE, summary.to_dict())
         sinks.end(summary, KILLED if stopped else FINISHED)
-        _print_summary(summary, run_dir, out)
+        _print_summary(summary, run_dir)
         return RunOutcome(run_dir, summary, parts.mlflow.run_id if parts.mlflow else None)
 
 
 class Progress(Sink):
     """Prints one line per generation: best latency, speedup, fraction valid, evaluations per second."""
 
-    def __init__(self, out: TextIO, baseline_ms: float, budget: int) -> None:
-        self.out, self.baseline_ms, self.budget = out, baseline_ms, budget
+    def __init__(self, baseline_ms: float, budget: int) -> None:
+        self.baseline_ms, self.budget = baseline_ms, budget
 
     def on_generation(self, report: GenerationReport, search: Search) -> None:
         speedup = self.baseline_ms / report.best_latency_ms
         best = report.best
-        print(f"gen {report.generation:3d} | best {report.best_latency_ms:8.2f} ms"
-              f" | {speedup:5.2f}x vs best baseline | valid {report.status_counts.get('ok', 0)}/{len(report.evaluated)}"
-              f" | {report.evals_per_s:5.2f} evals/s | evals {report.evaluations}/{self.budget}"
-              f" | best from {best.proposal.agent if best else '-'}", file=self.out, flush=True)
+        retimed = ""
+        if report.retimings:
+            verdicts = [t.verdict for t in report.retimings]
+            retimed = (f" | re-timed {len(verdicts)}: {verdicts.count('faster')} faster, {verdicts.count('equal')}"
+                       f" equal within noise" + (f", {len(verdicts) - verdicts.count('faster') - verdicts.count('equal')}"
+                                                 f" slower or failed" if len(set(verdicts) - {'faster', 'equal'}) else ""))
+        log.info(f"gen {report.generation:3d} | best {report.best_latency_ms:8.2f} ms"
+                 f" | {speedup:5.2f}x vs best baseline | valid {report.status_counts.get('ok', 0)}/{len(report.evaluated)}"
+                 f" | {report.evals_per_s:5.2f} evals/s | evals {report.evaluations}/{self.budget}"
+                 f" | best from {best.proposal.agent if best else '-'}{retimed}")
 
 
 def time_baselines(parts: RunParts, resume: SavedRun | None, say: Say) -> tuple[Roofline, dict[str, EvalResult]]:
@@ -114,7 +129,8 @@ def time_baselines(parts: RunParts, resume: SavedRun | None, say: Say) -> tuple[
 
 def make_search(parts: RunParts, resume: SavedRun | None, say: Say) -> tuple[Search, object]:
     """The search and what evaluates its proposals: the pool, behind the replay of a resumed run's results."""
-    search = Search(parts.gene_space, parts.config.search, parts.team, lessons=parts.lessons)
+    retimer = PoolRetimer(parts.pool) if parts.config.search.intensify.enabled else None
+    search = Search(parts.gene_space, parts.config.search, parts.team, lessons=parts.lessons, retimer=retimer)
     executor = parts.pool
     if resume:
         executor = ReplayExecutor(parts.pool, search, restore(search, resume))
@@ -149,6 +165,22 @@ def summarize(parts: RunParts, search: Search, baselines: dict[str, EvalResult],
     return replace(summary, best_sources=_best_sources(summary, parts.store, parts.gene_space))
 
 
+def retime_best(parts: RunParts, search: Search, baselines: dict[str, EvalResult], summary: Summary, stopped: bool,
+                say: Say) -> Summary:
+    """The best engine against every baseline in one final paired re-timing (with `search.intensify`):
+    the summary's `speedup_ci`; the re-timings join the run's evidence (retimings.jsonl)."""
+    settings = parts.config.search.intensify
+    best = search.best()
+    if not (settings.enabled and best is not None and not stopped):
+        return summary
+    say(f"final paired re-timing: the best engine against {', '.join(n for n, r in baselines.items() if r.ok)}")
+    timings = final_retiming(parts.pool, best, baselines, settings)
+    append_retimings(parts.run_dir, timings)
+    for timing in timings:
+        say(f"  {timing.describe()}")
+    return with_final_retimings(summary, timings)
+
+
 def register_best(parts: RunParts, summary: Summary, stopped: bool, say: Say) -> str | None:
     """Register the best engine in MLflow (models:/NAME/VERSION), if the config asks, the run was not stopped
     and MLflow has caught up; a store that is down only costs the registration."""
@@ -161,15 +193,21 @@ def register_best(parts: RunParts, summary: Summary, stopped: bool, say: Say) ->
             f"serve the run directory {run_dir} instead")
         return None
     try:
-        version = register_engine(record_from_summary(summary, str(run_dir)), sink.run_id, name, sink.uri)
+        tags = {f"speedup_ci.{baseline}": f"[{low:.3f}, {high:.3f}]" for baseline, (low, high) in summary.speedup_ci.items()}
+        version = register_engine(record_from_summary(summary, str(run_dir)), sink.run_id, name, sink.uri, tags)
     except Exception as exc:  # the evidence is on disk; a failed registration must not lose the summary
         say(f"warning: registering {name!r} in MLflow failed: {type(exc).__name__}: {exc}")
         return None
     return f"models:/{name}/{version}"
 
 
-def _printer(out: TextIO) -> Say:
-    return lambda line: print(line, file=out, flush=True)
+def _printer() -> Say:
+    return log.info
+
+
+def _known_latencies(resume: SavedRun | None) -> dict[str, float]:
+    """Latency (ms, inf when failed) of each genome a resumed run evaluated before: its candidates' parents."""
+    return {e.proposal.hash: e.fitness for e in resume.journal} if resume else {}
 
 
 def _best_ms(baselines: dict[str, EvalResult]) -> float:
@@ -185,22 +223,32 @@ def _best_sources(summary: Summary, store: CodeStore, gene_space) -> dict[str, s
     return store.sources_for(values, gene_space.code_gene_names())
 
 
-def _print_summary(summary: Summary, run_dir: Path, out: TextIO) -> None:
-    print("\nbest engine", summary.best_hash, file=out)
+def _print_summary(summary: Summary, run_dir: Path) -> None:
+    """The final summary, shown at every verbosity (and in run.log)."""
+    lines: list[str] = []
+    lines.append(f"\nbest engine {summary.best_hash}")
     if summary.best_genome:
         for domain in DOMAINS:
             genes = ", ".join(f"{k}={v}" for k, v in summary.best_genome[domain].items())
-            print(f"  {domain:10s} {genes}", file=out)
-    print(f"  latency    {summary.best_latency_ms:.3f} ms (IQR {summary.best_latency_spread_ms:.3f}),"
-          f" max rel error {summary.best_max_rel_error:.2e}", file=out)
+            lines.append(f"  {domain:10s} {genes}")
+    lines.append(f"  latency    {summary.best_latency_ms:.3f} ms (IQR {summary.best_latency_spread_ms:.3f}),"
+                 f" max rel error {summary.best_max_rel_error:.2e}")
     for name, value in sorted(summary.speedups.items(), key=lambda kv: kv[1]):
-        print(f"  {value:7.2f}x faster than {name}", file=out)
-    print(f"  {summary.speedup_vs_best_baseline:7.2f}x faster than the best baseline ({summary.best_baseline})",
-          file=out)
+        paired = ""
+        if name in summary.speedup_ci:
+            low, high = summary.speedup_ci[name]
+            paired = f"  (paired: {summary.speedup_paired[name]:.2f}x, 95% [{low:.2f}, {high:.2f}])"
+        lines.append(f"  {value:7.2f}x faster than {name}{paired}")
+    lines.append(f"  {summary.speedup_vs_best_baseline:7.2f}x faster than the best baseline ({summary.best_baseline})")
     if summary.roofline:
-        print(f"  {100 * summary.roofline['fraction_of_floor']:.1f}% of the roofline floor"
-              f" ({summary.roofline['floor_ms']:.3f} ms)", file=out)
-    print(f"  evaluations {summary.evaluations} {summary.status_counts}", file=out)
+        lines.append(f"  {100 * summary.roofline['fraction_of_floor']:.1f}% of the roofline floor"
+                     f" ({summary.roofline['floor_ms']:.3f} ms)")
+    lines.append(f"  evaluations {summary.evaluations} {summary.status_counts}")
+    if summary.intensification:
+        i = summary.intensification
+        lines.append(f"  re-timings  {i['retimings']} of {i['budget']} allowed ({i['faster']} confirmed faster,"
+                     f" {i['equal']} equal within noise, {i['slower']} slower, {i['failed']} failed; {i['wall_s']:.1f} s)")
     if summary.registered_model:
-        print(f"  registered  {summary.registered_model} (MLflow run {summary.mlflow_run_id})", file=out)
-    print(f"run directory: {run_dir}", file=out, flush=True)
+        lines.append(f"  registered  {summary.registered_model} (MLflow run {summary.mlflow_run_id})")
+    lines.append(f"run directory: {run_dir}")
+    log.log(SUMMARY, "\n".join(lines))

@@ -7,7 +7,9 @@ Run directory layout:
   baselines.json              each baseline's result
   state.json                  search state after the last complete generation (agent statistics, RNG)
   best_genome.json            the best genome so far
-  summary.json                best genome, latencies, speedups, evaluations, count per status
+  summary.json                best genome, latencies, speedups (with their paired intervals), evaluations, count per status
+  retimings.jsonl             one line per paired re-timing (intensification, the final one against the
+                              baselines), appended and fsynced; retimings/gen_0000.parquet per generation
   code/<hash>.py              engine sources named by genomes' code genes (evo.core.code.CodeStore)
 """
 from __future__ import annotations
@@ -24,13 +26,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from evo.core.faults import crash_point
-from evo.core.jsonl import append_line, trim_torn_tail
+from evo.core.jsonl import append_line, read_jsonl, trim_torn_tail
 from evo.core.records import EvalResult, Evaluated, Proposal, split_notes
+from evo.core.retiming import PairedTiming
 from evo.core.genome import Genome
 from evo.core.search import GenerationReport, Search
 from evo.evidence.sink import FINISHED, Sink
 
 JOURNAL_FILE = "evidence.jsonl"
+RETIMINGS_FILE = "retimings.jsonl"
 
 # The evidence's columns: a proposal's (named once here, in the order files have always had), then every
 # EvalResult field but the genome hash in the record's order, then the proposing agent's notes (its
@@ -62,6 +66,56 @@ def evidence_row(item: Evaluated) -> dict[str, Any]:
     return row
 
 
+# A paired re-timing's columns (evo.core.retiming.PairedTiming), its telemetry as JSON text.
+RETIMING_SCHEMA = pa.schema([
+    ("generation", pa.int32()), ("reason", pa.string()), ("a", pa.string()), ("b", pa.string()),
+    ("verdict", pa.string()), ("ratio", pa.float64()), ("low", pa.float64()), ("high", pa.float64()),
+    ("min_effect", pa.float64()), ("samples_a_ms", pa.list_(pa.float64())), ("samples_b_ms", pa.list_(pa.float64())),
+    ("message", pa.string()), ("wall_s", pa.float64()), ("evaluator", pa.string()), ("device", pa.string()),
+    ("telemetry", pa.string()),
+])
+
+
+def retiming_row(timing: PairedTiming) -> dict[str, Any]:
+    row = {**timing.to_dict(), "telemetry": json.dumps(timing.telemetry, sort_keys=True)}
+    return {name: (list(row[name]) if isinstance(row[name], tuple) else row[name]) for name in RETIMING_SCHEMA.names}
+
+
+def append_retimings(run_dir: Path, timings: list[PairedTiming]) -> None:
+    """Append re-timings to the run's retimings.jsonl (each line fsynced)."""
+    if not timings:
+        return
+    with open(Path(run_dir) / RETIMINGS_FILE, "a") as f:
+        for timing in timings:
+            append_line(f, _finite({**timing.to_dict(), "recorded_at": time.time()}))
+
+
+def read_retimings(run_dir: Path, before_generation: int | None = None) -> list[PairedTiming]:
+    """The run's re-timings in the order they were recorded (those of generations before
+    `before_generation` only, when given; the final ones have generation -1 and are left out then)."""
+    path = Path(run_dir) / RETIMINGS_FILE
+    if not path.exists():
+        return []
+    timings = [PairedTiming.from_dict(row) for row in read_jsonl(path)]
+    if before_generation is None:
+        return timings
+    return [t for t in timings if 0 <= t.generation < before_generation]
+
+
+def keep_retimings(run_dir: Path, before_generation: int) -> None:
+    """Drop the re-timings of generations from `before_generation` on (an interrupted generation's: a
+    resumed run times them again), atomically."""
+    path = Path(run_dir) / RETIMINGS_FILE
+    if not path.exists():
+        return
+    kept = [row for row in read_jsonl(path) if 0 <= int(row.get("generation", -1)) < before_generation]
+    tmp = path.with_suffix(".jsonl.tmp")
+    with open(tmp, "w") as f:
+        for row in kept:
+            append_line(f, row)
+    os.replace(tmp, path)
+
+
 def write_json(path: Path, data: Any) -> None:
     """Write atomically (temp file, fsync, rename) so a reader never sees half a file."""
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -86,10 +140,13 @@ def _finite(data: Any) -> Any:
 class DiskEvidence(Sink):
     """Sink writing the journal per result and the Parquet file and checkpoint per generation."""
 
-    def __init__(self, run_dir: Path, journaled: set[str] = frozenset()) -> None:
+    def __init__(self, run_dir: Path, journaled: set[str] = frozenset(), resumed_at: int | None = None) -> None:
         self.run_dir = Path(run_dir)
         (self.run_dir / "generations").mkdir(parents=True, exist_ok=True)
         trim_torn_tail(self.run_dir / JOURNAL_FILE)  # a line cut by a crash: the next one must not glue onto it
+        trim_torn_tail(self.run_dir / RETIMINGS_FILE)
+        if resumed_at is not None:  # the interrupted generation's re-timings are run again
+            keep_retimings(self.run_dir, resumed_at)
         self._journal = open(self.run_dir / JOURNAL_FILE, "a")
         self._journaled = set(journaled)  # results already in the journal (a resumed run replays them)
 
@@ -106,6 +163,13 @@ class DiskEvidence(Sink):
         tmp = path.with_suffix(".parquet.tmp")
         pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), tmp)
         os.replace(tmp, path)
+        if report.retimings:
+            append_retimings(self.run_dir, list(report.retimings))
+            retimed = self.run_dir / "retimings" / f"gen_{report.generation:04d}.parquet"
+            retimed.parent.mkdir(exist_ok=True)
+            rows = [retiming_row(t) for t in report.retimings]
+            pq.write_table(pa.Table.from_pylist(rows, schema=RETIMING_SCHEMA), retimed.with_suffix(".parquet.tmp"))
+            os.replace(retimed.with_suffix(".parquet.tmp"), retimed)
         crash_point("evidence")
         write_json(self.run_dir / "state.json", search.state())
         if report.best is not None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from evo.core.records import STATUSES, SUSPECT, EvalResult, nan_for_null
+from evo.core.retiming import FAILED, VERDICTS, PairedTiming
 from evo.core.search import Search
 from evo.workloads.base import Roofline
 
@@ -82,6 +83,11 @@ class Summary:
     stopped: bool = False  # stopped by a signal: `python -m evo resume` continues it
     warm_start: str | None = None  # whose lessons seeded this run
     best_sources: dict[str, str] = field(default_factory=dict)  # code hash -> source of the best's code genes
+    # From the final paired re-timing of the best engine against each baseline (evo.core.retiming):
+    speedup_ci: dict[str, list[float]] = field(default_factory=dict)  # baseline -> [low, high], 95%, of its
+    # latency / the best's (the `speedups` above are single timings; these are paired)
+    speedup_paired: dict[str, float] = field(default_factory=dict)  # baseline -> the paired estimate
+    intensification: dict[str, Any] = field(default_factory=dict)  # re-timings: how many, by verdict, seconds
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -141,5 +147,30 @@ def make_summary(search: Search, baselines: dict[str, EvalResult], roofline: Roo
         status_counts=counts,
         suspects=suspects(search),
         wall_s=wall_s,
+        intensification=intensification(search),
         **run,
     )
+
+
+def intensification(search: Search) -> dict[str, Any]:
+    """The search's paired re-timings in numbers (empty when it re-timed nothing)."""
+    timings = list(search.retimings)
+    if not timings and not search.intensifying:
+        return {}
+    budget = search.settings.intensify.budget(search.settings.max_evaluations)
+    return {"retimings": len(timings), "budget": budget, **{v: sum(t.verdict == v for t in timings) for v in VERDICTS},
+            "wall_s": float(sum(t.wall_s for t in timings if math.isfinite(t.wall_s))),
+            "min_effect": search.settings.intensify.min_effect}
+
+
+def with_final_retimings(summary: Summary, timings: list[PairedTiming]) -> Summary:
+    """`summary` with the speedups of the final paired re-timing (a = the best engine, b = "baseline:NAME"):
+    the speedup over a baseline is b's latency / a's = 1 / ratio, its interval [1/high, 1/low]."""
+    ci, paired = {}, {}
+    for t in timings:
+        if t.verdict == FAILED or not t.b.startswith("baseline:"):
+            continue
+        name = t.b.removeprefix("baseline:")
+        estimate, low, high = t.speedup
+        ci[name], paired[name] = [low, high], estimate
+    return dataclasses.replace(summary, speedup_ci=ci, speedup_paired=paired)

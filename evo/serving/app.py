@@ -19,8 +19,9 @@ within `max_inflight_bytes` (beyond, it waits unread up to `max_queue_wait_s`, t
 Retry-After). Every error, unknown routes and wrong methods included, is the error object
 `{"error": {"field", "message", "status"}}`. Requests are batched with `@serve.batch`: requests with
 the same tensors, equal in every dim but the batch axis, run as one engine call, concatenated along
-that axis. What a request holds is the workload's `request_specs(preset)`; nothing here knows a
-workload by name.
+that axis. What a request holds is the workload's `request_specs(preset)`, bounded by its verified
+domain (`Workload.domain`: every free dim's range, each input's value range; outside is 422 naming
+the bound); nothing here knows a workload by name.
 """
 # No `from __future__ import annotations` here: FastAPI must see real types (Request) on the routes.
 
@@ -30,9 +31,10 @@ import logging
 import os
 import secrets
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
+import numpy as np
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -43,9 +45,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from evaluators.check import SeedStream, check_engine
 from evaluators.settings import EvaluatorSettings
 from evo.serving.codec import ENCODINGS, RequestError, decode_request, encode_outputs, parse_body
+from evo.serving.example import example_body
 from evo.serving.source import EngineRecord, resolve
 from evo.workloads import get_workload
 from evo.workloads.base import DeviceInfo, Preset, Workload
+from evo.workloads.requests import TensorSpec
 
 logger = logging.getLogger("ray.serve")
 
@@ -114,12 +118,21 @@ class LoadedEngine:
     max_rel_error: float
     loaded_at: float
     max_batch: int = 1  # the largest batch (B) the evaluator's cascade verified engines of this workload at
+    axes: Mapping[str, tuple[int, int]] = field(default_factory=dict)  # free dim -> verified (lo, hi)
 
 
 def verified_batch(workload: Workload, preset: Preset) -> int:
-    """The largest B the workload's cascade verifies every engine at (its `free_axes`), else the preset's."""
-    values = workload.free_axes(preset).get("B")
-    return int(max(values)) if values else int(preset.shape.get("B", 1))
+    """The largest B the workload's domain verifies every engine at, else the preset's."""
+    batch = workload.domain(preset).axes.get("B")
+    return batch.hi if batch is not None else int(preset.shape.get("B", 1))
+
+
+def request_schema(workload: Workload, preset: Preset) -> tuple[tuple[TensorSpec, ...], dict[str, tuple[int, int]]]:
+    """What a request must hold: the workload's `request_specs` with value bounds narrowed to its
+    verified domain (e.g. a log decay's floor), and the verified (lo, hi) of each free dim. Serve
+    accepts exactly the domain the evaluator verified engines over (`Workload.domain`)."""
+    domain = workload.domain(preset)
+    return domain.bound_specs(workload.request_specs(preset)), domain.axis_bounds()
 
 
 def check_batch(config: dict[str, Any], loaded: LoadedEngine) -> None:
@@ -139,14 +152,16 @@ def load_engine(source: str, tracking_uri: str | None = None) -> LoadedEngine:
         raise EngineRejected(f"engine {record.genome.hash} is for the cuda preset {preset.name!r}; this replica has no GPU")
     info = DeviceInfo(device, torch.cuda.get_device_name(0) if device == "cuda" else "cpu", torch.get_num_threads())
     try:
-        specs = workload.request_specs(preset)
+        specs, axes = request_schema(workload, preset)
     except NotImplementedError as exc:
         raise EngineRejected(f"engine {record.genome.hash} from {source}: no HTTP input schema: {exc}") from exc
     try:
         engine = workload.build(record.genome, preset, info, record.sources)
         settings = EvaluatorSettings()
+        # the fixed cascade, then a stage drawn at random over the domain (as every evaluation draws one)
+        drawn = workload.draw_cases(preset, np.random.default_rng(secrets.randbits(63)))
         with torch.no_grad():
-            report = check_engine(engine, workload, preset, workload.check_cases(preset),
+            report = check_engine(engine, workload, preset, [*workload.check_cases(preset), drawn],
                                   SeedStream(secrets.randbits(63), "serve"), device=device,
                                   tolerance=settings.tolerance(preset.dtype),
                                   elementwise_factor=settings.elementwise_factor)
@@ -155,7 +170,7 @@ def load_engine(source: str, tracking_uri: str | None = None) -> LoadedEngine:
     if not report.passed:
         raise EngineRejected(f"engine {record.genome.hash} from {source} failed its check: {report.message}")
     return LoadedEngine(record, engine, specs, device, report.message,
-                        report.max_rel_error, time.time(), verified_batch(workload, preset))
+                        report.max_rel_error, time.time(), verified_batch(workload, preset), axes)
 
 
 def _run_grouped(loaded: LoadedEngine, requests: list[dict[str, torch.Tensor]]) -> tuple[list[dict], int]:
@@ -321,6 +336,7 @@ class EngineServer:
                        "max_inflight_bytes": self.config["max_inflight_bytes"], "inflight_bytes": self.inflight_bytes},
             "replica": os.getpid(),
             "stats": dict(self.stats),
+            "example_request": example_body(self.loaded.specs, self.loaded.axes),  # POST it to /v1/infer
         })
 
     @api.post("/v1/infer")
@@ -347,7 +363,8 @@ class EngineServer:
                 encoding = body.get("encoding", "data")
                 if encoding not in ENCODINGS:
                     raise RequestError("encoding", f"got {encoding!r}; allowed: {list(ENCODINGS)}")
-                inputs = decode_request(body, loaded.specs, max_bytes=limit, extra_keys=("encoding",), consume=True)
+                inputs = decode_request(body, loaded.specs, max_bytes=limit, extra_keys=("encoding",), consume=True,
+                                        axes=loaded.axes)  # the verified domain: B, T, ... and value bounds
                 del body
                 first = next(iter(inputs))
                 if inputs[first].shape[0] > loaded.max_batch:

@@ -83,11 +83,14 @@ def parse_body(body: bytes | bytearray | memoryview | str | dict, *, max_bytes: 
 
 def decode_request(body: bytes | str | dict, specs: Iterable[TensorSpec], *, max_bytes: int,
                    max_elements: int | None = None, extra_keys: Iterable[str] = (),
-                   consume: bool = False) -> dict[str, torch.Tensor]:
+                   consume: bool = False, axes: Mapping[str, tuple[int, int]] | None = None
+                   ) -> dict[str, torch.Tensor]:
     """Validate and decode `{"inputs": {...}}` against `specs` -> {name: CPU tensor of its declared dtype}.
 
-    Absent (or null) optional tensors are left out of the result. `max_elements` bounds the total element
-    count of all tensors (413). Top-level keys other than "inputs" are rejected unless listed in
+    Absent (or null) optional tensors are left out of the result. `axes` bounds free dims by symbol,
+    inclusive (e.g. {"B": (1, 8), "T": (1, 2048)}: the workload's verified domain); a dim outside is
+    422 naming the bound. `max_elements` bounds the total element count of all tensors (413).
+    Top-level keys other than "inputs" are rejected unless listed in
     `extra_keys` (e.g. a response "encoding" the endpoint reads itself from `parse_body`'s result).
     With `consume`, each tensor's JSON is removed from `body["inputs"]` once decoded, so a server holds
     one form of each tensor at a time, not its JSON lists and its tensor side by side.
@@ -118,7 +121,7 @@ def decode_request(body: bytes | str | dict, specs: Iterable[TensorSpec], *, max
         if max_elements is not None and total > max_elements:
             raise RequestError(f"{field}.shape", f"shape {list(header[0])} brings the request to {total} "
                                                  f"elements; the limit is {max_elements}", 413)
-        _check_shape(header[0], spec, field, bindings)
+        _check_shape(header[0], spec, field, bindings, axes or {})
         t = _decode_payload(entry, field, *header)
         payload = "data" if "data" in entry else "b64"
         if consume:
@@ -140,7 +143,7 @@ def _check_names(inputs: dict, specs: tuple[TensorSpec, ...]) -> None:
 
 
 def _check_shape(shape: tuple[int, ...], spec: TensorSpec, field: str,
-                 bindings: dict[str, tuple[int, str]]) -> None:
+                 bindings: dict[str, tuple[int, str]], axes: Mapping[str, tuple[int, int]]) -> None:
     f = f"{field}.shape"
     if len(shape) != len(spec.shape):
         raise RequestError(f, f"received {list(shape)} (rank {len(shape)}); expected rank {len(spec.shape)} "
@@ -156,6 +159,12 @@ def _check_shape(shape: tuple[int, ...], spec: TensorSpec, field: str,
             raise RequestError(f, f"received {list(shape)}; dim {i} ({want}) is {got} but {want} = {value} in "
                                   f"{where}; every tensor must agree on {want}")
         else:
+            if want in axes and not axes[want][0] <= got <= axes[want][1]:
+                lo, hi = axes[want]
+                side = f"above the largest {want} ({hi})" if got > hi else f"below the smallest {want} ({lo})"
+                raise RequestError(f, f"received {list(shape)}; dim {i} ({want}) is {got}, {side} engines of this "
+                                      f"workload are verified for: {want} must lie in [{lo}, {hi}]; split the "
+                                      f"request along {want}")
             bindings.setdefault(want, (got, f))
 
 

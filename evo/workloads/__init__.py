@@ -11,6 +11,7 @@ import importlib
 from evo.workloads.base import Workload
 
 DEFAULT_WORKLOAD = "kda"  # what a config without a `workload` key runs
+SAMPLE_CONFIG = "configs/kda_smoke.yaml"  # a small, complete config: named where a config is missing or empty
 _MODULES = {"kda": "evo.workloads.kda"}
 
 

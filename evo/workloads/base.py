@@ -12,8 +12,11 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Callable, Mapping
 
+import numpy as np
+
 from evo.core.code import OpenStage
 from evo.core.genome import GeneSpace, Genome
+from evo.workloads.domain import InputDomain, draw_over_axes
 from evo.workloads.requests import TensorSpec
 
 # An engine maps named input tensors to named output tensors: engine(**inputs) -> {output name: tensor}.
@@ -94,7 +97,7 @@ class Workload:
     with one fixed shape, no open stages and no serving schema; override them to opt in.
 
     Hooks are plain methods called by name: the evaluators (check, guard, timing), the search driver,
-    serving (schema, batching limit) and the load generator (example requests) read only these.
+    serving (schema, verified domain, batching limit) and the load generator (example requests) read only these.
     """
 
     name: str = ""  # how runs, lessons and registered models name it, e.g. "sum"
@@ -142,9 +145,31 @@ class Workload:
     # ------------------------------------------------------------------ optional hooks
     def free_axes(self, preset: Preset) -> dict[str, tuple[int, ...]]:
         """The shape axes callers may vary (batch, sequence length, ...), each with every value the
-        cascade verifies an engine at. Serving refuses a batch larger than the largest verified "B".
+        fixed cascade verifies an engine at (`domain` spans them, and draws the values between).
         Default: only the preset's own shape."""
         return {axis: (int(value),) for axis, value in preset.shape.items()}
+
+    def domain(self, preset: Preset) -> InputDomain:
+        """Every input engines for `preset` are verified for (`evo.workloads.domain`): each free axis as
+        a range, each input's value range. The evaluator draws cases over all of it (`draw_cases`);
+        Serve refuses what lies outside, naming the bound. Default: the ranges the free axes span
+        (smallest to largest listed value), no value bounds."""
+        return InputDomain.from_free_axes(self.free_axes(preset))
+
+    def draw_cases(self, preset: Preset, rng: np.random.Generator) -> list[CheckCase]:
+        """Random cases over the whole domain, drawn afresh for each evaluation from the judge's `rng`
+        and checked besides the fixed `check_cases`; each must lie in `domain(preset)`. Default: per
+        axis with a range one case uniform over it, and one with every axis drawn, in the timing
+        case's distribution."""
+        like = self.timing_case(preset)
+        return [CheckCase(name, shape, like.distribution, like.with_initial_state)
+                for name, shape in draw_over_axes(self.domain(preset), preset.shape, rng)]
+
+    def output_shapes(self, case: CheckCase) -> dict[str, tuple[int, ...]] | None:
+        """Output name -> shape of an engine's outputs for inputs drawn for `case`. Default None: the
+        evaluator reads them off the reference of one draw (one more reference for every drawn case
+        of a new shape; declare them to save that)."""
+        return None
 
     def open_stages(self, preset: Preset, device: DeviceInfo) -> tuple[OpenStage, ...]:
         """The stages whose implementation a code gene may replace (`evo.core.code`); the gene space

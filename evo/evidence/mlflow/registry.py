@@ -40,8 +40,10 @@ class EnginePyfunc(mlflow.pyfunc.PythonModel):
         return {name: tensor.float().numpy() for name, tensor in outputs.items()}
 
 
-def register_engine(record: EngineRecord, run_id: str, model_name: str, tracking_uri: str) -> str:
-    """Log the engine as a model of run `run_id` and register it as `model_name`; returns its version."""
+def register_engine(record: EngineRecord, run_id: str, model_name: str, tracking_uri: str,
+                    tags: dict[str, str] | None = None) -> str:
+    """Log the engine as a model of run `run_id` and register it as `model_name`; returns its version.
+    `tags` go on the model version (e.g. `speedup_ci.<baseline>`: the paired 95% interval of its speedup)."""
     mlflow.set_tracking_uri(tracking_uri)
     with tempfile.TemporaryDirectory() as tmp:
         engine = Path(tmp) / ENGINE_FILE
@@ -54,4 +56,9 @@ def register_engine(record: EngineRecord, run_id: str, model_name: str, tracking
                 artifacts={"engine": str(engine), "genome": str(genome)},
                 pip_requirements=["engine-factory", "torch"], registered_model_name=model_name,
             )
-    return str(info.registered_model_version)
+    version = str(info.registered_model_version)
+    if tags:
+        client = mlflow.tracking.MlflowClient(tracking_uri=tracking_uri)
+        for key, value in tags.items():
+            client.set_model_version_tag(model_name, version, key, value)
+    return version

@@ -105,6 +105,11 @@ class MlflowSink:
             "evals_per_s": report.evals_per_s,
             "best_speedup": self.baseline_ms / report.best_latency_ms,
         }
+        if report.retimings:  # this generation's paired re-timings (intensification)
+            verdicts = [t.verdict for t in report.retimings]
+            values.update(retimings=float(len(verdicts)), retimings_faster=float(verdicts.count("faster")),
+                          retimings_equal=float(verdicts.count("equal")),
+                          retime_s=float(sum(t.wall_s for t in report.retimings if math.isfinite(t.wall_s))))
         metrics = [(k, v, now, step) for k, v in values.items() if math.isfinite(v)]
         counts = [(f"count_{s}", float(n), now, step) for s, n in report.status_counts.items()]
         self._batch(self.parent, metrics=metrics + counts)
@@ -149,10 +154,16 @@ class MlflowSink:
                  "speedup_vs_best_baseline": summary.speedup_vs_best_baseline,
                  **{f"speedup_vs_{name}": v for name, v in summary.speedups.items()},
                  "fraction_of_roofline": (summary.roofline or {}).get("fraction_of_floor")}
+        for name, (low, high) in summary.speedup_ci.items():  # the final paired re-timing, 95%
+            final.update({f"speedup_paired_vs_{name}": summary.speedup_paired.get(name),
+                          f"speedup_ci_low_vs_{name}": low, f"speedup_ci_high_vs_{name}": high})
+        for key in ("retimings", "faster", "equal", "wall_s"):
+            if key in summary.intensification:
+                final[f"intensify_{key}"] = summary.intensification[key]
         metrics = [(k, float(v), now, 0) for k, v in final.items() if v is not None and math.isfinite(v)]
         self._batch(self.parent, metrics=metrics, tags={"best_hash": str(summary.best_hash), "run_dir": str(run_dir)})
         for name in ("summary.json", "best_genome.json", "baselines.json", "config.yaml", "lessons.yaml",
-                     "code_lessons.md", "agent/log.jsonl"):
+                     "code_lessons.md", "agent/log.jsonl", "retimings.jsonl"):
             if (Path(run_dir) / name).exists():
                 self._artifact(self.parent, Path(run_dir) / name, str(Path(name).parent) if "/" in name else None)
         self.outbox.add({"op": "terminate", "run": self.parent, "status": status, "end_time": _now()})

@@ -1,7 +1,8 @@
 """Kimi Delta Attention (KDA) forward, inference: the first workload of the engine factory.
 
 `WORKLOAD` is a `evo.workloads.base.Workload`. Modules: reference (float64 oracle), inputs
-(presets, distributions, check cases), genes (gene space and Plan), stages (the chunked math),
+(presets, distributions, check cases), domain (the verified input domain and the cases drawn over
+it per evaluation), genes (gene space and Plan), stages (the chunked math),
 engine (genome -> engine), open_code (the stages a genome may carry as code), baselines, roofline,
 requests (the HTTP request schema and the load generator's requests).
 """
@@ -9,10 +10,14 @@ from __future__ import annotations
 
 from typing import Callable, Mapping
 
+import numpy as np
+
 from evo.core.code import OpenStage
 from evo.core.genome import GeneSpace, Genome
 from evo.workloads.base import NO_SOURCES, CheckCase, DeviceInfo, Engine, MachineRates, Preset, Roofline, Workload
+from evo.workloads.domain import InputDomain
 from evo.workloads.kda import baselines as _baselines
+from evo.workloads.kda import domain as _domain
 from evo.workloads.kda import engine as _engine
 from evo.workloads.kda import genes as _genes
 from evo.workloads.kda import inputs as _inputs
@@ -40,6 +45,15 @@ class KdaWorkload(Workload):
 
     def free_axes(self, preset: Preset) -> dict[str, tuple[int, ...]]:
         return _inputs.free_axes(preset)
+
+    def domain(self, preset: Preset) -> InputDomain:
+        return _domain.domain(preset)
+
+    def draw_cases(self, preset: Preset, rng: np.random.Generator) -> list[CheckCase]:
+        return _domain.draw_cases(preset, rng)
+
+    def output_shapes(self, case: CheckCase) -> dict[str, tuple[int, ...]]:
+        return _domain.output_shapes(case)
 
     def make_inputs(self, case: CheckCase, dtype: str, device: str, seed: int) -> dict:
         return _inputs.make_inputs(case, dtype, device, seed)

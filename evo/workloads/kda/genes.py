@@ -46,8 +46,9 @@ def _scheduling_genes(device: DeviceInfo) -> list[Gene]:
              "blocked_inverse", "how (I + A) X = R is solved inside a chunk"),
         Gene("exponent_form", "scheduling", ("factored_subchunk", "pairwise", "factored_chunk"), "factored_subchunk",
              "pairwise: [C,C,K] exp differences (stable, slow); factored_subchunk: per sub-chunk block offsets "
-             "(stable for c <= 32 at g >= -5); factored_chunk: exp(G) exp(-G) over the chunk (overflows under "
-             "strong decay)"),
+             "(stable for c <= 32 at g >= -5); factored_chunk: exp(G) exp(-G) over the chunk (finite while "
+             "chunk_size x |g| < 88: at the domain's floor g >= -5 for chunk_size 16 only; larger chunks overflow "
+             "under strong decay and fail the cascade)"),
         Gene("threads", "scheduling", threads, threads[-1] if device.kind == "cpu" else 1,
              "CPU threads the evaluator sets around calls"),
     ]

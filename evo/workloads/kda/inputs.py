@@ -11,8 +11,9 @@ PRESETS: dict[str, Preset] = {
     "h200": Preset("h200", {"B": 1, "T": 8192, "H": 96, "K": 128, "V": 128}, "bfloat16", "cuda"),
 }
 
-DISTRIBUTIONS = ("standard", "strong_decay", "heavy")
-STRONG_DECAY_MIN = -5.0  # per-step log decay floor (the bound of fla's safe gate)
+DISTRIBUTIONS = ("standard", "strong_decay", "heavy", "beta_edges", "correlated_keys", "decay_floor")
+LOG_DECAY_FLOOR = -5.0  # the domain's lower bound of the per-step log decay g (fla's safe gate bound)
+STRONG_DECAY_MIN = LOG_DECAY_FLOOR  # strong decay spans [floor, -1]
 STRONG_DECAY_FRACTION = 0.25  # share of channels that decay strongly
 
 
@@ -27,13 +28,20 @@ def _student_t(shape: tuple[int, ...], df: int, gen: torch.Generator) -> torch.T
 
 
 def make_inputs(case: CheckCase, dtype: str, device: str, seed: int) -> dict:
-    """Fresh inputs for `case`: q, k, v, g, beta in `dtype`, initial_state float32 (or absent)."""
+    """Fresh inputs for `case`: q, k, v, g, beta in `dtype`, initial_state float32 (or absent).
+
+    Distributions: "standard" (N(0, 1) q, k, v; mild decay), "strong_decay" (a quarter of the
+    channels decay in [floor, -1] per step), "heavy" (Student-t q, k and large v), and the domain's
+    edges: "beta_edges" (beta exactly 0 or 1 on most tokens), "correlated_keys" (keys close to one
+    direction per head, a quarter repeating the previous key exactly), "decay_floor" (channels and
+    whole tokens at g = LOG_DECAY_FLOOR exactly, some channels at g = 0). g always lies in
+    [LOG_DECAY_FLOOR, 0] and beta in [0, 1]."""
     if case.distribution not in DISTRIBUTIONS:
         raise ValueError(f"unknown distribution {case.distribution!r}; allowed: {list(DISTRIBUTIONS)}")
     gen = torch.Generator().manual_seed(seed)
-    s = case.shape
+    s, kind = case.shape, case.distribution
     B, T, H, K, V = s["B"], s["T"], s["H"], s["K"], s["V"]
-    if case.distribution == "heavy":
+    if kind == "heavy":
         q = _student_t((B, T, H, K), 2, gen) * 10
         k = _student_t((B, T, H, K), 2, gen) * 10
         v = torch.randn(B, T, H, V, generator=gen) * 100
@@ -43,11 +51,18 @@ def make_inputs(case: CheckCase, dtype: str, device: str, seed: int) -> dict:
         v = torch.randn(B, T, H, V, generator=gen)
     # mild decay: logsigmoid(N(3, 1)) ~ -0.05 per step
     g = torch.nn.functional.logsigmoid(3 + torch.randn(B, T, H, K, generator=gen))
-    if case.distribution == "strong_decay":
+    if kind == "strong_decay":
         strong = torch.rand(B, 1, H, K, generator=gen) < STRONG_DECAY_FRACTION
         u = torch.rand(B, T, H, K, generator=gen)
         g = torch.where(strong, STRONG_DECAY_MIN + u * (-1 - STRONG_DECAY_MIN), g)
     beta = torch.sigmoid(torch.randn(B, T, H, generator=gen))
+    if kind == "beta_edges":
+        beta = _beta_edges(beta, gen)
+    elif kind == "correlated_keys":
+        k = _correlated(k, gen)
+    elif kind == "decay_floor":
+        g = _decay_floor(g, gen)
+    g = g.clamp(min=LOG_DECAY_FLOOR)  # the domain's floor (logsigmoid(3 + z) passes it only for z < -8)
     dt = getattr(torch, dtype)
     out = {n: x.to(device=device, dtype=dt) for n, x in zip(("q", "k", "v", "g", "beta"), (q, k, v, g, beta))}
     if case.with_initial_state:
@@ -55,12 +70,43 @@ def make_inputs(case: CheckCase, dtype: str, device: str, seed: int) -> dict:
     return out
 
 
+def _beta_edges(beta: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """beta [B, T, H] exactly 0 on a third of the tokens, exactly 1 on another third; every head's
+    first token 0 and (T > 1) last token 1, so both edges occur in every draw."""
+    u = torch.rand(beta.shape, generator=gen)
+    beta = torch.where(u < 1 / 3, 0.0, torch.where(u < 2 / 3, 1.0, beta))
+    beta[:, -1] = 1.0
+    beta[:, 0] = 0.0
+    return beta
+
+
+def _correlated(k: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """k [B, T, H, K] within a few degrees of one direction per (batch, head); a quarter of the tokens
+    repeat the previous token's key exactly (an ill-conditioned intra-chunk system)."""
+    B, T, H, K = k.shape
+    base = torch.randn(B, 1, H, K, generator=gen)
+    k = base + 0.05 * base.norm(dim=-1, keepdim=True) * k / K**0.5
+    repeat = torch.rand(B, T, H, 1, generator=gen) < 0.25
+    return torch.where(repeat, k.roll(1, dims=1), k)
+
+
+def _decay_floor(g: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """g [B, T, H, K] at LOG_DECAY_FLOOR exactly on half the channels (channel 0 always) and on every
+    channel of an eighth of the tokens; an eighth of the channels at exactly 0 (no decay)."""
+    B, T, H, K = g.shape
+    floor = torch.rand(B, 1, H, K, generator=gen) < 0.5
+    floor[..., 0] = True
+    floor = floor | (torch.rand(B, T, H, 1, generator=gen) < 0.125)
+    none = (torch.rand(B, 1, H, K, generator=gen) < 0.125) & ~floor
+    return torch.where(floor, LOG_DECAY_FLOOR, torch.where(none, 0.0, g))
+
+
 MAX_BATCH = 8  # the largest batch the cascade verifies: Serve may batch requests up to this many along B
 
 
 def free_axes(preset: Preset) -> dict[str, tuple[int, ...]]:
-    """The axes a caller may vary, and every value the cascade verifies an engine at (the evaluator's
-    check cases cover each; Serve refuses a batch larger than the largest B here)."""
+    """The axes a caller may vary, and the values the fixed check cases verify an engine at (each is
+    covered by one; the domain in `domain.py` spans more, drawn at random per evaluation)."""
     s = preset.shape
     small_h = min(2, s["H"])
     return {"B": (1, 2, MAX_BATCH), "T": (1, 77, s["T"] - 17, s["T"], 4 * s["T"]),

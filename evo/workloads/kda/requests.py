@@ -9,8 +9,9 @@ from evo.workloads.requests import TensorSpec
 def request_specs(preset: Preset) -> tuple[TensorSpec, ...]:
     """q, k, v, g, beta, initial_state for a KDA engine built for `preset`.
 
-    H, K, V are fixed by the preset (the engine is built for them); B and T are free but shared.
-    g is a log decay (<= 0), beta a gate in [0, 1]; initial_state is optional and always float32.
+    H, K, V are fixed by the preset (the engine is built for them); B and T are free but shared
+    (Serve bounds them by the domain, `domain.py`). g is a log decay in [LOG_DECAY_FLOOR, 0], beta a
+    gate in [0, 1]; initial_state is optional and always float32.
     """
     s, dt = preset.shape, (preset.dtype,)
     H, K, V = s["H"], s["K"], s["V"]
@@ -19,7 +20,7 @@ def request_specs(preset: Preset) -> tuple[TensorSpec, ...]:
         TensorSpec("q", dtypes=dt, **bthk),  # [B, T, H, K]
         TensorSpec("k", dtypes=dt, **bthk),  # [B, T, H, K]
         TensorSpec("v", ("B", "T", H, V), dt, dim_names=("B", "T", "H", "V")),  # [B, T, H, V]
-        TensorSpec("g", dtypes=dt, bounds=(None, 0.0), **bthk),  # [B, T, H, K] log decay
+        TensorSpec("g", dtypes=dt, bounds=(_inputs.LOG_DECAY_FLOOR, 0.0), **bthk),  # [B, T, H, K] log decay
         TensorSpec("beta", ("B", "T", H), dt, bounds=(0.0, 1.0), dim_names=("B", "T", "H")),  # [B, T, H]
         TensorSpec("initial_state", ("B", H, K, V), ("float32",), required=False,
                    dim_names=("B", "H", "K", "V")),  # [B, H, K, V]

@@ -1,0 +1,248 @@
+"""Engines that attack the judge's sandbox, kept as fixtures (issue 23's classes, written for this project).
+
+`AttackWorkload(base)` is the base workload with one more gene, `attack`: "none" builds the honest
+engine; any other value builds the honest engine and, at build, tries that attack. An attack that
+succeeds makes the engine return wrong answers (honest + 1), so its evaluation comes back 'incorrect';
+one that the sandbox stops leaves an honest engine ('ok'): harmless. Under `sandbox: none` the probes
+succeed (the tests show that too, so a fixture that silently does nothing cannot pass for a sandbox).
+
+The attacks that leave processes behind (`setsid_daemon`, `late_writer`) are judged by what the judge
+sees: what stays running after the candidate, and outputs written after the answer.
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from evo.core.genome import Gene, GeneSpace, Genome
+from evo.workloads.base import NO_SOURCES, DeviceInfo, Engine, Preset
+from tests.cheats import CheatWorkload
+
+ROOT = Path(__file__).resolve().parents[1]
+SECRET = "evo-test-secret-7f3a"  # the tests put it in the judge's environment as EVO_TEST_API_TOKEN
+
+# attack -> what it tries
+ATTACKS: dict[str, str] = {
+    "read_judge_memory": "reads the judge's memory through /proc/<judge>/mem, or process_vm_readv",
+    "signal_judge": "signals the judge (signal 0: the permission check only)",
+    "write_project": "writes a file into the project's source tree",
+    "load_reference_copy": "loads a fresh, unguarded copy of the reference module from its file (KDA)",
+    "load_judge_module": "loads the judge's evaluator module fresh from its file",
+    "read_git_objects": "lists the project's git objects (every version of the reference)",
+    "read_secret_env": "looks for the judge's secrets in its own and the judge's environment",
+    "widen_affinity": "widens its CPU affinity to every core of the machine",
+    "setsid_daemon": "leaves a double-forked setsid daemon behind, spinning on a core",
+    "late_writer": "returns NaN at once; a setsid child writes the right answer into the judge's arena later",
+}
+# honest engines that need what a sandbox could break
+HONEST: dict[str, str] = {
+    "torch_compile": "passes its outputs through a torch.compile'd function (Inductor's C++ toolchain, compile workers)",
+}
+NONE = "none"
+
+
+class AttackWorkload(CheatWorkload):
+    """The base workload plus the `attack` gene; what the attacks aim at travels in the pickled object."""
+
+    def __init__(self, base, name: str, *, cores: tuple[int, ...] = (), probe_dir: str = "") -> None:
+        super().__init__(base, name)
+        self.judge_pid = os.getpid()
+        self.cores = tuple(cores)  # the cores the judge assigns (widen_affinity's yardstick)
+        self.probe_dir = probe_dir  # where a daemon writes its pid, where it can
+        self.reference_file = str(ROOT / "evo" / "workloads" / "kda" / "reference.py")
+        self.judge_file = str(ROOT / "evaluators" / "evaluator.py")
+
+    def gene_space(self, preset: Preset, device: DeviceInfo) -> GeneSpace:
+        honest = self.base.gene_space(preset, device)
+        attack = Gene("attack", "fusion", (NONE, *ATTACKS, *HONEST), NONE, "which attack the engine tries at build")
+        return GeneSpace(self.name, (*honest.genes, attack), honest.constraints, ignored=honest.ignored,
+                         pipeline=honest.pipeline)
+
+    def build(self, genome: Genome, preset: Preset, device: DeviceInfo,
+              sources: Mapping[str, str] = NO_SOURCES) -> Engine:
+        values = genome.values()
+        attack = values.pop("attack")
+        honest = self.base.build(self.base.gene_space(preset, device).make(values), preset, device, sources)
+        if attack == NONE:
+            return honest
+        if attack == "torch_compile":
+            return _compiled(honest)
+        if attack == "late_writer":
+            return _late_writer(honest)
+        if attack == "setsid_daemon":
+            _daemon(self.probe_dir)
+            return honest
+        succeeded = _PROBES[attack](self)
+        return _wrong(honest) if succeeded else honest
+
+
+def genome_json(workload: AttackWorkload, preset: str, attack: str, device: DeviceInfo) -> str:
+    space = workload.gene_space(workload.presets()[preset], device)
+    return space.make({**space.default().values(), "attack": attack}).to_json()
+
+
+def _wrong(honest):
+    return lambda **x: {k: (v + 1.0).contiguous() for k, v in honest(**x).items()}
+
+
+def _compiled(honest):
+    identity = torch.compile(lambda t: t * 1.0)
+
+    def engine(**x):
+        return {k: identity(v).contiguous() for k, v in honest(**x).items()}
+    return engine
+
+
+def _quietly(probe):
+    def run(w) -> bool:
+        try:
+            return bool(probe(w))
+        except Exception:  # noqa: BLE001 - refused: the attack failed
+            return False
+    return run
+
+
+@_quietly
+def _read_judge_memory(w) -> bool:
+    with open(f"/proc/{w.judge_pid}/maps") as f:
+        start = next(int(line.split("-")[0], 16) for line in f if line.split()[1].startswith("rw"))
+    try:
+        with open(f"/proc/{w.judge_pid}/mem", "rb") as mem:
+            mem.seek(start)
+            if len(mem.read(64)) == 64:
+                return True
+    except OSError:
+        pass
+    return _process_vm_read(w.judge_pid, start)
+
+
+def _process_vm_read(pid: int, address: int) -> bool:
+    class IoVec(ctypes.Structure):
+        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+    buffer = ctypes.create_string_buffer(64)
+    local, remote = IoVec(ctypes.addressof(buffer), 64), IoVec(address, 64)
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) == 64
+
+
+@_quietly
+def _signal_judge(w) -> bool:
+    os.kill(w.judge_pid, 0)
+    return True
+
+
+@_quietly
+def _write_project(w) -> bool:
+    probe = ROOT / f".attack-probe-{os.getpid()}"
+    probe.write_text("written by an engine")
+    probe.unlink()
+    return True
+
+
+def _load_file(path: str, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@_quietly
+def _load_reference_copy(w) -> bool:
+    return callable(getattr(_load_file(w.reference_file, "reference_copy"), "recurrent_kda", None))
+
+
+@_quietly
+def _load_judge_module(w) -> bool:
+    return hasattr(_load_file(w.judge_file, "judge_copy"), "Evaluator")
+
+
+@_quietly
+def _read_git_objects(w) -> bool:
+    return len(os.listdir(ROOT / ".git" / "objects")) > 0
+
+
+@_quietly
+def _read_secret_env(w) -> bool:
+    if any(SECRET in v for v in os.environ.values()):
+        return True
+    for path in ("/proc/self/environ", f"/proc/{w.judge_pid}/environ", "/proc/1/environ"):
+        try:
+            if SECRET.encode() in Path(path).read_bytes():
+                return True
+        except OSError:
+            pass
+    return False
+
+
+@_quietly
+def _widen_affinity(w) -> bool:
+    everything = set(range(os.cpu_count() or 1))
+    os.sched_setaffinity(0, everything)
+    return not os.sched_getaffinity(0) <= set(w.cores)
+
+
+_PROBES = {
+    "read_judge_memory": _read_judge_memory, "signal_judge": _signal_judge, "write_project": _write_project,
+    "load_reference_copy": _load_reference_copy, "load_judge_module": _load_judge_module,
+    "read_git_objects": _read_git_objects, "read_secret_env": _read_secret_env, "widen_affinity": _widen_affinity,
+}
+
+
+def _daemon(probe_dir: str) -> None:
+    """Double fork + setsid: a grandchild that no process group reaches, spinning forever."""
+    child = os.fork()
+    if child == 0:
+        os.setsid()
+        if os.fork() == 0:
+            try:
+                Path(probe_dir, "daemon.pid").write_text(str(os.getpid()))
+            except OSError:
+                pass
+            while True:
+                pass
+        os._exit(0)
+    os.waitpid(child, 0)
+
+
+def _runner():
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if type(candidate).__name__ == "_Runner":
+            return candidate, frame.f_locals.get("message")
+        frame = frame.f_back
+    raise RuntimeError("no runner on the stack")
+
+
+def _late_writer(honest):
+    from evaluators import arena as arenas  # already loaded in the engine's process
+
+    def engine(**x):
+        runner, message = _runner()
+        slots = message["outputs"]
+        if os.fork() == 0:
+            os.setsid()
+            answer = honest(**x)  # computed after the engine's answer went back
+            time.sleep(0.002)
+            for name, slot in slots.items():
+                arenas.view(runner.out_arena, slot).copy_(answer[name])
+            os._exit(0)
+        return {name: torch.full(slot.shape, float("nan"), dtype=arenas.dtype_of(slot.dtype))
+                for name, slot in slots.items()}
+    return engine
+
+
+def _kda():
+    from evo.workloads.kda import WORKLOAD as kda
+    return kda
+
+
+WORKLOAD = AttackWorkload(_kda(), "tests.adversaries")

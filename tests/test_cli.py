@@ -1,0 +1,152 @@
+"""The command line's error paths and help, without starting Ray: an empty config, a busy port, every
+option's help and default, the gene table; the request `evo serve` prints; `import evo` stays light."""
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from evo.cli import GENE_COLUMNS, build_parser, gene_table, main
+from tests.run_checks import ROOT
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n\n# and another\n"])
+def test_an_empty_or_comment_only_config_is_one_line_naming_the_file_and_a_sample(tmp_path, capsys, text):
+    path = tmp_path / "empty.yaml"
+    path.write_text(text)
+    assert main(["run", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(path) in err and "configs/kda_smoke.yaml" in err, err
+    assert (ROOT / "configs" / "kda_smoke.yaml").is_file()  # the sample it points at exists
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def test_every_option_of_every_command_has_help_and_says_its_default():
+    commands = _subcommands(build_parser())
+    assert {"run", "resume", "serve", "genes", "bench", "compare", "ab", "report", "mlflow-sync"} <= set(commands)
+    missing = []
+    for name, command in commands.items():
+        formatter = command._get_formatter()
+        for action in command._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            text = formatter._get_help_string(action) if action.help else ""
+            flag = isinstance(action, (argparse._StoreTrueAction, argparse._StoreConstAction))
+            if not text or (action.option_strings and not flag and "default" not in text):
+                missing.append(f"{name} {action.option_strings or action.dest}: {text!r}")
+    assert not missing, "\n".join(missing)
+    serve_help = commands["serve"].format_help()
+    assert "(default: 8000)" in serve_help and "(default: 127.0.0.1)" in serve_help
+
+
+def test_genes_prints_an_aligned_table_with_a_header(capsys):
+    assert main(["genes", str(ROOT / "configs" / "kda_smoke.yaml")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:5] == list(GENE_COLUMNS) and set(lines[1]) <= {"-", " "}
+    starts = [lines[0].index(c) for c in (*GENE_COLUMNS[1:], "doc")]  # every row's cells start under the header
+    rows = [line for line in lines[2:] if not line.startswith("constraint over")]
+    assert len(rows) > 10
+    for row in rows:  # each cell read at its header's column is whole: aligned
+        assert row[starts[0]:starts[1]].strip() in ("fusion", "scheduling", "memory"), row
+        assert row[starts[2]:starts[3]].strip() in row[starts[1]:starts[2]] or "None" in row, row  # default in values
+    assert any("sub_chunk_size divides chunk_size" in row for row in rows)
+
+
+def test_the_table_pads_each_column_to_its_widest_cell():
+    rows = [{"gene": "a", "domain": "fusion", "values": [1, 2], "default": 1, "constraint": "", "doc": "x"},
+            {"gene": "longer_name", "domain": "memory", "values": ["p"], "default": "p", "constraint": "c", "doc": "y"}]
+    header, rule, first, second = gene_table(rows)
+    assert len({line.index("fusion" if line is first else "memory" if line is second else "domain")
+                for line in (header, first, second)}) == 1
+    assert rule.split()[0] == "-" * len("longer_name")
+
+
+def test_serve_on_a_busy_port_is_one_line_and_exit_2_before_ray(capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code = main(["serve", "default:nope/none", "--port", str(port)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and str(port) in err and "--port" in err, err
+    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+
+
+def test_the_request_evo_serve_prints_passes_the_engines_own_schema():
+    from evo.serving.app import request_schema
+    from evo.serving.codec import decode_request
+    from evo.serving.example import example_body, example_curl
+    from evo.workloads import get_workload
+
+    workload = get_workload("kda")
+    preset = workload.presets()["cpu_small"]
+    specs, axes = request_schema(workload, preset)
+    body = example_body(specs, axes)
+    inputs = decode_request(json.dumps(body), specs, max_bytes=1 << 20, axes=axes)
+    assert set(inputs) == {s.name for s in specs if s.required}
+    assert inputs["q"].shape == (1, 1, preset.shape["H"], preset.shape["K"])
+    command = example_curl("http://127.0.0.1:8000", specs, axes)
+    assert command.startswith("curl -s http://127.0.0.1:8000/v1/infer ") and json.dumps(body, separators=(",", ":")) in command
+
+
+def test_import_evo_loads_neither_torch_nor_ray():
+    code = "import sys, evo; assert callable(evo.run) and callable(evo.load_run); " \
+           "print(sorted(m for m in ('torch', 'ray', 'mlflow', 'pandas') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ})
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def test_load_run_names_what_is_missing(tmp_path):
+    import evo
+    from evo.driver.resume import RunDirError
+
+    with pytest.raises(RunDirError, match="not a directory"):
+        evo.load_run(tmp_path / "nowhere")
+
+
+def test_a_candidate_line_says_generation_hash_status_latency_ratio_and_move():
+    from evo.core.genome import Genome
+    from evo.core.records import EvalResult, Evaluated, Proposal
+    from evo.driver.progress import CandidateLines
+
+    parent, child, broken = (Genome("w", fusion=(("x", v),)) for v in (1, 2, 3))
+    lines = CandidateLines()
+    seed = lines.line(Evaluated(Proposal(parent, (), "seed", "default genome", 0),
+                                EvalResult(parent.hash, "ok", latency_ms=4.0)))
+    faster = lines.line(Evaluated(Proposal(child, (parent.hash,), "memory", "x: 1 -> 2", 1),
+                                  EvalResult(child.hash, "ok", latency_ms=2.0)))
+    failed = lines.line(Evaluated(Proposal(broken, (child.hash,), "fusion", "x: 2 -> 3", 1),
+                                  EvalResult(broken.hash, "incorrect", message="max rel error 3e-2")))
+    assert seed.startswith("cand gen   0 | " + parent.hash[:12]) and "4.000 ms" in seed and "| seed " in seed
+    assert "2.000 ms" in faster and "2.00x vs parent" in faster and faster.endswith("memory: x: 1 -> 2")
+    assert "incorrect" in failed and "vs parent" not in failed and "(max rel error 3e-2)" in failed
+
+
+def test_evo_run_applies_nested_and_dotted_overrides_to_the_file(monkeypatch, tmp_path):
+    import evo
+    import evo.api
+    import evo.driver.run
+    from evo.driver.run import RunOutcome
+
+    seen = {}
+
+    def fake_run(config, run_dir, verbosity):
+        seen.update(config=config, run_dir=run_dir, verbosity=verbosity)
+        return RunOutcome(tmp_path, None, None)
+
+    monkeypatch.setattr(evo.driver.run, "run", fake_run)
+    monkeypatch.setattr(evo.api, "load_run", lambda path: ("loaded", path))
+    got = evo.run(ROOT / "configs" / "kda_smoke.yaml", overrides={"search": {"generations": 2}, "mlflow.enabled": False,
+                                                                 "genes": {"chunk_size": [16]}}, quiet=True)
+    config = seen["config"]
+    assert got == ("loaded", tmp_path) and seen["verbosity"] == -1
+    assert config.search.generations == 2 and config.mlflow.enabled is False and config.genes == {"chunk_size": [16]}
+    assert config.preset == "cpu_small" and config.search.offspring == 4  # the file's other values stay
