@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+import signal
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -92,6 +94,46 @@ def confine(plan: JailPlan, keep_fds: tuple[int, ...]) -> None:
     _descriptors(keep_fds)
     _drop_privileges(plan)
     seccomp.install()
+
+
+def release(plan: JailPlan, pid: int) -> None:
+    """End a candidate whose judge is gone (run by its holder, as root): kill every process of its
+    cgroups and its first process, and thaw them, so the kills are delivered."""
+    for procs in plan.cgroup_procs:
+        try:
+            pids = [int(p) for p in Path(procs).read_text().split()]
+        except OSError:
+            pids = []
+        for member in pids:
+            _kill(member)
+    _kill(pid)
+    for procs in plan.cgroup_procs:
+        folder = Path(procs).parent
+        for name, value in (("freezer.state", "THAWED"), ("cgroup.freeze", "0")):
+            try:
+                (folder / name).write_text(value)
+            except OSError:
+                pass
+
+
+def remove_groups(plan: JailPlan) -> None:
+    """Remove the candidate's (emptied) cgroups, best effort."""
+    for procs in plan.cgroup_procs:
+        for _ in range(200):
+            try:
+                Path(procs).parent.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.005)
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _mounts(plan: JailPlan) -> None:

@@ -192,21 +192,38 @@ class _Reports:
 
 
 def _hold(engine_process: Any, fd: int, plan: dict | None, report: int) -> None:
-    """The holder: enter the new namespaces, fork the engine's process, wait for it, report its exit."""
+    """The holder: enter the new namespaces, fork the engine's process, wait for it, report its exit.
+    If the zygote dies first (its judge died), the holder is told (SIGTERM) and ends the candidate
+    itself: a frozen process would not die of its own parent-death signal until someone thawed it."""
     code = 0
+    released: list[bool] = []
     try:
-        engine_process.die_with_parent()
-        if plan is not None:
-            jail.enter_namespaces(jail.JailPlan.from_json(plan))
+        confinement = jail.JailPlan.from_json(plan) if plan is not None else None
+        pid = 0
+
+        def orphaned(signum: int, frame: Any) -> None:
+            released.append(True)
+            jail.release(confinement, pid) if confinement is not None else os.kill(pid, signal.SIGKILL)
+
+        signal.signal(signal.SIGTERM, orphaned)
+        engine_process.die_with_parent(signal.SIGTERM)
+        if confinement is not None:
+            jail.enter_namespaces(confinement)
         pid = os.fork()
         if pid == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             _child(engine_process, fd, plan, report)
         os.close(fd)
         os.write(report, f"pid {pid}\n".encode())
         _, status = os.waitpid(pid, 0)
+        if released and confinement is not None:
+            jail.remove_groups(confinement)
         os.write(report, f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
     except BaseException as exc:  # noqa: BLE001 - reported to the zygote, which tells the judge
-        os.write(report, f"error {type(exc).__name__}: {exc}\n".replace("\n", " ").encode() + b"\n")
+        try:
+            os.write(report, f"error {type(exc).__name__}: {exc}\n".replace("\n", " ").encode() + b"\n")
+        except OSError:
+            pass
         code = 1
     finally:
         os._exit(code)

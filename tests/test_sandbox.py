@@ -233,3 +233,37 @@ def test_torch_compile_keeps_working_inside(monkeypatch):
     r = _evaluate(ev, "torch_compile")
     assert r.status == OK and r.max_rel_error < 1e-5, f"{r.status} {r.message}\n{r.error}"
     assert r.versions["sandbox"] == "strict"
+
+
+_DYING_JUDGE = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+from tests import adversaries, test_sandbox
+from tests import fake_workload as fw
+workload = adversaries.AttackWorkload(fw.WORKLOAD, "attack_fake")
+process = test_sandbox._started(workload, adversaries.NONE)
+test_sandbox._call_error(process, workload)  # answered: the candidate is frozen now
+print(process.pid, *[os.path.dirname(p) for p in process._cgroup.procs_files], flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_judge_killed_while_its_candidate_is_frozen_leaves_nothing_behind():
+    """The judge dies by SIGKILL (a Ray actor killed) with its candidate frozen: its zygote dies with
+    it, the holder is told, kills and thaws the candidate and removes its cgroups."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _DYING_JUDGE.format(root=str(adversaries.ROOT))],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    pid, *groups = done.stdout.split()
+    wait_for(lambda: not os.path.exists(f"/proc/{pid}") or _state_of(pid) == "Z", 60, "the engine process to die")
+    wait_for(lambda: not any(os.path.exists(g) for g in groups), 60, "its cgroups to be removed")
+
+
+def _state_of(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
