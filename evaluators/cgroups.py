@@ -105,29 +105,21 @@ class CandidateCgroup:
     @staticmethod
     def _limit(h: Hierarchy, path: Path, wanted: set[str], cores: tuple[int, ...], memory_bytes: int | None,
                max_pids: int, threads: int | None) -> None:
-        cpus = ",".join(str(c) for c in cores)
         # CPU time: `threads` cores' worth per period, where it is fewer than the cores given
         quota = threads * _PERIOD_US if threads is not None and threads < len(cores) else None
-        if h.version == 1:
-            if "cpuset" in wanted:
-                (path / "cpuset.mems").write_text((path.parent / "cpuset.mems").read_text())
-                (path / "cpuset.cpus").write_text(cpus)
-            if "memory" in wanted and memory_bytes:
-                (path / "memory.limit_in_bytes").write_text(str(memory_bytes))
-            if "pids" in wanted:
-                (path / "pids.max").write_text(str(max_pids))
-            if "cpu" in wanted and quota:
-                (path / "cpu.cfs_period_us").write_text(str(_PERIOD_US))
-                (path / "cpu.cfs_quota_us").write_text(str(quota))
-        else:
-            if "cpuset" in wanted:
-                (path / "cpuset.cpus").write_text(cpus)
-            if "memory" in wanted and memory_bytes:
-                (path / "memory.max").write_text(str(memory_bytes))
-            if "pids" in wanted:
-                (path / "pids.max").write_text(str(max_pids))
-            if "cpu" in wanted and quota:
-                (path / "cpu.max").write_text(f"{quota} {_PERIOD_US}")
+        v1 = h.version == 1
+        writes: list[tuple[str, str, str]] = []  # (controller, file, value), in order
+        if v1:  # a v1 cpuset takes no task before its memory nodes are set
+            writes.append(("cpuset", "cpuset.mems", (path.parent / "cpuset.mems").read_text()))
+        writes += [("cpuset", "cpuset.cpus", ",".join(str(c) for c in cores)), ("pids", "pids.max", str(max_pids))]
+        if memory_bytes:
+            writes.append(("memory", "memory.limit_in_bytes" if v1 else "memory.max", str(memory_bytes)))
+        if quota:
+            writes += ([("cpu", "cpu.cfs_period_us", str(_PERIOD_US)), ("cpu", "cpu.cfs_quota_us", str(quota))] if v1
+                       else [("cpu", "cpu.max", f"{quota} {_PERIOD_US}")])
+        for controller, name, value in writes:
+            if controller in wanted:
+                (path / name).write_text(value)
 
     @property
     def procs_files(self) -> list[str]:
