@@ -21,7 +21,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from evaluators import seccomp
@@ -47,7 +47,6 @@ class JailPlan:
     ipc_namespace: bool = True
     uid: int = NOBODY
     gid: int = NOBODY
-    extra: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -258,9 +257,7 @@ def _drop_privileges(plan: JailPlan) -> None:
     os.setresgid(plan.gid, plan.gid, plan.gid)
     os.setresuid(plan.uid, plan.uid, plan.uid)  # from root: permitted, effective and ambient sets cleared
     _libc_check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
-    os.environ["HOME"] = "/tmp"
-    os.environ["TMPDIR"] = "/tmp"
-    os.chdir("/tmp")
+    os.chdir("/tmp")  # its environment (HOME, TMPDIR) comes from the judge's spec
 
 
 def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:

@@ -109,14 +109,6 @@ class EngineProcess:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def describe(self) -> str:
-        """Which sandbox confines this engine, as every result records it."""
-        if self.sandbox == "none":
-            return "none (judge's user and namespaces; process-group freeze and kill)"
-        controls = ",".join(sorted(self._cgroup.controls)) if self._cgroup is not None else ""
-        return (f"strict (uid {jail.NOBODY}, no capabilities, seccomp; pid,mnt,ipc,uts"
-                f"{'' if self.network else ',net'} namespaces; cgroup {controls or 'none: signal freeze'})")
-
     # ------------------------------------------------------------------ lifecycle
     def launch(self, preload: tuple[str, ...] = ()) -> None:
         """Fork the engine's process from the zygote (waits for the zygote to be ready on first use),
@@ -268,14 +260,16 @@ class EngineProcess:
         return elapsed, reply, forbidden, in_slots, out_slots, copies
 
     def _ensure_arenas(self, in_bytes: int, out_bytes: int) -> bool:
-        if (self._in_arena is not None and self._in_arena.numel() >= in_bytes
-                and self._out_arena is not None and self._out_arena.numel() >= out_bytes):
+        """Both arenas at least this large (both replaced when either is too small, so the engine's
+        process maps one pair at a time); True when they were replaced."""
+        have_in = 0 if self._in_arena is None else self._in_arena.numel()
+        have_out = 0 if self._out_arena is None else self._out_arena.numel()
+        if have_in >= in_bytes and have_out >= out_bytes and self._in_arena is not None:
             return False
         for fd in self._arena_fds:
             os.close(fd)
-        (self._in_arena, in_fd), (self._out_arena, out_fd) = (
-            arenas.allocate(max(in_bytes, 0 if self._in_arena is None else self._in_arena.numel()), str(self.device)),
-            arenas.allocate(max(out_bytes, 0 if self._out_arena is None else self._out_arena.numel()), str(self.device)))
+        self._in_arena, in_fd = arenas.allocate(max(in_bytes, have_in), str(self.device))
+        self._out_arena, out_fd = arenas.allocate(max(out_bytes, have_out), str(self.device))
         self._arena_fds = () if in_fd is None else (in_fd, out_fd)
         return True
 
@@ -365,8 +359,6 @@ class EngineProcess:
                 pass
         if self._cgroup is not None:
             self._cgroup.kill()
-        if self._namespace:
-            _signal_all(_members(self._namespace), signal.SIGKILL)
 
     def _freeze(self) -> None:
         """Stop every process of the candidate and wait until all are stopped (killed if they cannot be)."""
