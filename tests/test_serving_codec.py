@@ -42,10 +42,10 @@ def _with(name: str, entry: dict) -> dict:
 
 # ---- round trips -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int64])
 @pytest.mark.parametrize("encoding", ["data", "b64"])
 def test_round_trip_is_bit_exact(dtype, encoding):
-    t = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(0)).to(dtype) * 1e3
+    t = (torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(0)) * 1e3).to(dtype)
     wire = json.loads(json.dumps(encode_tensor(t, encoding)))
     back = decode_tensor(wire, "t")
     assert back.dtype == dtype and back.shape == t.shape
@@ -121,7 +121,8 @@ def test_kda_cpu_preset_b64_decodes_in_milliseconds():
         t0 = time.perf_counter()
         decode_request(body, kda_input_specs(preset), max_bytes=MAX)
         best = min(best, time.perf_counter() - t0)
-    assert best < 0.25, f"{best * 1e3:.0f} ms"  # ~20 ms on an idle core
+    # ~20 ms on an idle core, ~0.3 s at a load of 6 on 2 cores; a per-element loop takes several seconds
+    assert best < 2.0, f"{best * 1e3:.0f} ms"
 
 
 def test_kda_fixed_dim_and_bounds():
@@ -200,9 +201,10 @@ X = {"shape": [2, 4, 3], "dtype": "float32"}
     (X, "inputs.x", ["neither"]),
     ({**X, "dtype": "float16", "data": [0] * 24}, "inputs.x.dtype", ["'float16'", "['float32', 'bfloat16']"]),
     ({**X, "dtype": "float64", "data": [0] * 24}, "inputs.x.dtype", ["'float64'", "['float32', 'bfloat16']"]),
-    ({**X, "shape": [2, 0, 3], "data": []}, "inputs.x.shape", ["[2, 0, 3]", "positive ints"]),
-    ({**X, "shape": "2,4,3", "data": []}, "inputs.x.shape", ["'2,4,3'", "positive ints"]),
-    ({**X, "shape": [2, 4.0, 3], "data": []}, "inputs.x.shape", ["4.0", "positive ints"]),
+    ({**X, "shape": [2, 0, 3], "data": []}, "inputs.x.shape", ["[2, 0, 3]", "dim 1 (T) is 0", "starts at 0"]),
+    ({**X, "shape": [2, -1, 3], "data": []}, "inputs.x.shape", ["[2, -1, 3]", "non-negative ints"]),
+    ({**X, "shape": "2,4,3", "data": []}, "inputs.x.shape", ["'2,4,3'", "non-negative ints"]),
+    ({**X, "shape": [2, 4.0, 3], "data": []}, "inputs.x.shape", ["4.0", "non-negative ints"]),
     ({**X, "shape": [2, 4], "data": [0] * 8}, "inputs.x.shape", ["rank 2", "rank 3", "[B, T, C=3]"]),
     ({**X, "shape": [2, 4, 5], "data": [0] * 40}, "inputs.x.shape", ["dim 2 (C)", "must be 3", "[2, 4, 5]"]),
     ({**X, "data": [0] * 23}, "inputs.x.data", ["23", "24"]),
@@ -252,3 +254,48 @@ def test_bounds_and_allowed_nonfinite():
     body["inputs"]["z"] = encode_tensor(torch.tensor([float("inf"), float("nan")]))
     z = decode_request(json.dumps(body), SPECS, max_bytes=MAX)["z"]  # z allows non-finite values
     assert z[0] == float("inf") and z[1].isnan()
+
+
+# ---- integer tensors (token ids) and empty dims ----------------------------------------------------
+
+TOKENS = (TensorSpec("ids", ("B", "P"), ("int64",), bounds=(0, 99)), TensorSpec("more", ("B", "N"), ("int64",)))
+
+
+def _ids(ids, more=None, **kw):
+    more = [[] for _ in ids] if more is None else more
+    body = {"inputs": {"ids": {"shape": [len(ids), len(ids[0])], "dtype": "int64", "data": ids},
+                       "more": {"shape": [len(more), len(more[0])], "dtype": "int64", "data": more}}}
+    return decode_request(json.dumps(body), TOKENS, max_bytes=MAX, **kw)
+
+
+def test_int64_ids_decode_and_an_empty_dim_is_allowed_where_the_domain_starts_at_0():
+    out = _ids([[1, 2, 99], [0, 5, 7]], axes={"N": (0, 4)})
+    assert out["ids"].dtype == torch.int64 and out["ids"].tolist() == [[1, 2, 99], [0, 5, 7]]
+    assert out["more"].shape == (2, 0)
+    with pytest.raises(RequestError) as e:
+        _ids([[1, 2]], axes={"N": (1, 4)})
+    assert e.value.field == "inputs.more.shape" and "starts at 0" in e.value.message
+
+
+@pytest.mark.parametrize("ids, words", [
+    ([[1, 2.0]], ["2.0", "not an integer"]),
+    ([[1, True]], ["boolean"]),
+    ([[1, 2 ** 63]], ["out of the range of int64"]),
+    ([[1, 100]], ["100", "above the maximum 99", "[0, 99]"]),
+    ([[-1, 3]], ["-1", "below the minimum 0"]),
+])
+def test_int64_errors_name_the_value(ids, words):
+    with pytest.raises(RequestError) as e:
+        _ids(ids, axes={"N": (0, 4)})
+    assert e.value.field == "inputs.ids.data" and all(w in e.value.message for w in words), e.value.message
+
+
+def test_example_request_of_an_integer_schema_decodes_and_argmax_reduces_the_last_dim():
+    from evo.serving.app import REDUCTIONS
+    from evo.serving.example import example_body
+    body = example_body(TOKENS, {"B": (1, 4), "P": (1, 8), "N": (0, 4)})
+    out = decode_request(json.dumps(body), TOKENS, max_bytes=MAX, axes={"N": (0, 4)})
+    assert out["ids"].tolist() == [[49]] and out["more"].shape == (1, 1)
+    logits = torch.tensor([[[0.0, 3.0, 1.0], [5.0, 0.0, 1.0]]])
+    assert REDUCTIONS["argmax"]({"logits": logits})["logits"].tolist() == [[1, 0]]
+    assert REDUCTIONS["none"]({"logits": logits})["logits"] is logits

@@ -1,6 +1,7 @@
 """Ray Serve application that serves one engine over HTTP, verified before it answers, hot-swappable.
 
-    POST /v1/infer   {"inputs": {name: tensor}, "encoding": "data"|"b64"} -> {"outputs": {name: tensor}}
+    POST /v1/infer   {"inputs": {name: tensor}, "encoding": "data"|"b64", "reduce": "none"|"argmax"}
+                     -> {"outputs": {name: tensor}}   ("argmax": each output's int64 argmax over its last dim)
     GET  /v1/engine  workload, preset, genome, hash, measured latency, speedups, device, MLflow run id
     GET  /healthz    200 when an engine is loaded and verified
 
@@ -90,6 +91,16 @@ def check_user_config(user_config: Any) -> dict[str, Any]:
         raise ValueError(f"user_config 'max_inflight_bytes' ({config['max_inflight_bytes']}) must be at least "
                          f"'max_request_bytes' ({config['max_request_bytes']}), or no maximum-size request fits")
     return config
+
+
+def _argmax_last(outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each output -> the int64 index of its largest value along the last dim (a language model's greedy
+    tokens from its logits)."""
+    return {name: t.argmax(dim=-1) for name, t in outputs.items()}
+
+
+# the request option "reduce": what the response holds of each output
+REDUCTIONS = {"none": lambda outputs: outputs, "argmax": _argmax_last}
 
 
 def error_response(field: str, message: str, status: int, headers: dict | None = None) -> JSONResponse:
@@ -363,7 +374,11 @@ class EngineServer:
                 encoding = body.get("encoding", "data")
                 if encoding not in ENCODINGS:
                     raise RequestError("encoding", f"got {encoding!r}; allowed: {list(ENCODINGS)}")
-                inputs = decode_request(body, loaded.specs, max_bytes=limit, extra_keys=("encoding",), consume=True,
+                reduce = body.get("reduce", "none")
+                if reduce not in REDUCTIONS:
+                    raise RequestError("reduce", f"got {reduce!r}; allowed: {list(REDUCTIONS)}")
+                inputs = decode_request(body, loaded.specs, max_bytes=limit, extra_keys=("encoding", "reduce"),
+                                        consume=True,
                                         axes=loaded.axes)  # the verified domain: B, T, ... and value bounds
                 del body
                 first = next(iter(inputs))
@@ -374,7 +389,7 @@ class EngineServer:
                 return JSONResponse(exc.to_dict(), status_code=exc.status)
             outputs = await self._run_batch(inputs)
             del inputs
-            return JSONResponse(encode_outputs(outputs, encoding))
+            return JSONResponse(encode_outputs(REDUCTIONS[reduce](outputs), encoding))
         finally:
             async with self._admission():
                 self.inflight_bytes -= reserve

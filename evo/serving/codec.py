@@ -4,6 +4,7 @@ Wire format of one tensor, exactly one of `data` / `b64`:
 
     {"shape": [1, 256, 2, 32], "dtype": "float32", "data": [...]}   # numbers, flat or nested to shape
     {"shape": [1, 256, 2, 32], "dtype": "bfloat16", "b64": "..."}   # base64 of raw little-endian bytes
+    {"shape": [1, 64], "dtype": "int64", "data": [...]}              # integers only (e.g. token ids)
 
 A request body is `{"inputs": {name: tensor, ...}}` (tensors are not accepted at the top level, so a
 tensor named like a request option can never be confused with one). `bfloat16` b64 is 2 bytes per
@@ -32,7 +33,9 @@ DTYPES: dict[str, tuple[torch.dtype, str]] = {
     "float32": (torch.float32, "<f4"),
     "bfloat16": (torch.bfloat16, "<i2"),  # raw bf16 bits, reinterpreted after the copy
     "float64": (torch.float64, "<f8"),
+    "int64": (torch.int64, "<i8"),  # e.g. token ids; `data` must then hold JSON integers
 }
+INTEGER_DTYPES = frozenset({"int64"})
 ENCODINGS = ("data", "b64")
 _TENSOR_KEYS = ("shape", "dtype", "data", "b64")
 _NUMBER_TYPES = frozenset({int, float})  # bool is excluded on purpose: type(True) is bool
@@ -159,6 +162,9 @@ def _check_shape(shape: tuple[int, ...], spec: TensorSpec, field: str,
             raise RequestError(f, f"received {list(shape)}; dim {i} ({want}) is {got} but {want} = {value} in "
                                   f"{where}; every tensor must agree on {want}")
         else:
+            if got == 0 and not (want in axes and axes[want][0] == 0):
+                raise RequestError(f, f"received {list(shape)}; dim {i} ({want}) is 0: an empty dim is allowed only "
+                                      f"where the verified domain of {want} starts at 0 (e.g. no decode steps)")
             if want in axes and not axes[want][0] <= got <= axes[want][1]:
                 lo, hi = axes[want]
                 side = f"above the largest {want} ({hi})" if got > hi else f"below the smallest {want} ({lo})"
@@ -249,8 +255,9 @@ def _read_header(obj: Any, field: str, dtypes: tuple[str, ...]) -> tuple[tuple[i
     if not isinstance(dtype, str) or dtype not in dtypes:
         raise RequestError(f"{field}.dtype", f"received {_short(dtype)}; allowed: {list(dtypes)}")
     shape = obj["shape"]
-    if not isinstance(shape, list) or not all(type(d) is int and d > 0 for d in shape):
-        raise RequestError(f"{field}.shape", f"received {_short(shape)}; expected a list of positive ints")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise RequestError(f"{field}.shape", f"received {_short(shape)}; expected a list of non-negative ints "
+                                             f"(a free dim's verified range is checked against the schema)")
     return tuple(shape), dtype
 
 
@@ -289,6 +296,8 @@ def _decode_data(data: Any, field: str, shape: tuple[int, ...], dtype: str) -> t
         _check_nested(data, shape, field)
     else:
         _check_flat(data, shape, field)
+    if dtype in INTEGER_DTYPES:
+        return _integers(data, field, shape, dtype)
     # Straight to the dtype, one rounding step from the parsed float64 values (overflow becomes inf);
     # bfloat16, which numpy lacks, goes through float64 so it is rounded once, to nearest even.
     direct = {"float32": np.float32, "float64": np.float64}.get(dtype, np.float64)
@@ -300,6 +309,22 @@ def _decode_data(data: Any, field: str, shape: tuple[int, ...], dtype: str) -> t
                                   "within the dtype's range") from None
     t = torch.from_numpy(arr).reshape(shape)
     return t if dtype in ("float32", "float64") else t.to(DTYPES[dtype][0])
+
+
+def _integers(data: list, field: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+    """Nested or flat JSON integers -> an integer tensor; a float (even 3.0) or an out-of-range integer is refused."""
+    flat = np.array(data, dtype=object).reshape(-1)
+    floats = [j for j, x in enumerate(flat) if type(x) is not int]
+    if floats:
+        j = floats[0]
+        raise RequestError(field, f"value {_short(flat[j])} at flat index {j} is not an integer; {dtype} data "
+                                  f"must be JSON integers")
+    info = np.iinfo(DTYPES[dtype][1])
+    try:
+        arr = np.array(flat.tolist(), dtype=DTYPES[dtype][1]).astype(np.dtype(DTYPES[dtype][1]).newbyteorder("="))
+    except OverflowError:
+        raise RequestError(field, f"an integer is out of the range of {dtype} [{info.min}, {info.max}]") from None
+    return torch.from_numpy(arr).reshape(shape)
 
 
 def _check_flat(data: list, shape: tuple[int, ...], field: str) -> None:

@@ -22,6 +22,8 @@ def example_body(specs: tuple[TensorSpec, ...], axes: Mapping[str, tuple[int, in
             continue
         shape = [d if isinstance(d, int) else max(1, axes.get(d, (1, 1))[0]) for d in spec.shape]
         value = _inside(spec.bounds)
+        if spec.dtypes[0].startswith("int"):  # integer tensors (token ids) take a whole number
+            value = math.floor(value) if spec.bounds[0] is None else max(spec.bounds[0], math.floor(value))
         inputs[spec.name] = {"shape": shape, "dtype": spec.dtypes[0], "data": [value] * math.prod(shape)}
     return {"inputs": inputs}
 
