@@ -5,12 +5,19 @@ The judge allocates the arenas (CPU: an anonymous memory file, `memfd_create`, w
 the engine's process over its own channel; CUDA: device memory shared through IPC), writes inputs and
 reads outputs through views; the engine's process gets the same views from a `Slot` table. Only the
 judge ever sends pickles; the engine's process answers in JSON.
+
+The arenas belong to the judge, not to an engine's process: an `ArenaPool` per evaluator lends one
+pair (inputs, outputs) to each engine process alive at once, takes it back when that process is dead,
+grows a pair only when a call needs more, and frees them all at `close`. So candidates that are
+SIGKILLed cost nothing: CUDA memory shared by IPC stays allocated in the sender while a receiver that
+died by a signal still "holds" it, which per-candidate arenas would pile up (~2 GB per evaluation at
+a full-size GPU preset); the pool's pairs are allocated once and reused.
 """
 from __future__ import annotations
 
 import mmap
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 import torch
@@ -85,3 +92,83 @@ def attach(fd: int, size: int) -> torch.Tensor:
     """The CPU arena behind a memory file's descriptor, as a flat uint8 tensor (the mapping outlives `fd`)."""
     mapping = mmap.mmap(fd, size)
     return torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+@dataclass(eq=False)
+class ArenaPair:
+    """One engine process's pair of arenas while it is lent; `version` changes whenever the pair is
+    replaced, so a process knows it must be sent the new one."""
+
+    device: str
+    inputs: torch.Tensor | None = None
+    outputs: torch.Tensor | None = None
+    fds: tuple[int, ...] = ()  # CPU: the memory files' descriptors, kept to send to each new process
+    version: int = 0
+
+    def ensure(self, in_bytes: int, out_bytes: int) -> bool:
+        """Both arenas at least this large (both replaced when either is too small, so an engine's process
+        maps one pair at a time); True when they were replaced."""
+        have_in = 0 if self.inputs is None else self.inputs.numel()
+        have_out = 0 if self.outputs is None else self.outputs.numel()
+        if self.inputs is not None and have_in >= in_bytes and have_out >= out_bytes:
+            return False
+        self.release()
+        self.inputs, in_fd = allocate(max(in_bytes, have_in), self.device)
+        self.outputs, out_fd = allocate(max(out_bytes, have_out), self.device)
+        self.fds = () if in_fd is None else (in_fd, out_fd)
+        self.version += 1
+        return True
+
+    @property
+    def nbytes(self) -> int:
+        return sum(0 if t is None else t.numel() for t in (self.inputs, self.outputs))
+
+    def release(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.inputs = self.outputs = None
+        self.fds = ()
+
+
+@dataclass(eq=False)
+class ArenaPool:
+    """The judge's arenas on one device: a pair lent to each live engine process, reused across
+    candidates, released at `close` (see the module's docstring)."""
+
+    device: str
+    _free: list[ArenaPair] = field(default_factory=list)
+    _lent: list[ArenaPair] = field(default_factory=list)
+
+    def lease(self) -> ArenaPair:
+        """A pair for one engine process (empty until its first `ensure`), the largest free one first."""
+        self._free.sort(key=lambda pair: pair.nbytes)
+        pair = self._free.pop() if self._free else ArenaPair(self.device)
+        self._lent.append(pair)
+        return pair
+
+    def give_back(self, pair: ArenaPair) -> None:
+        """Return a pair once its engine process is dead (nothing of that candidate can write to it)."""
+        if any(p is pair for p in self._lent):
+            self._lent = [p for p in self._lent if p is not pair]
+            self._free.append(pair)
+
+    def discard(self, pair: ArenaPair) -> None:
+        """Free a pair instead of reusing it (a process of its candidate outlived the kill)."""
+        self._lent = [p for p in self._lent if p is not pair]
+        pair.release()
+
+    @property
+    def pairs(self) -> int:
+        return len(self._free) + len(self._lent)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(pair.nbytes for pair in (*self._free, *self._lent))
+
+    def close(self) -> None:
+        """Free every arena (pairs still lent included: call this once no engine process is alive)."""
+        for pair in (*self._free, *self._lent):
+            pair.release()
+        self._free, self._lent = [], []
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.ipc_collect()  # blocks whose receivers released them normally

@@ -114,7 +114,7 @@ def check_engine(
             changed = _changed_inputs(inputs, snapshot)
             if changed:
                 return CheckReport(False, worst, f"{where}: engine modified its inputs in place: {changed}", run)
-            reference = workload.reference(snapshot)
+            reference = workload.reference_for(preset, snapshot)
             time.sleep(settle_s)
             sync(device)
             late = _changed_outputs(outputs, first)

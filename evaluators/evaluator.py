@@ -14,7 +14,8 @@ One evaluation:
    `subtract_call_overhead`, the judge's own cost of a call measured with echo calls before the build): the same call site, the same process state and the same shapes, so nothing inside the
    engine can tell a check from a timed call. EVERY call gets freshly drawn inputs and is checked
    against the reference (outputs, inputs unchanged, output types and memory), timed calls included;
-   the first `warmup` calls at the timing shape are not timed;
+   the first `warmup` calls at the timing shape are not timed; a device that throttled meanwhile
+   (heat or power, `evaluators.telemetry`) gets the timed calls run once more, and the result says so;
 4. a median below the roofline floor re-measures the machine and re-verifies the engine on fresh
    inputs; still below it, the result is `suspect` (never ranked).
 Engine faults become statuses with a message; only configuration and programming errors raise.
@@ -44,6 +45,7 @@ from evaluators import device as devices
 from evaluators import telemetry
 from evaluators.check import compare_outputs, expected_dtypes, worse
 from evaluators import jail
+from evaluators.arena import ArenaPool
 from evaluators.guard import hidden_paths
 from evaluators.sandbox import CallResult, EngineProcess, EngineProcessError
 from evaluators.settings import EvaluatorSettings
@@ -99,6 +101,7 @@ class Evaluator:
         seed: int,
         name: str = "evaluator-0",
         cores: tuple[int, ...] | None = None,
+        sampler: telemetry.Sampler | None = None,
     ) -> None:
         self.workload: Workload = get_workload(workload)
         presets = self.workload.presets()
@@ -109,6 +112,7 @@ class Evaluator:
         self.name = name
         self.cores = tuple(cores) if cores is not None else None
         self.device = devices.select_device(self.preset)
+        self._arenas = ArenaPool(self.device)  # the judge's shared arenas, lent to each engine process, freed at close()
         if self.cores is not None and self.device == "cpu":
             devices.pin_cores(self.cores)
         threads = len(self.cores) if self.cores else torch.get_num_threads()
@@ -128,10 +132,16 @@ class Evaluator:
         self._spec_cache: dict[tuple, dict] = {}
         self._seen: dict[tuple, str] = {}  # fingerprints of this evaluation's outputs -> the call that returned them
         self._telemetry_start: dict = {}  # the machine as the current evaluation started (evaluators.telemetry)
+        self._retimed_after_throttle = False  # this evaluation's calls were timed again: the device throttled
+        self.sampler = sampler or telemetry.MachineSampler()  # tests pass one of their own (a throttle)
         self._paired_seed, self._retimings = derive_seed(seed, f"{name}:paired"), 0  # paired call orders
         Zygote.shared()  # starts now (imports torch there), ready by the first evaluation
 
     # ----------------------------------------------------------------- public API
+    def close(self) -> None:
+        """Free the judge's shared arenas (call once no engine process of this evaluator is alive)."""
+        self._arenas.close()
+
     def device_info(self) -> DeviceInfo:
         return self._info
 
@@ -210,7 +220,7 @@ class Evaluator:
     def _evaluate(self, genome_hash: str, start: float, engine: dict) -> EvalResult:
         self.roofline_floor_ms()  # the ceilings are measured before any engine runs
         self._seen = {}
-        self._telemetry_start = telemetry.sample(self.device)
+        self._telemetry_start, self._retimed_after_throttle = self.sampler.sample(self.device), False
         try:
             # The judge's own work (drawing inputs, the reference) runs on one thread, so no idle worker
             # thread of its pool spins on the engine's cores while a call is timed.
@@ -287,6 +297,17 @@ class Evaluator:
             return self._result(genome_hash, failed.status, start, message=failed.message, error=failed.error, **stamp)
         assert timing is not None
         note = f"passed {len(verdicts) + 1} checked calls (every timed call checked; tol {self._tolerance:.1e})"
+        if telemetry.throttled(self._stamp()):  # the device held its clocks down: time the calls once more
+            self._telemetry_start, self._retimed_after_throttle = self.sampler.sample(self.device), True
+            try:
+                again, timing = self._run_plan(process, self._plan(rng, checks=False), deadline, null_ms)
+            except EngineProcessError as exc:
+                return self._failed(genome_hash, start, exc, "re-timing after a throttle", self._limit(), **stamp)
+            failed = next((v for v in again if v.status is not None), None)
+            if failed is not None:
+                return self._result(genome_hash, failed.status, start, error=failed.error, **stamp,
+                                    message=f"re-timing after a throttle: {failed.message}")
+            note += "; timed again: the device throttled during the first timing"
 
         if self._below_floor(timing.median_ms):
             first_median = timing.median_ms
@@ -422,7 +443,7 @@ class Evaluator:
 
     def _compare(self, call: _Call, inputs: dict, result: CallResult) -> _Verdict:
         """The call's outputs against the float64 reference of its inputs."""
-        reference = self.workload.reference(inputs)
+        reference = self.workload.reference_for(self.preset, inputs)
         problem, rel = compare_outputs(result.outputs, reference, self._dtypes, self._tolerance,
                                        self.settings.elementwise_factor)
         fingerprint = _fingerprint(result.outputs)
@@ -458,7 +479,7 @@ class Evaluator:
         if key not in self._spec_cache:
             if len(self._spec_cache) >= _SPEC_CACHE_SIZE:
                 self._spec_cache.clear()
-            reference = self.workload.reference(self._draw(case))
+            reference = self.workload.reference_for(self.preset, self._draw(case))
             self._spec_cache[key] = {n: (tuple(reference[n].shape), d) for n, d in self._dtypes.items()}
         return self._spec_cache[key]
 
@@ -495,14 +516,18 @@ class Evaluator:
             status=status,
             eval_s=time.perf_counter() - start,
             device=self._device_label(),
-            versions={**self._versions, **telemetry.as_versions(telemetry.around(self._telemetry_start,
-                                                                                 telemetry.sample(self.device)))},
+            versions={**self._versions, **telemetry.as_versions(self._stamp())},
             evaluator=self.name,
             **fields,
         )
 
     def _device_label(self) -> str:
         return f"{self._info.kind}:{self._info.name}"
+
+    def _stamp(self) -> dict:
+        """The machine from the evaluation's start (or its re-timing's) to now (`evaluators.telemetry`)."""
+        stamp = telemetry.around(self._telemetry_start, self.sampler.sample(self.device))
+        return {**stamp, "retimed_after_throttle": True} if self._retimed_after_throttle else stamp
 
     # ================================================================= held engines: paired re-timing
     # The pieces `evaluators.paired` times several engines with, interleaved call by call: the same build,
@@ -564,7 +589,7 @@ class Evaluator:
                              poison=self.settings.poison_memory,
                              memory_bytes=int(self.settings.engine_memory_gb * 2**30),
                              network=self.settings.engine_network, sandbox=self.settings.sandbox,
-                             hidden=hidden_paths(self.workload) if guarded else ())
+                             hidden=hidden_paths(self.workload) if guarded else (), arena_pool=self._arenas)
 
     def hold(self, process: EngineProcess, engine: dict, deadline: float) -> tuple[str | None, float]:
         """Launch `process`, build `engine` there and check its first call: (why it failed, or None;

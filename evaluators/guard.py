@@ -107,9 +107,10 @@ def _guard_callable(label: str, report: Callable[[str], None]) -> Callable:
 
 
 def forbidden_targets(workload: Workload) -> list[tuple[object, str]]:
-    """(owner, attribute) pairs an engine must not call: the workload's `reference` method, plus
-    whatever the workload declares through `forbidden_callables()` (by default nothing more)."""
-    return [(workload, "reference"), *((owner, attr) for owner, attr in workload.forbidden_callables())]
+    """(owner, attribute) pairs an engine must not call: the workload's `reference` and `reference_for`
+    methods, plus whatever the workload declares through `forbidden_callables()` (by default nothing more)."""
+    return [(workload, "reference"), (workload, "reference_for"),
+            *((owner, attr) for owner, attr in workload.forbidden_callables())]
 
 
 def hidden_paths(workload: Workload) -> tuple[str, ...]:

@@ -30,6 +30,7 @@ class Judge(Protocol):
     device: str
     settings: object
     defer_checks: bool
+    sampler: telemetry.Sampler  # reads the machine around the rounds (a test passes one that throttles)
 
     def resolve(self, engine: str, sources: dict | None = None) -> tuple[str, dict]: ...
     def holding(self): ...
@@ -91,7 +92,7 @@ def _rounds(judge: Judge, held: list[tuple[str, object, float]], rng: np.random.
     """Warm-up and `calls` shuffled rounds: (samples per engine, telemetry), or why a call failed."""
     samples: list[list[float]] = [[] for _ in held]
     pending: list[tuple] = []
-    before = telemetry.sample(judge.device)
+    before = judge.sampler.sample(judge.device)
     orders = [list(rng.permutation(len(held))) for _ in range(warmup)] + balanced_orders(len(held), calls, rng)
     for round_, order in enumerate(orders):
         for i in order:
@@ -109,7 +110,7 @@ def _rounds(judge: Judge, held: list[tuple[str, object, float]], rng: np.random.
                     return f"{label}: {problem}"
             if timed:
                 samples[int(i)].append(ms)
-    after = telemetry.sample(judge.device)
+    after = judge.sampler.sample(judge.device)
     for label, check in pending:
         problem = judge.verify(check)
         if problem:

@@ -245,9 +245,15 @@ class EvaluatorPool:
         return ray.get(getattr(slot.actor, method).remote(), timeout=self.settings.eval_timeout_s)
 
     # -- evaluation -----------------------------------------------------------------------------
-    def run_baselines(self, names: list[str]) -> dict[str, EvalResult]:
+    def run_baselines(self, names: list[str],
+                      on_result: Callable[[str, EvalResult], None] = lambda name, result: None) -> dict[str, EvalResult]:
+        """Each baseline's result, in the order they finish; `on_result` hears of each as it does (progress)."""
         jobs = [_Job(name, "evaluate_baseline", (name,), {}, _eval_failure(f"baseline:{name}")) for name in names]
-        return {key: result for key, result in self._dispatch(jobs)}
+        results = {}
+        for key, result in self._dispatch(jobs):
+            results[key] = result
+            on_result(key, result)
+        return results
 
     def run(self, proposals: list[Proposal]) -> Iterator[tuple[Proposal, EvalResult]]:
         # (genome JSON[, sources]): only genomes with code genes need sources

@@ -76,7 +76,8 @@ class EngineProcess:
 
     def __init__(self, device: str, *, threads: int | None = None, settle_s: float = 0.0, poison: bool = False,
                  memory_bytes: int | None = None, network: bool = False, sandbox: str = "strict",
-                 hidden: tuple[str, ...] = (), cores: tuple[int, ...] | None = None) -> None:
+                 hidden: tuple[str, ...] = (), cores: tuple[int, ...] | None = None,
+                 arena_pool: arenas.ArenaPool | None = None) -> None:
         if sandbox not in SANDBOXES:
             raise ValueError(f"sandbox must be one of {SANDBOXES}, got {sandbox!r}")
         self.device = torch.device(device)
@@ -99,9 +100,12 @@ class EngineProcess:
         self._exitcode: int | None = None
         self._reaped = False
         self._killed = False
-        self._in_arena: torch.Tensor | None = None
-        self._out_arena: torch.Tensor | None = None
-        self._arena_fds: tuple[int, ...] = ()
+        # The judge's arenas: lent by the evaluator's pool (allocated once per evaluator, reused across
+        # candidates), else by a pool of this process's own, freed at close.
+        self._own_pool = arena_pool is None
+        self._pool = arena_pool if arena_pool is not None else arenas.ArenaPool(str(self.device))
+        self._pair: arenas.ArenaPair | None = None
+        self._sent_version = -1  # the version of the pair this engine's process has mapped
 
     def __enter__(self) -> EngineProcess:
         return self
@@ -201,9 +205,14 @@ class EngineProcess:
         for closable in (self.conn, self._sock):
             if closable is not None:
                 closable.close()
-        for fd in self._arena_fds:
-            os.close(fd)
-        self._arena_fds = ()
+        if self._pair is not None:
+            if self.survivors:  # a process of the candidate outlived the kill: never lend this pair again
+                self._pool.discard(self._pair)
+            else:  # the candidate is dead: nothing of it can write there any more
+                self._pool.give_back(self._pair)
+            self._pair = None
+        if self._own_pool:
+            self._pool.close()
         self.pid = self._holder = None
 
     # ------------------------------------------------------------------ one call
@@ -260,18 +269,26 @@ class EngineProcess:
         return elapsed, reply, forbidden, in_slots, out_slots, copies
 
     def _ensure_arenas(self, in_bytes: int, out_bytes: int) -> bool:
-        """Both arenas at least this large (both replaced when either is too small, so the engine's
-        process maps one pair at a time); True when they were replaced."""
-        have_in = 0 if self._in_arena is None else self._in_arena.numel()
-        have_out = 0 if self._out_arena is None else self._out_arena.numel()
-        if have_in >= in_bytes and have_out >= out_bytes and self._in_arena is not None:
-            return False
-        for fd in self._arena_fds:
-            os.close(fd)
-        self._in_arena, in_fd = arenas.allocate(max(in_bytes, have_in), str(self.device))
-        self._out_arena, out_fd = arenas.allocate(max(out_bytes, have_out), str(self.device))
-        self._arena_fds = () if in_fd is None else (in_fd, out_fd)
-        return True
+        """This process's pair of arenas (leased from the pool on first use) at least this large; True
+        when the engine's process must be sent it (first use, or the pair was grown)."""
+        if self._pair is None:
+            self._pair = self._pool.lease()
+        self._pair.ensure(in_bytes, out_bytes)
+        new = self._pair.version != self._sent_version
+        self._sent_version = self._pair.version
+        return new
+
+    @property
+    def _in_arena(self) -> torch.Tensor | None:
+        return None if self._pair is None else self._pair.inputs
+
+    @property
+    def _out_arena(self) -> torch.Tensor | None:
+        return None if self._pair is None else self._pair.outputs
+
+    @property
+    def _arena_fds(self) -> tuple[int, ...]:
+        return () if self._pair is None else self._pair.fds
 
     # ------------------------------------------------------------------ transport
     def _send(self, payload: bytes, deadline: float) -> None:

@@ -4,18 +4,35 @@ On CUDA (through `pynvml`, imported only when a CUDA device is sampled; absent o
 says so): SM and memory clocks, temperature, power and the throttle reasons. On the CPU: the load
 average and, where the kernel exposes it, the current frequency of the cores this process may use.
 A sample is a flat {name: number or text} map; `throttled` says whether a GPU sample shows a clock
-held down by power or heat (then a measurement is flagged, and a paired re-timing is run again).
+held down by power or heat: an evaluation's timed calls, or a paired re-timing's rounds, taken
+while throttled are run once more, and the stamp says so (`retimed_after_throttle`).
+
+Who samples is a `Sampler` (`MachineSampler`: this machine); an evaluator takes one, so a test can
+pass a sampler of its own (one that reports a throttle) without touching NVML.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 # Throttle reasons that mean the clocks were held down by the device itself (not idle, not app clocks).
 _THROTTLES = {"sw_power_cap": 0x4, "hw_slowdown": 0x8, "sw_thermal": 0x20, "hw_thermal": 0x40,
               "hw_power_brake": 0x80}
 _NVML: Any = None  # the pynvml module once initialised; False when it cannot be
+
+
+class Sampler(Protocol):
+    """What the evaluator reads the machine with: one flat stamp per call (see `sample`)."""
+
+    def sample(self, device: str) -> dict[str, Any]: ...
+
+
+class MachineSampler:
+    """This machine's telemetry: `sample` below."""
+
+    def sample(self, device: str) -> dict[str, Any]:
+        return sample(device)
 
 
 def sample(device: str) -> dict[str, Any]:

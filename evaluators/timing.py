@@ -5,7 +5,7 @@ judge around each call to an isolated engine (evaluators/sandbox.py, evaluators/
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -90,18 +90,35 @@ def _matmul_rate(device: str, arithmetic: str, repeats: int) -> float:
     if not cuda and arithmetic != "float32":
         n = 512  # CPU bf16 gemm is slow; keep the measurement short
     dtype = torch.float32 if arithmetic in ("float32", "tf32") else getattr(torch, arithmetic)
-    previous = torch.backends.cuda.matmul.allow_tf32 if cuda else None
-    if cuda:
-        torch.backends.cuda.matmul.allow_tf32 = arithmetic == "tf32"
-    try:
+    with matmul_tf32(arithmetic == "tf32") if cuda else nullcontext():
         a = torch.randn(n, n, device=device, dtype=dtype)
         b = torch.randn(n, n, device=device, dtype=dtype)
         out = torch.empty(n, n, device=device, dtype=dtype)
         seconds = _median_seconds(lambda: torch.mm(a, b, out=out), device, repeats)
-    finally:
-        if cuda:
-            torch.backends.cuda.matmul.allow_tf32 = previous
     return 2.0 * n**3 / seconds
+
+
+@contextmanager
+def matmul_tf32(enabled: bool) -> Iterator[None]:
+    """cuBLAS float32 matmuls in tf32 (True) or full float32 (False) inside the block, the previous
+    setting restored after. Uses torch's current API (`torch.backends.cuda.matmul.fp32_precision`);
+    the legacy `allow_tf32` flag only where that is absent (torch < 2.9): reading the legacy flag
+    raises once anything in the process has used the current API."""
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        previous = matmul.fp32_precision
+        matmul.fp32_precision = "tf32" if enabled else "ieee"
+        try:
+            yield
+        finally:
+            matmul.fp32_precision = previous
+        return
+    previous_flag = matmul.allow_tf32
+    matmul.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        matmul.allow_tf32 = previous_flag
 
 
 def _median_seconds(fn, device: str, repeats: int) -> float:

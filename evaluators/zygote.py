@@ -243,7 +243,8 @@ def _import_environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith(_IMPORT_PREFIXES)}
 
 
-_IMPORT_PREFIXES = ("TRITON", "TORCH", "PYTORCH", "CUDA", "OMP", "MKL", "KMP", "OPENBLAS", "LD_", "PYTHON")
+_IMPORT_PREFIXES = ("TRITON", "TORCH", "PYTORCH", "CUDA", "OMP", "MKL", "KMP", "OPENBLAS", "LD_", "PYTHON",
+                    "FLA_")  # FLA_: fla's config cache (FLA_CACHE_MODE, FLA_CONFIG_DIR), read when it is imported
 _ENGINE_NAMES = ("PATH", "LANG", "LANGUAGE", "TZ", "CC", "CXX", "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES")
 _SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSW", "CREDENTIAL", "AUTH", "COOKIE", "SESSION")
 

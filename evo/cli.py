@@ -1,5 +1,5 @@
 """Command line: `python -m evo run CONFIG [--out DIR] [--set key=value ...]`, and the other commands
-(`resume`, `compare`, `bench`, `ab`, `serve`, `genes`, `report`, `mlflow-sync`)."""
+(`resume`, `compare`, `bench`, `ab`, `kernels`, `serve`, `genes`, `report`, `mlflow-sync`)."""
 from __future__ import annotations
 
 import argparse
@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     _verbosity_flags(resume_cmd)
     serve_cmd = add("serve", help="serve a run's best engine over HTTP with Ray Serve")
     serve_cmd.add_argument("engine", metavar="RUN",
-                           help="run directory, models:/NAME/VERSION, runs:/RUN_ID, an MLflow run id or default:WORKLOAD/PRESET")
+                           help="run directory, models:/NAME/VERSION, models:/NAME@champion, runs:/RUN_ID, an MLflow run id "
+                                "or default:WORKLOAD/PRESET")
     serve_cmd.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     serve_cmd.add_argument("--port", type=int, default=8000, help="HTTP port; it must be free")
     serve_cmd.add_argument("--name", default="engine", help="Serve application name")
@@ -74,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cmd.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow even when it is installed")
     bench_cmd.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                            help="override a config value, e.g. --set evaluator.repeats=5 (repeatable)")
+    kernels_cmd = add("kernels", help="compile each genome's kernels without a GPU: registers, spills, shared memory,"
+                                      " and a modelled HBM traffic and time per kernel")
+    kernels_cmd.add_argument("config", help="YAML experiment config: its workload and preset")
+    kernels_cmd.add_argument("--genomes", default=None, metavar="FILE",
+                             help="JSON list or JSON lines of genomes besides the default one (flat {gene: value} or full)")
+    kernels_cmd.add_argument("--json", action="store_true", help="print the report as JSON: one object per genome")
+    kernels_cmd.add_argument("--no-compile", action="store_true", help="the model only (seconds instead of minutes)")
     ab_cmd = add("ab", help="paired test of two engines: latency ratio, 95%% interval, verdict")
     ab_cmd.add_argument("config", help="YAML experiment config (workload, preset, evaluator settings)")
     ab_cmd.add_argument("a", metavar="A", help="genome JSON or a file of it, a genome hash from a run's evidence, "
@@ -161,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(config, args)
     if args.command == "ab":
         return _ab(config, args)
+    if args.command == "kernels":
+        return _kernels(config, args)
     if args.command == "compare":
         from evo.bench.compare import compare
 
@@ -247,6 +257,18 @@ def _bench(config, args) -> int:
         except Exception as exc:  # the table is on disk; a store that is down must not fail the bench
             print(f"MLflow logging failed ({type(exc).__name__}: {exc}); the table is in {out_dir}", file=sys.stderr)
     return 0 if any(r.status == "ok" for r in rows) else 1
+
+
+def _kernels(config, args) -> int:
+    from evo.bench.kernels import as_json, kernel_report, table
+
+    try:
+        report = kernel_report(config, args.genomes, compile=not args.no_compile)
+    except (ValueError, RuntimeError) as exc:  # a bad genome file; a compiler that cannot run here
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    print(as_json(report) if args.json else table(report), flush=True)
+    return 0
 
 
 def _ab(config, args) -> int:

@@ -32,6 +32,39 @@ def ray_local():
         ray.shutdown()
 
 
+SMOKE_MODEL = "ui-test-engine"  # the registered model of the shared smoke run on a server
+
+
+@pytest.fixture(scope="session")
+def smoke_on_server(request, tmp_path_factory):
+    """One small configs/kda_smoke.yaml run through the driver, logging to a real `mlflow server` that
+    stays up for the session: (outcome, server, client, printed output). The lineage tests and the
+    MLflow UI tests read the same run (one generation, one baseline, the final paired re-timing)."""
+    import io
+    from pathlib import Path
+
+    from mlflow.tracking import MlflowClient
+
+    from evo.driver.config import load_config
+    from evo.driver.run import run
+    from tests.test_mlflow_outage import MlflowServer
+
+    root = tmp_path_factory.mktemp("smoke-on-server")
+    server = MlflowServer(root)
+    try:
+        server.start()  # before the session's Ray, when this runs first: the two start-ups do not compete
+        request.getfixturevalue("ray_local")
+        config = load_config(Path(__file__).resolve().parents[1] / "configs" / "kda_smoke.yaml", [
+            f"mlflow.tracking_uri={server.uri}", "mlflow.experiment=smoke", f"mlflow.model_name={SMOKE_MODEL}",
+            "baselines=[chunk_pairwise_c64]", "search.generations=1", "search.max_evaluations=4",
+            "search.intensify.calls=8"])
+        out = io.StringIO()
+        outcome = run(config, root / "run", out=out)
+        yield outcome, server, MlflowClient(server.uri), out.getvalue()
+    finally:
+        server.stop()
+
+
 @pytest.fixture
 def fake() -> str:
     """The fake workload (tests/fake_workload.py) as evaluators and configs name it: by its dotted

@@ -39,6 +39,11 @@ def _plan(C=16, BV=32, dt="float32", layout="kv", fp=False, fo=False, warps=4, s
     return TritonPlan(C, BV, warps, stages, dt, layout, fp, fo)
 
 
+def _blocked(C=16, BV=16, dt="float32", fo=False, ws="float32", so="tfloat32", BK=16) -> TritonPlan:
+    return TritonPlan(C, BV, 8, 2, dt, "kv", False, fo, kernels="blocked", workspace_dtype=ws, state_operands=so,
+                      block_k=BK)
+
+
 S = {"B": 2, "T": 77, "H": 2, "K": 32, "V": 32}
 CASES = (
     Case("separate_kernels_c16_ragged", S, "standard", True, "float32", _plan(16)),
@@ -55,6 +60,16 @@ CASES = (
     Case("bf16_separate_vk_c32", {**S, "K": 64, "V": 64}, "heavy", True, "bfloat16",
          _plan(32, dt="bfloat16", layout="vk")),
     Case("bf16_inputs_tf32_c16", {**S, "K": 64, "V": 64}, "standard", True, "bfloat16", _plan(16, dt="tfloat32")),
+    # the blocked kernels: K and V in two tiles each where block_k=16 < 32
+    Case("blocked_bf16_c32_ragged", {**S, "T": 45}, "heavy", True, "bfloat16",
+         _blocked(32, dt="bfloat16", ws="bfloat16", so="bfloat16")),
+    Case("blocked_tf32_fused_c16", {**S, "B": 1, "H": 1, "T": 40}, "standard", True, "bfloat16",
+         _blocked(16, BV=32, dt="tfloat32", fo=True)),
+    Case("blocked_t1_no_initial_state_c64", {**S, "T": 1, "B": 1}, "standard", False, "float32", _blocked(64, BK=32)),
+    Case("blocked_default_numerics_c64", {**S, "B": 1, "H": 1, "T": 70}, "standard", True, "bfloat16",
+         _blocked(64, dt="bfloat16", ws="bfloat16", so="tfloat32", BK=32)),  # as the h200 default genome
+    Case("blocked_strong_decay_floor_c64_fused", {**S, "B": 1, "H": 1, "T": 70}, "strong_decay", True, "float32",
+         _blocked(64, BV=32, fo=True, BK=32), floor_decay=True),
 )
 
 
@@ -125,6 +140,11 @@ def run_stage_kernels(seed: int) -> dict:
                                       BT=C, BK=K, BVF=V, SB=kernels.SUB, FUSED_PREPARE=fused, DOT=0, SDOT=0)
         tag = "intra_fused_prepare" if fused else "intra"
         errors.update({f"{tag}_{name}": _rel(out[name], ref[name].reshape(out[name].shape)) for name in out})
+    out = {"W": ws(K), "U0": ws(V), "M": ws(C), "Kd": ws(K), "gam": torch.full((BH, N, K), float("nan"))}
+    kernels.intra_blocked_kernel[(N, BH)](x["q"], x["k"], x["g"], x["v"], x["beta"], out["W"], out["U0"], out["M"],
+                                          out["Kd"], out["gam"], T, Tp, K**-0.5, H=H, K=K, V=V, BT=C, BKT=16, BVT=16,
+                                          DOT=0, SDOT=0)
+    errors.update({f"intra_blocked_{name}": _rel(out[name], ref[name].reshape(out[name].shape)) for name in out})
     return errors
 
 

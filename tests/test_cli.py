@@ -68,7 +68,12 @@ def test_the_table_pads_each_column_to_its_widest_cell():
     assert rule.split()[0] == "-" * len("longer_name")
 
 
+def _ray_up() -> bool:
+    return "ray" in sys.modules and sys.modules["ray"].is_initialized()
+
+
 def test_serve_on_a_busy_port_is_one_line_and_exit_2_before_ray(capsys):
+    ray_before = _ray_up()  # a session Ray another module started (when run after it) is not this test's
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -76,7 +81,7 @@ def test_serve_on_a_busy_port_is_one_line_and_exit_2_before_ray(capsys):
         code = main(["serve", "default:nope/none", "--port", str(port)])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and str(port) in err and "--port" in err, err
-    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
+    assert ray_before or not _ray_up()
 
 
 def test_the_request_evo_serve_prints_passes_the_engines_own_schema():
@@ -150,3 +155,18 @@ def test_evo_run_applies_nested_and_dotted_overrides_to_the_file(monkeypatch, tm
     assert got == ("loaded", tmp_path) and seen["verbosity"] == -1
     assert config.search.generations == 2 and config.mlflow.enabled is False and config.genes == {"chunk_size": [16]}
     assert config.preset == "cpu_small" and config.search.offspring == 4  # the file's other values stay
+
+
+def test_report_names_the_runs_mlflow_url_from_its_run_directory(tmp_path):
+    from evo.evidence.mlflow.outbox import OUTBOX_FILE, STATE_FILE
+    from evo.evidence.report import _run_dir_url
+    from evo.evidence.summary import SUMMARY_FILE, Summary
+
+    assert _run_dir_url(tmp_path) == []  # MLflow was off
+    (tmp_path / STATE_FILE).write_text(json.dumps({"uri": "http://127.0.0.1:5111", "experiment_id": "4", "runs": {}}))
+    (tmp_path / SUMMARY_FILE).write_text(json.dumps(Summary(mlflow_run_id="abc").to_dict()))
+    assert _run_dir_url(tmp_path) == ["MLflow run: http://127.0.0.1:5111/#/experiments/4/runs/abc?workflowType=machine_learning"]
+    (tmp_path / SUMMARY_FILE).write_text(json.dumps(Summary().to_dict()))  # MLflow never answered
+    (tmp_path / OUTBOX_FILE).write_text('{"op": "run"}\n{"op": "batch"}\n')
+    (line,) = _run_dir_url(tmp_path)
+    assert "2 operations pending" in line and f"mlflow-sync {tmp_path}" in line

@@ -21,8 +21,9 @@ PRESET = W.presets()["cpu_small"]
 CPU = DeviceInfo("cpu", "test", threads=2)
 SEED = TRITON_STAGE.seed()
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-# a wrong kernel: the decay inside each chunk taken at half strength
-WRONG = ("    gamma = tl.exp(G)  # <= 1\n", "    gamma = tl.exp(0.5 * G)  # <= 1\n")
+# a wrong kernel: the decay inside each chunk taken at half strength in W (the blocked intra, which genomes
+# run by default)
+WRONG = ("kn * tl.exp(G) * bet[:, None]", "kn * tl.exp(0.5 * G) * bet[:, None]")
 
 
 @pytest.fixture

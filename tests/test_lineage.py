@@ -2,26 +2,21 @@
 and the lineage page as the MLflow UI shows it in a real headless Chromium."""
 from __future__ import annotations
 
-import io
 import json
 import re
 from pathlib import Path
 
 import pytest
-from mlflow.tracking import MlflowClient
 
 from evo.cli import main as cli_main
-from evo.driver.config import load_config
 from evo.evidence.journal import DiskEvidence, write_json
 from evo.evidence.lineage import ancestry_lines, candidate_table, candidate_tags, gene_diff, load_lineage
 from evo.evidence.lineage_view import write_lineage
 from evo.core.records import EvalResult, Evaluated, Proposal
 from tests.browser import Browser, find_chromium
-from tests.test_mlflow_outage import MlflowServer
 from tests.toy_space import toy_space
 from tests.waiting import wait_for
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -121,20 +116,10 @@ def test_report_command(family, capsys, tmp_path_factory):
 # --- a real search through the driver, its MLflow runs, and the MLflow UI in Chromium -------------------
 
 @pytest.fixture(scope="module")
-def searched(ray_local, tmp_path_factory):
-    """configs/kda_smoke.yaml through `evo.driver.run.run`, logging to a real `mlflow server` that stays up."""
-    from evo.driver.run import run
-
-    root = tmp_path_factory.mktemp("lineage")
-    server = MlflowServer(root)
-    server.start()
-    try:
-        config = load_config(CONFIGS / "kda_smoke.yaml", [f"mlflow.tracking_uri={server.uri}", "mlflow.experiment=lineage",
-                                                          "mlflow.register_model=false", "baselines=[chunk_pairwise_c64]"])
-        outcome = run(config, root / "run", out=io.StringIO())
-        yield outcome, server, MlflowClient(server.uri)
-    finally:
-        server.stop()
+def searched(smoke_on_server):
+    """The session's small smoke run on a real `mlflow server` (tests/conftest.py)."""
+    outcome, server, client, _ = smoke_on_server
+    return outcome, server, client
 
 
 def test_mlflow_runs_carry_the_lineage(searched, tmp_path):

@@ -56,3 +56,21 @@ def test_merged_max_keeps_the_higher_of_each_rate():
     a = MachineRates(1.0, 5.0, {"float32": 1.0})
     b = MachineRates(2.0, 3.0, {"float32": 0.5, "bfloat16": 2.0})
     assert a.merged_max(b) == MachineRates(2.0, 5.0, {"float32": 1.0, "bfloat16": 2.0})
+
+
+def test_tf32_switch_uses_the_current_api_and_restores_it():
+    """Once the current fp32_precision API was used, the legacy allow_tf32 read raises; the switch the
+    rate measurement uses must not read it (a CPU test: the flags are process-wide settings)."""
+    from evaluators.timing import matmul_tf32
+
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    try:
+        matmul.fp32_precision = "ieee"  # the current API, used
+        with matmul_tf32(True):
+            assert matmul.fp32_precision == "tf32"
+        assert matmul.fp32_precision == "ieee"
+        with matmul_tf32(False):
+            assert matmul.fp32_precision == "ieee"
+    finally:
+        matmul.fp32_precision = before

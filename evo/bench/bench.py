@@ -2,8 +2,17 @@
 
 No Ray and no MLflow on the import chain (GPU boxes often have neither): the plain
 `evaluators.evaluator.Evaluator` builds, checks and times each engine; an optional short search runs
-with the in-process agents (`operators.team.LocalTeam`). Writes results.parquet, table.md and
-table.json under the output folder; logs to MLflow only when it is importable and enabled.
+with the in-process agents (`operators.team.LocalTeam`), intensifying as a run does. Writes
+results.parquet, table.md and table.json under the output folder; logs to MLflow only when it is
+importable and enabled.
+
+Every speedup claimed is paired (`evo.bench.paired`, with `search.intensify`'s calls, warm-up and
+minimum effect): after the single timings, each engine (the genomes given or sampled, and the short
+search's best) is re-timed interleaved against every baseline that passed, in one run per engine, and
+the reference baseline against the other baselines. The table gives the speedup against the reference
+as a ratio with its 95% interval and the verdict; table.json every baseline's (`speedup_ci`:
+baseline -> [low, high], `speedup_paired`, `verdicts`) and every re-timing record. With
+`search.intensify.enabled: false` nothing is re-timed and only the single timings are shown.
 """
 from __future__ import annotations
 
@@ -12,13 +21,16 @@ import math
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
 from evo.driver.config import RunConfig
 from evo.core.genome import Genome, GeneSpace
 from evo.core.records import EvalResult
+from evo.core.retiming import PairedTiming
 from evo.core.seeds import derive_seed
+from evo.bench.paired import LocalRetimer, can_retime, retime_against, speedup
 
 
 @dataclass(frozen=True)
@@ -38,6 +50,12 @@ class BenchRow:
     build_s: float
     message: str
     genome: str  # genome JSON ("" for baselines)
+    genome_hash: str = ""  # the engine's identity in the re-timing records ("baseline:<name>" for baselines)
+    # From the paired re-timing against `reference` (nan / "" when not re-timed): its latency / this one's
+    paired_speedup: float = math.nan
+    paired_low: float = math.nan  # the 95% interval of paired_speedup
+    paired_high: float = math.nan
+    paired_verdict: str = ""  # this engine against the reference: faster, slower, equal (within noise), failed
 
 
 def genomes_from_file(path: str, space: GeneSpace) -> list[Genome]:
@@ -65,12 +83,14 @@ def sample_genomes(space: GeneSpace, n: int, seed: int) -> list[Genome]:
 
 
 def run_search(evaluator, space: GeneSpace, config: RunConfig, budget: int) -> list[tuple[Genome, EvalResult]]:
-    """A short search, agents and evaluator in this process: ask, evaluate, tell, until done."""
+    """A short search, agents and evaluator in this process: ask, evaluate, tell, until done; its
+    challengers re-timed paired in the same evaluator (`search.intensify`), as in a run."""
     from evo.core.search import Search
     from operators.team import LocalTeam
 
     settings = replace(config.search, max_evaluations=budget)
-    search = Search(space, settings, LocalTeam(list(settings.agents), space, settings.seed))
+    retimer = LocalRetimer(evaluator) if can_retime(evaluator) else None
+    search = Search(space, settings, LocalTeam(list(settings.agents), space, settings.seed), retimer=retimer)
     out = []
     while not search.done():
         proposals = search.ask()
@@ -84,24 +104,33 @@ def run_search(evaluator, space: GeneSpace, config: RunConfig, budget: int) -> l
     return out
 
 
-def make_rows(entries: list[tuple[str, str, Genome | None, EvalResult]],
-              reference_baseline: str | None = None) -> list[BenchRow]:
-    """Table rows with roofline fractions and speedups against `reference_baseline` (the workload's
-    `reference_baseline`: what a user runs today), else the best baseline."""
-    ok = {name: r.latency_ms for name, _, _, r in entries if r.ok}
-    baselines = {n: ms for n, ms in ok.items() if n.startswith("baseline:")}
+def reference_of(entries: list[tuple[str, str, Genome | None, EvalResult]], reference_baseline: str | None) -> str:
+    """"baseline:<name>" the speedups are against: `reference_baseline` (the workload's: what a user runs
+    today) when it passed, else the fastest baseline that passed by its single timing; "" if none passed."""
+    baselines = {n: r.latency_ms for n, _, _, r in entries if r.ok and n.startswith("baseline:")}
     wanted = f"baseline:{reference_baseline}" if reference_baseline else None
-    reference = wanted if wanted in baselines else min(baselines, key=baselines.get, default="")
-    ref_ms = baselines.get(reference, math.nan)
+    return wanted if wanted in baselines else min(baselines, key=baselines.get, default="")
+
+
+def make_rows(entries: list[tuple[str, str, Genome | None, EvalResult]],
+              reference_baseline: str | None = None, retimings: Sequence[PairedTiming] = ()) -> list[BenchRow]:
+    """Table rows with roofline fractions and speedups against the reference (`reference_of`): from the
+    single timings, and from the paired `retimings` where they timed the row's engine against it."""
+    reference = reference_of(entries, reference_baseline)
+    ref_ms = next((r.latency_ms for n, _, _, r in entries if n == reference), math.nan)
     rows = []
     for name, source, genome, r in entries:
         median = r.latency_ms if r.ok else math.nan
+        paired = speedup(retimings, r.genome_hash, reference) if reference and r.ok else None
         rows.append(BenchRow(
             engine=name, source=source, status=r.status, median_ms=median,
             iqr_ms=r.latency_spread_ms if r.ok else math.nan, max_rel_error=r.max_rel_error,
             roofline_floor_ms=r.roofline_floor_ms, fraction_of_roofline=r.roofline_floor_ms / median,
             speedup=ref_ms / median, reference=reference.removeprefix("baseline:"),
-            build_s=r.build_s, message=r.message[:300], genome=genome.to_json() if genome else ""))
+            build_s=r.build_s, message=r.message[:300], genome=genome.to_json() if genome else "",
+            genome_hash=r.genome_hash,
+            **({"paired_speedup": paired.estimate, "paired_low": paired.low, "paired_high": paired.high,
+                "paired_verdict": paired.verdict} if paired else {})))
     return sorted(rows, key=lambda row: (math.isnan(row.median_ms), row.median_ms))
 
 
@@ -110,19 +139,29 @@ def _fmt(x: float, spec: str) -> str:
 
 
 def markdown(rows: list[BenchRow], title: str) -> str:
-    """The table as Markdown: engine, status, median, IQR, error, fraction of roofline, speedup."""
+    """The table as Markdown: engine, status, median, IQR, error, fraction of roofline, speedup from the
+    single timings, and the paired speedup [95% interval] with its verdict."""
     ref = next((r.reference for r in rows if r.reference), "") or "none"
     lines = [f"### {title}", "",
-             f"| engine | source | status | median ms | IQR ms | max rel err | fraction of roofline | speedup vs {ref} |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+             f"| engine | source | status | median ms | IQR ms | max rel err | fraction of roofline | speedup vs {ref} "
+             f"(single timings) | paired speedup vs {ref} [95%] | verdict |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
+        paired = (f"{_fmt(r.paired_speedup, '.2f')}x [{_fmt(r.paired_low, '.2f')}, {_fmt(r.paired_high, '.2f')}]"
+                  if r.paired_verdict else "—")
+        verdict = {"": "—", "equal": "equal within noise"}.get(r.paired_verdict, r.paired_verdict)
         lines.append(f"| {r.engine} | {r.source} | {r.status} | {_fmt(r.median_ms, '.4g')} | {_fmt(r.iqr_ms, '.3g')} | "
-                     f"{_fmt(r.max_rel_error, '.2e')} | {_fmt(r.fraction_of_roofline, '.3f')} | {_fmt(r.speedup, '.2f')}x |")
+                     f"{_fmt(r.max_rel_error, '.2e')} | {_fmt(r.fraction_of_roofline, '.3f')} | {_fmt(r.speedup, '.2f')}x "
+                     f"| {paired} | {verdict} |")
+    if not any(r.paired_verdict for r in rows):
+        lines.append("\nNo paired re-timing (search.intensify.enabled is false, or fewer than one engine and one"
+                     " baseline passed): the speedups above are single timings.")
     return "\n".join(lines) + "\n"
 
 
-def write(rows: list[BenchRow], out_dir: Path, title: str, stamp: dict) -> None:
-    """results.parquet (one row per engine), table.md and table.json."""
+def write(rows: list[BenchRow], out_dir: Path, title: str, stamp: dict, retimings: Sequence[PairedTiming] = ()) -> None:
+    """results.parquet (one row per engine), table.md and table.json (each row with its paired speedup
+    against every baseline it was re-timed with, and every re-timing record)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -130,8 +169,26 @@ def write(rows: list[BenchRow], out_dir: Path, title: str, stamp: dict) -> None:
     records = [asdict(r) for r in rows]
     pq.write_table(pa.Table.from_pylist(records), out_dir / "results.parquet")
     (out_dir / "table.md").write_text(markdown(rows, title))
-    clean = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in rec.items()} for rec in records]
-    (out_dir / "table.json").write_text(json.dumps({"title": title, "environment": stamp, "rows": clean}, indent=1))
+    baselines = sorted({r.genome_hash for r in rows if r.source == "baseline"})
+    for record in records:
+        paired = {b: speedup(retimings, record["genome_hash"], b) for b in baselines}
+        paired = {b: s for b, s in paired.items() if s is not None}
+        record["speedup_ci"] = {b.removeprefix("baseline:"): [s.low, s.high] for b, s in paired.items()}
+        record["speedup_paired"] = {b.removeprefix("baseline:"): s.estimate for b, s in paired.items()}
+        record["verdicts"] = {b.removeprefix("baseline:"): s.verdict for b, s in paired.items()}
+    table = {"title": title, "environment": stamp, "rows": records, "retimings": [t.to_dict() for t in retimings]}
+    (out_dir / "table.json").write_text(json.dumps(_finite(table), indent=1))
+
+
+def _finite(value):
+    """`value` with every non-finite float as None (JSON has no NaN)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def log_mlflow(config: RunConfig, out_dir: Path, rows: list[BenchRow]) -> str:
@@ -151,6 +208,9 @@ def log_mlflow(config: RunConfig, out_dir: Path, rows: list[BenchRow]) -> str:
         for i, r in enumerate(rows):
             if math.isfinite(r.median_ms):
                 mlflow.log_metric(f"median_ms_{i:02d}", r.median_ms)
+            if math.isfinite(r.paired_speedup):
+                mlflow.log_metrics({f"paired_speedup_{i:02d}": r.paired_speedup, f"paired_low_{i:02d}": r.paired_low,
+                                    f"paired_high_{i:02d}": r.paired_high})
         mlflow.log_artifacts(str(out_dir))
         return f"MLflow run {run.info.run_id}"
 
@@ -180,11 +240,33 @@ def bench(config: RunConfig, genomes_file: str | None, sample: int, search_budge
     available = sorted(evaluator.workload.baselines(evaluator.preset))
     for name in baselines if baselines is not None else (config.baselines or available):
         entries.append((f"baseline:{name}", "baseline", None, _report(evaluator.evaluate_baseline(name), name)))
-    rows = make_rows(entries, evaluator.workload.reference_baseline)
+    retimings = retime_entries(evaluator, entries, config) if config.search.intensify.enabled else []
+    rows = make_rows(entries, evaluator.workload.reference_baseline, retimings)
     out_dir = Path(out) if out else Path(config.out_dir) / f"bench-{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     stamp = {**evaluator.describe(), "baselines_available": available}
-    write(rows, out_dir, f"{config.workload}/{config.preset} on {stamp['device']}", stamp)
+    write(rows, out_dir, f"{config.workload}/{config.preset} on {stamp['device']}", stamp, retimings)
     return rows, out_dir
+
+
+def retime_entries(evaluator, entries: list[tuple[str, str, Genome | None, EvalResult]],
+                   config: RunConfig) -> list[PairedTiming]:
+    """The paired re-timings behind the table's claims: every passing genome given or sampled and the
+    search's best (by its single timing) against every passing baseline; the reference baseline against
+    the others."""
+    reference = reference_of(entries, evaluator.workload.reference_baseline)
+    ok_baselines = [n for n, source, _, r in entries if source == "baseline" and r.ok]
+    chosen = [(g, r) for _, source, g, r in entries if source in ("genome", "sample") and r.ok]
+    searched = [(g, r) for _, source, g, r in entries if source == "search" and r.ok]
+    if searched:
+        best = min(searched, key=lambda e: e[1].latency_ms)
+        chosen += [best] if best[0].hash not in {g.hash for g, _ in chosen} else []
+    if not ok_baselines or not chosen:
+        return []
+    print(f"paired re-timing: {len(chosen)} engine(s) against {len(ok_baselines)} baseline(s), "
+          f"{config.search.intensify.calls} paired calls each", flush=True)
+    settings = config.search.intensify
+    timings = retime_against(evaluator, [g.to_json() for g, _ in chosen], ok_baselines, settings)
+    return timings + retime_against(evaluator, [reference], [b for b in ok_baselines if b != reference], settings)
 
 
 def _report(result: EvalResult, what: str) -> EvalResult:

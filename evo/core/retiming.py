@@ -139,7 +139,7 @@ class IntensifySettings:
     """Intensification (the config's `search.intensify`): a candidate that looks faster than its parent or
     than the incumbent is re-timed against it, paired, before it counts. Each field: default, doc, check."""
 
-    enabled: bool = True  # re-time challengers where the evaluators can (a run's pool; not the in-process bench)
+    enabled: bool = True  # re-time challengers (and bench/compare claims) where the evaluator can re-time paired
     min_effect: float = 0.02  # a win must be at least this much faster, by the whole 95% interval
     budget_share: float = 0.2  # re-timings in all <= this share of search.max_evaluations
     calls: int = 16  # timed calls per engine in one re-timing (pairs); >= 8

@@ -14,14 +14,15 @@ to the agents to steer their moves, and each agent's yield (children that improv
 offspring are split among the agents. Lessons of earlier runs (`evo.core.lessons`) can seed all
 three: best genomes, agent statistics, effects.
 
-Intensification (`search.intensify`, on where a `Retimer` is given: a run's evaluator pool): one timing
+Intensification (`search.intensify`, on where a `Retimer` is given: a run's evaluator pool, or
+`evo.bench.paired.LocalRetimer` in bench and compare): one timing
 is one noisy sample, so a candidate that looks faster than the incumbent (the search's best) or than
 its parent is challenged in a paired re-timing against it (`evo.core.retiming`). Only a candidate
 whose whole 95% interval is faster by at least `min_effect` becomes the incumbent, counts as a win of
 its agent (its yield, its move statistics, "best from") and so reaches the lessons; the others are
 recorded as equal within noise (or slower, or failed). Re-timings are bounded by `budget_share` of
 `max_evaluations`, fastest-looking candidates first; a candidate left unchallenged is not credited.
-Without a retimer (the in-process bench, tests) a single timing decides, as it always did.
+Without a retimer (the synthetic evaluator, tests) a single timing decides, as it always did.
 """
 from __future__ import annotations
 
@@ -29,14 +30,14 @@ import itertools
 import math
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
 
 from evo.core.effects import GeneEffects
-from evo.core.genome import DOMAINS, GeneSpace
+from evo.core.genome import DOMAINS, GeneSpace, Genome
 from evo.core.lessons import Lessons
 from evo.core.population import Population, PopulationSettings
 from evo.core.proposer import Archive, Feedback, ProposalRequest, improves_on_parent
@@ -67,6 +68,8 @@ class SearchSettings:
     learning: bool = True  # agents steer by the per-gene effects of every result and the offspring are split
     # by each agent's measured yield; false: per-move statistics only, offspring shared round-robin
     intensify: IntensifySettings = field(default_factory=IntensifySettings)  # paired re-timing of challengers
+    prescreen_factor: float = 0.0  # > 0 (at least 1): skip proposals the workload's model (kernel_facts)
+    # predicts slower than this factor times its prediction for the best measured genome; 0: off
 
     def __post_init__(self) -> None:
         for name, value in (("generations", self.generations), ("offspring", self.offspring),
@@ -76,6 +79,8 @@ class SearchSettings:
         if not self.max_wall_s > 0:  # also refuses NaN
             raise ValueError(f"search.max_wall_s must be a number of seconds > 0, got {self.max_wall_s}")
         # which names exist is the registry's business (evo.core.proposer), checked where agents load
+        if not (self.prescreen_factor == 0 or self.prescreen_factor >= 1):  # also refuses NaN
+            raise ValueError(f"search.prescreen_factor must be 0 (off) or >= 1, got {self.prescreen_factor}")
         if not self.agents or len(set(self.agents)) != len(self.agents):
             raise ValueError(f"search.agents must name at least one agent, each once; got {list(self.agents)}")
 
@@ -123,7 +128,8 @@ class GenerationReport:
 
 class Search:
     def __init__(self, gene_space: GeneSpace, settings: SearchSettings, team: Team, lessons: Lessons | None = None,
-                 retimer: Retimer | None = None) -> None:
+                 retimer: Retimer | None = None, predict: Callable[[Genome], float | None] | None = None) -> None:
+        """`predict`: a genome's modelled time in ms (None: no model for it), read by the pre-screen."""
         self.gene_space = gene_space
         self.settings = settings
         self.team = team
@@ -140,6 +146,9 @@ class Search:
         self.yields: dict[str, list[int]] = {a: [0, 0] for a in settings.agents}  # agent -> [children, wins]
         self.lessons = lessons
         self.retimer = retimer
+        self.predict = predict
+        self._predicted: dict[str, float | None] = {}  # genome hash -> modelled ms
+        self.prescreened: dict[str, float] = {}  # skipped by the pre-screen: genome hash -> modelled ms
         self.incumbent: Evaluated | None = None  # with intensification: the best, confirmed by paired re-timing
         self.retimings: list[PairedTiming] = []  # every paired re-timing of this search, in order
         if lessons is not None:
@@ -190,11 +199,36 @@ class Search:
             proposals = self._seeds(wanted)
         else:
             proposals = self._offspring(wanted)
+        proposals = self._prescreen(proposals)
         if len(proposals) < wanted:  # agents ran dry (all children known): explore at random
-            proposals += self._random(wanted - len(proposals), {p.hash for p in proposals}, "random restart")
+            more = self._random(wanted - len(proposals), {p.hash for p in proposals} | set(self.prescreened),
+                                "random restart")
+            proposals += self._prescreen(more)
         proposals = [replace(p, generation=self.generation, index=i) for i, p in enumerate(proposals[:wanted])]
         self.pending = {p.hash: p for p in proposals}
         return proposals
+
+    def _prescreen(self, proposals: list[Proposal]) -> list[Proposal]:
+        """Proposals the model does not predict far slower than the best measured genome (all of them
+        while the pre-screen is off, nothing is measured yet, or the model has no prediction)."""
+        best = self.population.best()
+        if self.predict is None or not self.settings.prescreen_factor or best is None:
+            return proposals
+        reference = self._model_ms(best.proposal.genome)
+        bound = self.settings.prescreen_factor * (reference if reference is not None else best.fitness)
+        kept = []
+        for proposal in proposals:
+            ms = self._model_ms(proposal.genome)
+            if ms is not None and ms > bound:
+                self.prescreened[proposal.hash] = ms
+            else:
+                kept.append(proposal)
+        return kept
+
+    def _model_ms(self, genome: Genome) -> float | None:
+        if genome.hash not in self._predicted:
+            self._predicted[genome.hash] = self.predict(genome)
+        return self._predicted[genome.hash]
 
     def _seeds(self, n: int) -> list[Proposal]:
         seeds = []

@@ -28,8 +28,17 @@ LOCALHOST = "127.0.0.1"
 
 
 def prepare_local() -> None:
-    """Make the next local Ray this process starts listen on 127.0.0.1 only."""
+    """Make the next local Ray this process starts listen on 127.0.0.1 only, with token authentication.
+
+    The token is Ray's default for a new local Ray; asked for explicitly (unless $RAY_AUTH_MODE says
+    otherwise), Ray does not print its notice that it turned it on."""
     os.environ.update(LOOPBACK_ONLY)
+    if "RAY_AUTH_MODE" not in os.environ:
+        os.environ["RAY_AUTH_MODE"] = "token"
+        if "ray" in sys.modules:  # Ray read its settings at import: have it read this one again, as Ray itself does
+            from ray._private.authentication.authentication_token_setup import _enable_token_auth
+
+            _enable_token_auth()
     constants = sys.modules.get("ray._private.ray_constants")
     if constants is not None:  # ray already imported: it read the setting at import time
         constants.ENABLE_RAY_CLUSTER = False

@@ -10,7 +10,7 @@ import math
 import shutil
 import sys
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TextIO
@@ -26,14 +26,15 @@ from evo.core.records import EvalResult
 from evo.core.search import GenerationReport, Search
 from evo.driver.assemble import RunParts, Say, assemble, evidence_sinks, open_run_dir, start_ray
 from evo.driver.config import RunConfig
-from evo.driver.progress import NORMAL, SUMMARY, CandidateLines, RunLog, log
+from evo.driver.progress import NORMAL, SUMMARY, CandidateLines, RunLog, SearchProgress, log
 from evo.driver.resume import ReplayExecutor, SavedRun, restore
 from evo.driver.retime import PoolRetimer, final_retiming
 from evo.driver.rundir import check_config
 from evo.driver.stop import STOP, install_handlers
-from evo.evidence.engine_record import record_from_summary
 from evo.evidence.journal import append_retimings, write_baselines, write_json
-from evo.evidence.mlflow.registry import register_engine
+from evo.evidence.mlflow.links import mlflow_lines
+from evo.evidence.mlflow.registry import register_best as register_best_engine
+from evo.evidence.mlflow.sink import MlflowSink
 from evo.evidence.sink import FINISHED, KILLED, Sink, SinkList
 from evo.evidence.summary import SUMMARY_FILE, Summary, best_baseline, make_summary, with_final_retimings
 from evo.workloads.base import Roofline
@@ -65,25 +66,30 @@ def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout
         run_dir = open_run_dir(config, run_dir, resume)
         run_log.attach_file(run_dir)
         say(f"run directory: {run_dir}")
-        if start_ray(config):
-            stack.callback(ray.shutdown)
-        if handle_signals:
-            install_handlers()  # after ray.init, which installs its own SIGTERM handler
-        parts = assemble(config, run_dir, resume, lessons, say, stack)
-        roofline, baselines = time_baselines(parts, resume, say)
+        with run_log.phase("start-up (Ray, evaluators, agents, MLflow)"):
+            if start_ray(config):
+                stack.callback(ray.shutdown)
+            if handle_signals:
+                install_handlers()  # after ray.init, which installs its own SIGTERM handler
+            parts = assemble(config, run_dir, resume, lessons, say, stack)
+        roofline, baselines = time_baselines(parts, resume, say, run_log)
         progress = Progress(_best_ms(baselines), config.search.max_evaluations)
+        searching = SearchProgress()
         sinks = stack.enter_context(SinkList(evidence_sinks(parts, resume, CandidateLines(_known_latencies(resume)),
-                                                            progress)))
+                                                            progress, searching)))
         if parts.mlflow:
             parts.mlflow.log_baselines(baselines, roofline.floor_ms)
         search, executor = make_search(parts, resume, say)
-        stopped = search_until_done(search, executor, sinks, run_dir, say)
+        with run_log.phase("search", config.search.max_evaluations, "evaluations", search.evaluations) as phase:
+            searching.phase = phase
+            stopped = search_until_done(search, executor, sinks, run_dir, say)
         summary = summarize(parts, search, baselines, roofline, stopped, time.monotonic() - started)
-        summary = retime_best(parts, search, baselines, summary, stopped, say)
+        with run_log.phase("final paired re-timing"):
+            summary = retime_best(parts, search, baselines, summary, stopped, say)
         summary = replace(summary, registered_model=register_best(parts, summary, stopped, say))
         write_json(run_dir / SUMMARY_FILE, summary.to_dict())
         sinks.end(summary, KILLED if stopped else FINISHED)
-        _print_summary(summary, run_dir)
+        _print_summary(summary, run_dir, parts.mlflow)
         return RunOutcome(run_dir, summary, parts.mlflow.run_id if parts.mlflow else None)
 
 
@@ -108,8 +114,10 @@ class Progress(Sink):
                  f" | best from {best.proposal.agent if best else '-'}{retimed}")
 
 
-def time_baselines(parts: RunParts, resume: SavedRun | None, say: Say) -> tuple[Roofline, dict[str, EvalResult]]:
-    """The preset's roofline on these evaluators and the baselines' results (a resumed run keeps its own)."""
+def time_baselines(parts: RunParts, resume: SavedRun | None, say: Say,
+                   run_log: RunLog | None = None) -> tuple[Roofline, dict[str, EvalResult]]:
+    """The preset's roofline on these evaluators and the baselines' results (a resumed run keeps its own);
+    with `run_log`, a progress phase over the baselines as they finish."""
     roofline = parts.workload.roofline(parts.preset, parts.pool.measure_rates())
     path = parts.run_dir / "baselines.json"
     if resume and path.exists():
@@ -119,7 +127,8 @@ def time_baselines(parts: RunParts, resume: SavedRun | None, say: Say) -> tuple[
         available = list(parts.workload.baselines(parts.preset))
         names = list(parts.config.baselines) if parts.config.baselines is not None else available
         say(f"timing baselines: {', '.join(names)}")
-        baselines = parts.pool.run_baselines(names)
+        with (run_log.phase("baselines", len(names), "timed") if run_log else nullcontext()) as phase:
+            baselines = parts.pool.run_baselines(names, lambda name, result: phase and phase.advance(note=name))
         write_baselines(parts.run_dir, baselines)
     for name, result in baselines.items():
         say(f"  baseline {name:32s} {result.status:10s} {result.latency_ms:9.2f} ms  {result.message[:80]}")
@@ -127,10 +136,25 @@ def time_baselines(parts: RunParts, resume: SavedRun | None, say: Say) -> tuple[
     return roofline, baselines
 
 
+def modelled_ms(parts: RunParts):
+    """The search's pre-screen model: a genome's modelled time (ms) from the workload's kernel facts, model
+    only (no compile); None where the workload or the genome has none, or the model cannot load here."""
+    def predict(genome) -> float | None:
+        try:
+            facts = parts.workload.kernel_facts(genome, parts.preset, parts.device, compile=False)
+        except ImportError:  # the model needs the kernels' package (e.g. triton) in the driver
+            return None
+        return sum(f.model_ms for f in facts) if facts else None
+
+    return predict
+
+
 def make_search(parts: RunParts, resume: SavedRun | None, say: Say) -> tuple[Search, object]:
     """The search and what evaluates its proposals: the pool, behind the replay of a resumed run's results."""
     retimer = PoolRetimer(parts.pool) if parts.config.search.intensify.enabled else None
-    search = Search(parts.gene_space, parts.config.search, parts.team, lessons=parts.lessons, retimer=retimer)
+    predict = modelled_ms(parts) if parts.config.search.prescreen_factor else None
+    search = Search(parts.gene_space, parts.config.search, parts.team, lessons=parts.lessons, retimer=retimer,
+                    predict=predict)
     executor = parts.pool
     if resume:
         executor = ReplayExecutor(parts.pool, search, restore(search, resume))
@@ -193,12 +217,12 @@ def register_best(parts: RunParts, summary: Summary, stopped: bool, say: Say) ->
             f"serve the run directory {run_dir} instead")
         return None
     try:
-        tags = {f"speedup_ci.{baseline}": f"[{low:.3f}, {high:.3f}]" for baseline, (low, high) in summary.speedup_ci.items()}
-        version = register_engine(record_from_summary(summary, str(run_dir)), sink.run_id, name, sink.uri, tags)
+        registration = register_best_engine(summary, run_dir, sink.run_id, name, sink.uri, sink.experiment_id)
     except Exception as exc:  # the evidence is on disk; a failed registration must not lose the summary
         say(f"warning: registering {name!r} in MLflow failed: {type(exc).__name__}: {exc}")
         return None
-    return f"models:/{name}/{version}"
+    say(f"registered {registration.uri}: {registration.describe()}")
+    return registration.uri
 
 
 def _printer() -> Say:
@@ -223,7 +247,7 @@ def _best_sources(summary: Summary, store: CodeStore, gene_space) -> dict[str, s
     return store.sources_for(values, gene_space.code_gene_names())
 
 
-def _print_summary(summary: Summary, run_dir: Path) -> None:
+def _print_summary(summary: Summary, run_dir: Path, mlflow: MlflowSink | None = None) -> None:
     """The final summary, shown at every verbosity (and in run.log)."""
     lines: list[str] = []
     lines.append(f"\nbest engine {summary.best_hash}")
@@ -251,4 +275,6 @@ def _print_summary(summary: Summary, run_dir: Path) -> None:
     if summary.registered_model:
         lines.append(f"  registered  {summary.registered_model} (MLflow run {summary.mlflow_run_id})")
     lines.append(f"run directory: {run_dir}")
+    if mlflow is not None:
+        lines.extend(mlflow_lines(mlflow.uri, mlflow.run_url, mlflow.pending, run_dir))
     log.log(SUMMARY, "\n".join(lines))

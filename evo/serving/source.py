@@ -6,15 +6,20 @@ and what the search measured (latency, speedups, device, MLflow lineage run id).
 Accepted forms:
   runs/<name>-20261130-094905      a run directory (holds summary.json and best_genome.json)
   models:/<name>-engine/3          a registered MLflow model version (or models:/NAME/latest)
+  models:/<name>-engine@champion   the version an alias points at (`champion`: the fastest registered,
+                                   see evo.evidence.mlflow.registry)
   runs:/<run_id>  or  <run_id>     an MLflow run whose artifacts hold the engine (the search's parent run)
   default:WORKLOAD/PRESET          the workload's default genome for that preset (no search needed)
 """
 from __future__ import annotations
 
 import json
+import os
 import re
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from evo.evidence.engine_record import ENGINE_FILE, EngineRecord, SourceError, record_from_summary
 from evo.evidence.summary import SUMMARY_FILE, Summary
@@ -35,8 +40,8 @@ def resolve(source: str, tracking_uri: str | None = None) -> EngineRecord:
         if not summary.is_file():
             raise SourceError(f"run directory {str(path)!r} has no {SUMMARY_FILE} (did the search finish?)")
         return record_from_summary(Summary.read(summary), str(path.resolve()))
-    raise SourceError(f"engine source {source!r} is not a run directory, 'models:/NAME/VERSION', 'runs:/RUN_ID', "
-                      f"an MLflow run id or 'default:WORKLOAD/PRESET'")
+    raise SourceError(f"engine source {source!r} is not a run directory, 'models:/NAME/VERSION', 'models:/NAME@ALIAS', "
+                      f"'runs:/RUN_ID', an MLflow run id or 'default:WORKLOAD/PRESET'")
 
 
 def _default(source: str) -> EngineRecord:
@@ -67,7 +72,7 @@ def _from_mlflow(source: str, tracking_uri: str | None) -> EngineRecord:
         source = f"runs:/{source}"
     # A run holds summary.json; a registered model holds engine.json among its artifacts.
     artifact = f"{source.rstrip('/')}/{SUMMARY_FILE}" if source.startswith("runs:/") else source
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, _no_progress_bar():
         try:
             local = Path(mlflow.artifacts.download_artifacts(artifact_uri=artifact, dst_path=tmp, tracking_uri=uri))
         except (MlflowException, OSError) as exc:
@@ -81,3 +86,18 @@ def _from_mlflow(source: str, tracking_uri: str | None) -> EngineRecord:
     if source.startswith("runs:/"):
         return record_from_summary(Summary.from_dict(data), source)
     return EngineRecord.from_dict(data, source)
+
+
+@contextmanager
+def _no_progress_bar() -> Iterator[None]:
+    """MLflow draws a progress bar per download (a handful of small files here): not on `evo serve`'s output."""
+    key = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+    saved = os.environ.get(key)
+    os.environ[key] = "false"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = saved

@@ -88,6 +88,21 @@ class Roofline:
         object.__setattr__(self, "floor_ms", floor_s * 1e3)
 
 
+@dataclass(frozen=True)
+class KernelFacts:
+    """One compiled kernel an engine launches at a preset: what its compiler reports (None: not compiled)
+    and what the workload's first-order model predicts (HBM bytes read + written, time)."""
+
+    name: str
+    grid: tuple[int, ...]  # programs launched, per grid axis
+    hbm_bytes: float  # modelled
+    model_ms: float  # modelled
+    registers: int | None = None  # per thread
+    spill_bytes: int | None = None  # spill stores per thread
+    spill_load_bytes: int | None = None  # spill loads per thread
+    shared_bytes: int | None = None  # per block
+
+
 class Workload:
     """The base class of every workload: each hook declared once, with its default.
 
@@ -143,6 +158,12 @@ class Workload:
         raise self._missing("roofline")
 
     # ------------------------------------------------------------------ optional hooks
+    def reference_for(self, preset: Preset, inputs: dict) -> dict:
+        """The oracle as the judges call it: float64 outputs for `inputs` drawn for `preset`. Default:
+        `reference(inputs)`; a workload whose oracle depends on the preset (a model's weights) overrides
+        this one."""
+        return self.reference(inputs)
+
     def free_axes(self, preset: Preset) -> dict[str, tuple[int, ...]]:
         """The shape axes callers may vary (batch, sequence length, ...), each with every value the
         fixed cascade verifies an engine at (`domain` spans them, and draws the values between).
@@ -214,6 +235,14 @@ class Workload:
         like = self.timing_case(preset)
         case = CheckCase("example", {**preset.shape, **axes}, like.distribution, like.with_initial_state)
         return {k: v for k, v in self.make_inputs(case, preset.dtype, "cpu", seed).items() if v is not None}
+
+    def kernel_facts(self, genome: Genome, preset: Preset, device: DeviceInfo,
+                     compile: bool = True) -> tuple[KernelFacts, ...] | None:
+        """The kernels `genome`'s engine launches at `preset` for `device`, compiled without running them
+        (`compile`: registers, spills, shared memory) and modelled (bytes, time); `python -m evo kernels`
+        prints them and the search's pre-screen (`search.prescreen_factor`) reads the modelled time.
+        Default None: this workload has no compiled kernels. An empty tuple: this genome's engine has none."""
+        return None
 
     def label(self, genome: Genome) -> str:
         """A readable name of `genome` for benchmark tables: the genes that matter most, and a short

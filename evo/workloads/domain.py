@@ -31,8 +31,8 @@ class AxisRange:
     modulus: int = 0
 
     def __post_init__(self) -> None:
-        if not 1 <= self.lo <= self.hi:
-            raise ValueError(f"an axis range needs 1 <= lo <= hi, got [{self.lo}, {self.hi}]")
+        if not 0 <= self.lo <= self.hi:  # 0: an axis that may be empty (e.g. no tokens to decode)
+            raise ValueError(f"an axis range needs 0 <= lo <= hi, got [{self.lo}, {self.hi}]")
         if self.modulus < 0:
             raise ValueError(f"modulus must be >= 0 (0: none), got {self.modulus}")
 

@@ -17,6 +17,8 @@ Every operation can be replayed safely, so a crash between a write and its remov
              logged twice; params are re-logged with the same value; tags overwrite
   artifact   log a file of the run directory (overwrites)
   terminate  set a run's final status (idempotent)
+  note       set a run's description (`mlflow.note.content`, overwrites), its `<run_id>` and
+             `<experiment_id>` filled in once the run exists (its links to the run's own pages)
 Runs are named by reference ("3fa2c1d0/parent", "3fa2c1d0/gen:3": one prefix per sink), resolved to
 run ids only when an operation is replayed.
 """
@@ -36,6 +38,8 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from evo.core.jsonl import read_jsonl, trim_torn_tail
+from evo.evidence.mlflow.describe import EXPERIMENT_ID, NOTE_TAG, RUN_ID
+from evo.evidence.mlflow.links import EXPERIMENT_KIND, KIND_TAG
 
 log = logging.getLogger("evo.mlflow")
 
@@ -45,6 +49,7 @@ DROPPED_FILE = "mlflow_outbox.dropped.jsonl"
 KEY_TAG = "evo.sink_key"
 FIRST_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 60.0
+MAX_NOTE_CHARS = 8000  # MLflow's longest tag value
 
 
 def tracking_uri(configured: str | None) -> str:
@@ -158,8 +163,12 @@ class Outbox:
             self.client.log_artifact(self._resolve(op["run"]), str(path), op.get("artifact_path"))
         elif kind == "terminate":
             self.client.set_terminated(self._resolve(op["run"]), op["status"], end_time=op.get("end_time"))
+        elif kind == "note":
+            run_id = self._resolve(op["run"])
+            text = op["text"].replace(RUN_ID, run_id).replace(EXPERIMENT_ID, self._experiment_id())
+            self.client.set_tag(run_id, NOTE_TAG, text[:MAX_NOTE_CHARS])
         else:
-            raise Unresolvable(f"unknown operation {kind!r}; known: run, batch, artifact, terminate")
+            raise Unresolvable(f"unknown operation {kind!r}; known: run, batch, artifact, terminate, note")
 
     def _ensure_run(self, op: dict) -> None:
         ref = op["ref"]
@@ -183,7 +192,13 @@ class Outbox:
         if not self.state.get("experiment_id"):
             name = self.state["experiment"]
             found = self.client.get_experiment_by_name(name)
-            self.state["experiment_id"] = found.experiment_id if found else self.client.create_experiment(name)
+            if found is None:
+                experiment_id = self.client.create_experiment(name, tags={KIND_TAG: EXPERIMENT_KIND})
+            else:  # the UIs that read the tag open it on its runs, not on the GenAI overview (evo.evidence.mlflow.links)
+                experiment_id = found.experiment_id
+                if KIND_TAG not in found.tags:
+                    self.client.set_experiment_tag(experiment_id, KIND_TAG, EXPERIMENT_KIND)
+            self.state["experiment_id"] = experiment_id
             self._save_state()
         return self.state["experiment_id"]
 

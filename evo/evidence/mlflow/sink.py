@@ -3,7 +3,9 @@
 Only the driver writes (one writer per store). Parent run: the flattened config as params, the
 baselines and roofline floor, per-generation metrics by step (best latency, median, fraction valid,
 evaluations per second, best speedup) and, at the end, the summary and best genome as artifacts.
-Child run per generation: its metrics, its Parquet evidence as an artifact, lineage tags (the best's, and
+The parent run's description (`evo.evidence.mlflow.describe`) states the best engine, its speedups
+and links to the lineage page. Child run per generation, spanning the generation's wall time: its
+metrics, its Parquet evidence as an artifact, lineage tags (the best's, and
 `candidate.NN.*` per candidate) and a candidates table (`candidates.json`). The lineage page and plots
 (`evo.evidence.lineage_view`) reach the parent run through `log_lineage`.
 
@@ -23,6 +25,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from evo.evidence.lineage import CANDIDATES_FILE, candidate_table, candidate_tags, write_candidate_table
+from evo.evidence.mlflow.describe import run_description
+from evo.evidence.mlflow.links import run_url
 from evo.evidence.mlflow.outbox import OUTBOX_FILE, Outbox, tracking_uri
 from evo.core.records import EvalResult
 from evo.core.search import GenerationReport, Search
@@ -75,6 +79,17 @@ class MlflowSink:
         return self.outbox.run_id(self.parent)
 
     @property
+    def experiment_id(self) -> str | None:
+        return self.outbox.state.get("experiment_id")
+
+    @property
+    def run_url(self) -> str | None:
+        """The parent run in the MLflow UI, on its runs view (evo.evidence.mlflow.links), once MLflow has it."""
+        if not (self.run_id and self.experiment_id):
+            return None
+        return run_url(self.uri, self.experiment_id, self.run_id)
+
+    @property
     def pending(self) -> int:
         return len(self.outbox.ops)
 
@@ -97,6 +112,8 @@ class MlflowSink:
         """`extra`: more files of the run directory for this generation's run, with their artifact folders
         (the code agent's diffs, sources and prompt records, see evo.evidence.code_diffs)."""
         step, now, ref = report.generation, _now(), f"{self.session}/gen:{report.generation}"
+        # the generation's run spans its real wall time (proposals, evaluations, re-timings), not this call
+        started = now - int(1000 * report.wall_s) if math.isfinite(report.wall_s) and report.wall_s > 0 else now
         values = {
             "best_latency_ms": report.best_latency_ms,
             "median_latency_ms": report.median_latency_ms,
@@ -115,7 +132,7 @@ class MlflowSink:
         self._batch(self.parent, metrics=metrics + counts)
         best = report.best
         self.outbox.add({"op": "run", "ref": ref, "parent": self.parent, "run_name": f"generation-{step:03d}",
-                         "start_time": now, "tags": {
+                         "start_time": started, "tags": {
                              "generation": str(step),
                              "best_hash": best.proposal.hash if best else "",
                              "best_parents": ",".join(best.proposal.parents) if best else "",
@@ -162,6 +179,7 @@ class MlflowSink:
                 final[f"intensify_{key}"] = summary.intensification[key]
         metrics = [(k, float(v), now, 0) for k, v in final.items() if v is not None and math.isfinite(v)]
         self._batch(self.parent, metrics=metrics, tags={"best_hash": str(summary.best_hash), "run_dir": str(run_dir)})
+        self.outbox.add({"op": "note", "run": self.parent, "text": run_description(summary, run_dir, status)})
         for name in ("summary.json", "best_genome.json", "baselines.json", "config.yaml", "lessons.yaml",
                      "code_lessons.md", "agent/log.jsonl", "retimings.jsonl"):
             if (Path(run_dir) / name).exists():

@@ -14,7 +14,8 @@ import numpy as np
 
 from evo.core.code import OpenStage
 from evo.core.genome import GeneSpace, Genome
-from evo.workloads.base import NO_SOURCES, CheckCase, DeviceInfo, Engine, MachineRates, Preset, Roofline, Workload
+from evo.workloads.base import (NO_SOURCES, CheckCase, DeviceInfo, Engine, KernelFacts, MachineRates, Preset,
+                                 Roofline, Workload)
 from evo.workloads.domain import InputDomain
 from evo.workloads.kda import baselines as _baselines
 from evo.workloads.kda import domain as _domain
@@ -68,7 +69,7 @@ class KdaWorkload(Workload):
     def forbidden_callables(self) -> list[tuple[object, str]]:
         """What an engine must not call (the evaluator guards these while engines build and run):
         the float64 oracle and every baseline, whose answers would pass the check for free."""
-        return [(_reference, "reference"), (_reference, "recurrent_kda"),
+        return [(_reference, "reference"), (_reference, "recurrent_kda"), (_reference, "chunked_kda"),
                 *((_baselines, name) for name in ("chunk_pairwise", "_pairwise_intra", "_chunk_step",
                                                   "_compiled_chunk_pairwise", "_eager_recurrent",
                                                   "_fla_naive_chunk", "recurrent_kda", "baselines"))]
@@ -89,6 +90,13 @@ class KdaWorkload(Workload):
     def roofline(self, preset: Preset, rates: MachineRates) -> Roofline:
         return _roofline.roofline(preset, rates)
 
+    def kernel_facts(self, genome: Genome, preset: Preset, device: DeviceInfo,
+                     compile: bool = True) -> tuple[KernelFacts, ...]:
+        """Triton genomes: each kernel compiled for sm_90 (no GPU needed) and modelled; others: none."""
+        from evo.workloads.kda.triton.facts import kernel_facts  # imports triton only when asked
+
+        return kernel_facts(genome, preset, compile)
+
     def label(self, genome: Genome) -> str:
         """Engine kind, short hash and the genes that matter most for it, e.g. "triton 1a2b3c4d (C=64, ...)"."""
         v = genome.values()
@@ -97,8 +105,12 @@ class KdaWorkload(Workload):
         if kind == "triton":
             fused = [name for gene, name in (("fuse_l2norm_intra", "prepare"), ("fuse_recurrence_output", "output"))
                      if v.get(gene)]
-            parts += [f"block_v={v.get('block_v')}", f"fused {'+'.join(fused)}" if fused else "4 kernels",
-                      f"state {v.get('state_layout')}"]
+            if v.get("triton_kernels") == "blocked":
+                parts += ["blocked", f"block_v={v.get('block_v')}", f"{v.get('workspace_dtype')} workspaces",
+                          "fused output" if v.get("fuse_recurrence_output") else "3 kernels"]
+            else:
+                parts += [f"block_v={v.get('block_v')}", f"fused {'+'.join(fused)}" if fused else "4 kernels",
+                          f"state {v.get('state_layout')}"]
         if v.get("cuda_graph"):
             parts.append("CUDA graph")
         return f"{kind} {genome.hash[:8]} ({', '.join(parts)})"

@@ -21,14 +21,29 @@ def presets() -> dict[str, Preset]:
     return dict(PRESETS)
 
 
-def _student_t(shape: tuple[int, ...], df: int, gen: torch.Generator) -> torch.Tensor:
-    z = torch.randn(shape, generator=gen)
-    chi2 = (torch.randn((df, *shape), generator=gen) ** 2).sum(0)
-    return z / torch.sqrt(chi2 / df)
+class _Draw:
+    """Draws from one seeded generator on the device the inputs live on (CUDA: drawn there, no host
+    copy; the values differ from a CPU draw of the same seed, each device is deterministic per seed)."""
+
+    def __init__(self, device: str, seed: int) -> None:
+        self.device = torch.device(device)
+        self.gen = torch.Generator(device=self.device).manual_seed(seed)
+
+    def randn(self, *shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=self.gen, device=self.device)
+
+    def rand(self, *shape: int) -> torch.Tensor:
+        return torch.rand(shape, generator=self.gen, device=self.device)
+
+    def student_t(self, shape: tuple[int, ...], df: int) -> torch.Tensor:
+        z = self.randn(*shape)
+        chi2 = (self.randn(df, *shape) ** 2).sum(0)
+        return z / torch.sqrt(chi2 / df)
 
 
 def make_inputs(case: CheckCase, dtype: str, device: str, seed: int) -> dict:
-    """Fresh inputs for `case`: q, k, v, g, beta in `dtype`, initial_state float32 (or absent).
+    """Fresh inputs for `case`: q, k, v, g, beta in `dtype`, initial_state float32 (or absent), drawn
+    on `device` by a generator seeded with `seed` (the judge salts seeds per call).
 
     Distributions: "standard" (N(0, 1) q, k, v; mild decay), "strong_decay" (a quarter of the
     channels decay in [floor, -1] per step), "heavy" (Student-t q, k and large v), and the domain's
@@ -38,66 +53,66 @@ def make_inputs(case: CheckCase, dtype: str, device: str, seed: int) -> dict:
     [LOG_DECAY_FLOOR, 0] and beta in [0, 1]."""
     if case.distribution not in DISTRIBUTIONS:
         raise ValueError(f"unknown distribution {case.distribution!r}; allowed: {list(DISTRIBUTIONS)}")
-    gen = torch.Generator().manual_seed(seed)
+    draw = _Draw(device, seed)
     s, kind = case.shape, case.distribution
     B, T, H, K, V = s["B"], s["T"], s["H"], s["K"], s["V"]
     if kind == "heavy":
-        q = _student_t((B, T, H, K), 2, gen) * 10
-        k = _student_t((B, T, H, K), 2, gen) * 10
-        v = torch.randn(B, T, H, V, generator=gen) * 100
+        q = draw.student_t((B, T, H, K), 2) * 10
+        k = draw.student_t((B, T, H, K), 2) * 10
+        v = draw.randn(B, T, H, V) * 100
     else:
-        q = torch.randn(B, T, H, K, generator=gen)
-        k = torch.randn(B, T, H, K, generator=gen)
-        v = torch.randn(B, T, H, V, generator=gen)
+        q = draw.randn(B, T, H, K)
+        k = draw.randn(B, T, H, K)
+        v = draw.randn(B, T, H, V)
     # mild decay: logsigmoid(N(3, 1)) ~ -0.05 per step
-    g = torch.nn.functional.logsigmoid(3 + torch.randn(B, T, H, K, generator=gen))
+    g = torch.nn.functional.logsigmoid(3 + draw.randn(B, T, H, K))
     if kind == "strong_decay":
-        strong = torch.rand(B, 1, H, K, generator=gen) < STRONG_DECAY_FRACTION
-        u = torch.rand(B, T, H, K, generator=gen)
+        strong = draw.rand(B, 1, H, K) < STRONG_DECAY_FRACTION
+        u = draw.rand(B, T, H, K)
         g = torch.where(strong, STRONG_DECAY_MIN + u * (-1 - STRONG_DECAY_MIN), g)
-    beta = torch.sigmoid(torch.randn(B, T, H, generator=gen))
+    beta = torch.sigmoid(draw.randn(B, T, H))
     if kind == "beta_edges":
-        beta = _beta_edges(beta, gen)
+        beta = _beta_edges(beta, draw)
     elif kind == "correlated_keys":
-        k = _correlated(k, gen)
+        k = _correlated(k, draw)
     elif kind == "decay_floor":
-        g = _decay_floor(g, gen)
+        g = _decay_floor(g, draw)
     g = g.clamp(min=LOG_DECAY_FLOOR)  # the domain's floor (logsigmoid(3 + z) passes it only for z < -8)
     dt = getattr(torch, dtype)
-    out = {n: x.to(device=device, dtype=dt) for n, x in zip(("q", "k", "v", "g", "beta"), (q, k, v, g, beta))}
+    out = {n: x.to(dtype=dt) for n, x in zip(("q", "k", "v", "g", "beta"), (q, k, v, g, beta))}
     if case.with_initial_state:
-        out["initial_state"] = torch.randn(B, H, K, V, generator=gen).to(device)
+        out["initial_state"] = draw.randn(B, H, K, V)
     return out
 
 
-def _beta_edges(beta: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+def _beta_edges(beta: torch.Tensor, draw: _Draw) -> torch.Tensor:
     """beta [B, T, H] exactly 0 on a third of the tokens, exactly 1 on another third; every head's
     first token 0 and (T > 1) last token 1, so both edges occur in every draw."""
-    u = torch.rand(beta.shape, generator=gen)
+    u = draw.rand(*beta.shape)
     beta = torch.where(u < 1 / 3, 0.0, torch.where(u < 2 / 3, 1.0, beta))
     beta[:, -1] = 1.0
     beta[:, 0] = 0.0
     return beta
 
 
-def _correlated(k: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+def _correlated(k: torch.Tensor, draw: _Draw) -> torch.Tensor:
     """k [B, T, H, K] within a few degrees of one direction per (batch, head); a quarter of the tokens
     repeat the previous token's key exactly (an ill-conditioned intra-chunk system)."""
     B, T, H, K = k.shape
-    base = torch.randn(B, 1, H, K, generator=gen)
+    base = draw.randn(B, 1, H, K)
     k = base + 0.05 * base.norm(dim=-1, keepdim=True) * k / K**0.5
-    repeat = torch.rand(B, T, H, 1, generator=gen) < 0.25
+    repeat = draw.rand(B, T, H, 1) < 0.25
     return torch.where(repeat, k.roll(1, dims=1), k)
 
 
-def _decay_floor(g: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+def _decay_floor(g: torch.Tensor, draw: _Draw) -> torch.Tensor:
     """g [B, T, H, K] at LOG_DECAY_FLOOR exactly on half the channels (channel 0 always) and on every
     channel of an eighth of the tokens; an eighth of the channels at exactly 0 (no decay)."""
     B, T, H, K = g.shape
-    floor = torch.rand(B, 1, H, K, generator=gen) < 0.5
+    floor = draw.rand(B, 1, H, K) < 0.5
     floor[..., 0] = True
-    floor = floor | (torch.rand(B, T, H, 1, generator=gen) < 0.125)
-    none = (torch.rand(B, 1, H, K, generator=gen) < 0.125) & ~floor
+    floor = floor | (draw.rand(B, T, H, 1) < 0.125)
+    none = (draw.rand(B, 1, H, K) < 0.125) & ~floor
     return torch.where(floor, LOG_DECAY_FLOOR, torch.where(none, 0.0, g))
 
 

@@ -62,9 +62,11 @@ TRITON_STAGE = OpenStage(
     doc="The Triton engine's kernels, launched by the engine exactly as in the seed (same names, arguments, "
         "grids and workspaces): prepare_kernel (l2norm, chunk cumsum; skipped when FUSED_PREPARE), intra_kernel "
         "(W, U0, M, Qg, Kd, exp(G_C) per chunk), recurrence_kernel (the state loop over chunks, per V tile; "
-        "writes o too when FUSED_OUTPUT) and output_kernel; SUB is the pair products' sub-chunk block.",
+        "writes o too when FUSED_OUTPUT) and output_kernel; SUB is the pair products' sub-chunk block; the blocked "
+        "family (gene triton_kernels='blocked'): intra_blocked_kernel, recurrence_blocked_kernel, output_blocked_kernel.",
     seed=_seed(TRITON_KERNELS), allowed_imports=("triton", "math"),
-    also_defines=("prepare_kernel", "recurrence_kernel", "output_kernel", "SUB"))
+    also_defines=("prepare_kernel", "recurrence_kernel", "output_kernel", "SUB", "intra_blocked_kernel",
+                  "recurrence_blocked_kernel", "output_blocked_kernel"))
 
 ALL_STAGES = _STAGES + (TRITON_STAGE,)
 

@@ -1,8 +1,10 @@
 """The KDA forward as this project's own Triton kernels, selectable by genes (engine=triton).
 
-kernels (the @triton.jit kernels), engine (TritonPlan + TritonKdaEngine), genes (the Triton genes and
-their constraints), cuda_graph (engine-level CUDA-graph capture, for any engine). Importing this
-package does not import triton; `runnable(device)` says whether the kernels can run there.
+kernels (the @triton.jit kernels, classic and blocked), engine (TritonPlan + TritonKdaEngine), genes
+(the Triton genes and their constraints), cuda_graph (engine-level CUDA-graph capture, for any engine),
+compiled (launches recorded on meta tensors, compiled for sm_90 without a GPU), model (HBM bytes and
+time per launch), facts (both, as `Workload.kernel_facts`). Importing this package does not import
+triton; `runnable(device)` says whether the kernels can run there.
 """
 from __future__ import annotations
 

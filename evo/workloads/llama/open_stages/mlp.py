@@ -1,0 +1,24 @@
+"""Open stage `mlp` of the Llama engine: the SwiGLU feed-forward, down(silu(gate(h)) * up(h)).
+
+Entry point: mlp(h, w, plan) -> [..., D].
+  h [..., D] the normed residual stream in the activation dtype
+  w a dict of this layer's weights: with plan.fused_gate_up, w["gate_up"] (gate then up stacked on the
+    output axis); else w["gate"] and w["up"]; and w["down"]. With plan.weight_layout == "pretransposed"
+    each is [in, out] (use h @ W); with "native" each is [out, in] (use torch.nn.functional.linear(h, W)).
+  plan: a frozen dataclass of the genome's decisions; read its attributes, never import it.
+Imports allowed: torch, math, numpy.
+"""
+import torch
+
+
+def mlp(h, w, plan):
+    # EVOLVE-BLOCK-START
+    def proj(x, W):
+        return x @ W if plan.weight_layout == "pretransposed" else torch.nn.functional.linear(x, W)
+
+    if plan.fused_gate_up:
+        gate, up = proj(h, w["gate_up"]).chunk(2, -1)
+    else:
+        gate, up = proj(h, w["gate"]), proj(h, w["up"])
+    return proj(torch.nn.functional.silu(gate).mul_(up), w["down"])
+    # EVOLVE-BLOCK-END

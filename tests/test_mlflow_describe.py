@@ -1,0 +1,148 @@
+"""What MLflow shows of a search, without Ray: the run's description, the model version's tags, signature
+and alias rule, the UI's URLs, the outbox's description op, and the progress of long phases."""
+from __future__ import annotations
+
+import io
+import json
+import math
+import re
+
+import numpy as np
+import pytest
+from mlflow.tracking import MlflowClient
+
+from evo.driver.progress import RunLog, log
+from evo.evidence.mlflow.describe import EXPERIMENT_ID, NOTE_TAG, RUN_ID, run_description, version_tags
+from evo.evidence.mlflow.links import EXPERIMENT_KIND, KIND_TAG, run_url, ui_hint
+from evo.evidence.mlflow.outbox import Outbox
+from evo.evidence.mlflow.registry import CHAMPION, LATENCY_TAG, engine_signature, input_example, promote
+from evo.evidence.summary import Summary
+from evo.workloads import get_workload
+from tests.waiting import wait_for
+
+SUMMARY = Summary(workload="kda", preset="cpu_small", best_hash="43fa7490741d11d7", best_genome={"fusion": {}},
+                  best_latency_ms=4.816999999, best_latency_spread_ms=0.12149, best_max_rel_error=3.33e-7,
+                  device="cpu:AMD EPYC", best_baseline="chunk_pairwise_c64", best_baseline_latency_ms=21.94,
+                  speedup_vs_best_baseline=4.554701, speedups={"chunk_pairwise_c64": 4.554701, "eager_recurrent": 10.338},
+                  baselines={"chunk_pairwise_c64": {"status": "ok", "latency_ms": 21.94},
+                             "eager_recurrent": {"status": "ok", "latency_ms": 49.80}},
+                  roofline={"floor_ms": 0.109, "fraction_of_floor": 0.02263}, evaluations=12, generations=3,
+                  status_counts={"ok": 11, "incorrect": 1}, wall_s=57.2,
+                  speedup_ci={"chunk_pairwise_c64": [2.2841, 2.8733]}, speedup_paired={"chunk_pairwise_c64": 2.6302},
+                  registered_model="models:/kda-cpu_small-engine/3")
+
+
+def test_the_run_description_states_best_engine_speedups_roofline_and_links():
+    text = run_description(SUMMARY, "/runs/kda-smoke-1")
+    assert "**Best engine `43fa7490741d11d7`**: 4.817 ms (IQR 0.121 ms)" in text
+    assert "| chunk_pairwise_c64 | 21.940 ms | 4.55x (paired 2.63x, 95% [2.28, 2.87]) |" in text
+    assert "| eager_recurrent | 49.800 ms | 10.34x |" in text  # no paired figure: the single timing alone
+    assert "2.3% of the roofline floor (0.109 ms)" in text and "4.55x faster than the best baseline" in text
+    lineage = re.search(r"\[the lineage page\]\(([^)]+)\)", text).group(1)
+    assert lineage == f"#/experiments/{EXPERIMENT_ID}/runs/{RUN_ID}/artifacts/lineage/lineage.html?workflowType=machine_learning"
+    assert "(#/models/kda-cpu_small-engine/versions/3?workflowType=machine_learning)" in text
+    assert not re.search(r"\d\.\d{5,}", text), "unrounded numbers in the description"
+    failed = run_description(Summary(), "/runs/x", "FAILED")
+    assert "search failed" in failed and "No correct engine" in failed
+
+
+def test_version_tags_are_rounded_and_name_every_baseline():
+    tags = version_tags(SUMMARY, "abc123", "/runs/kda-smoke-1")
+    assert tags["genome_hash"] == "43fa7490741d11d7" and tags[LATENCY_TAG] == "4.8170"
+    assert tags["latency"] == "4.817 ms (IQR 0.121 ms)" and tags["device"] == "cpu:AMD EPYC"
+    assert tags["speedup.chunk_pairwise_c64"] == "4.55x (paired 2.63x, 95% [2.28, 2.87])"
+    assert tags["speedup.eager_recurrent"] == "10.34x" and tags["speedup_ci.chunk_pairwise_c64"] == "[2.284, 2.873]"
+    assert (tags["preset"], tags["run_id"], tags["run_dir"]) == ("cpu_small", "abc123", "/runs/kda-smoke-1")
+
+
+def test_the_signature_is_the_workloads_request_schema_and_the_example_fits_it():
+    workload = get_workload("kda")
+    preset = workload.presets()["cpu_small"]
+    H, K, V = (preset.shape[a] for a in "HKV")
+    signature = engine_signature(workload, preset)
+    inputs = {spec.name: spec.shape for spec in signature.inputs.inputs}
+    assert inputs == {"q": (-1, -1, H, K), "k": (-1, -1, H, K), "v": (-1, -1, H, V), "g": (-1, -1, H, K),
+                      "beta": (-1, -1, H), "initial_state": (-1, H, K, V)}
+    assert {spec.name: spec.shape for spec in signature.outputs.inputs} == {"o": (-1, -1, H, V),
+                                                                            "final_state": (-1, H, K, V)}
+    example = input_example(workload, preset)
+    assert set(example) == set(inputs) and all(isinstance(a, np.ndarray) for a in example.values())
+    assert example["q"].shape[2:] == (H, K) and example["q"].size <= 8 * H * K * 8  # small: B and T at their lowest
+
+
+def test_ui_urls_open_the_runs_view():
+    assert run_url("http://127.0.0.1:5123/", "7", "r1") == \
+        "http://127.0.0.1:5123/#/experiments/7/runs/r1?workflowType=machine_learning"
+    assert run_url("sqlite:////tmp/m.db", "7", "r1").startswith("http://127.0.0.1:5000/#/experiments/7/runs/r1")
+    assert ui_hint("sqlite:////tmp/m.db") == "mlflow ui --backend-store-uri sqlite:////tmp/m.db --host 127.0.0.1 --port 5000"
+    assert ui_hint("http://127.0.0.1:5123") is None
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+
+
+def test_the_outbox_tags_the_experiment_and_fills_the_description_with_the_runs_ids(store, tmp_path):
+    outbox = Outbox(tmp_path, store, "describe")
+    outbox.add({"op": "run", "ref": "s/parent", "run_name": "p", "tags": {}, "start_time": 1})
+    outbox.add({"op": "note", "run": "s/parent", "text": f"see #/experiments/{EXPERIMENT_ID}/runs/{RUN_ID}"})
+    assert outbox.drain(10)
+    client = MlflowClient(store)
+    experiment = client.get_experiment_by_name("describe")
+    run_id = outbox.run_id("s/parent")
+    assert experiment.tags[KIND_TAG] == EXPERIMENT_KIND
+    assert client.get_run(run_id).data.tags[NOTE_TAG] == f"see #/experiments/{experiment.experiment_id}/runs/{run_id}"
+
+
+def test_champion_moves_only_to_a_faster_version(store):
+    client = MlflowClient(store)
+    name = "alias-rule"
+    client.create_registered_model(name)
+    versions = []
+    for latency in (5.0, 6.0, 4.0):  # first champion; slower stays; faster moves
+        version = client.create_model_version(name, "file:///nowhere", tags={LATENCY_TAG: f"{latency:.4f}"}).version
+        versions.append(promote(client, name, version, latency))
+    first, slower, faster = versions
+    assert first.champion and first.previous is None and "first champion" in first.describe()
+    assert not slower.champion and slower.previous == (first.version, 5.0) and "stays on version" in slower.describe()
+    assert faster.champion and faster.previous == (first.version, 5.0)
+    assert str(client.get_model_version_by_alias(name, CHAMPION).version) == faster.version
+    assert not promote(client, name, faster.version, math.nan).champion  # nothing measured: never the champion
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_is_a_bar_on_a_terminal_and_counter_lines_elsewhere():
+    terminal = _Terminal()
+    run_log = RunLog(terminal, heartbeat_s=0.2)
+    with run_log.phase("baselines", 2, "timed") as phase:
+        log.info("timing baselines: a, b")
+        phase.advance(note="a")
+        phase.advance(note="b")
+        assert phase.bar is not None and phase.bar.n == 2
+    run_log.close()
+    text = terminal.getvalue()
+    assert "\rbaselines:   0%" in text and "0/2" in text and "\rtiming baselines: a, b\n" in text  # the line above the bar
+    assert "  ... " not in text  # a bar, no counter lines
+
+    plain = io.StringIO()
+    run_log = RunLog(plain, heartbeat_s=0.2)
+    with run_log.phase("search", 12, "evaluations") as phase:
+        phase.advance(note="generation 0")
+        wait_for(lambda: "  ... search: 1/12 evaluations done, generation 0;" in plain.getvalue(), 30,
+                 "a counter line after a silence")
+    run_log.close()
+    assert "\r" not in plain.getvalue()
+
+    quiet = RunLog(_Terminal(), verbosity=-1)  # -q: neither bars nor counter lines, even on a terminal
+    assert not quiet.bars and not quiet.counters
+    quiet.close()
+
+
+def test_description_fits_in_a_tag():
+    assert len(run_description(SUMMARY, "/r" * 100)) < 8000
+    assert json.dumps(version_tags(SUMMARY, "x", "/r"))  # every value a string
