@@ -29,7 +29,6 @@ GENOMES = {
     "classic_c128_bv128": {**CLASSIC, "chunk_size": 128, "fuse_recurrence_output": True, "block_v": 128},
     "classic_c32_bv128_3stages": {**CLASSIC, "chunk_size": 32, "fuse_recurrence_output": True, "block_v": 128,
                                   "num_stages": 3},
-    "blocked_c64_bv64_3stages": {"block_v": 64, "num_stages": 3},
     "blocked_c32_bv64_3stages_fp32": {"chunk_size": 32, "block_v": 64, "num_stages": 3, "workspace_dtype": "float32",
                                       "fuse_recurrence_output": True},
 }

@@ -98,7 +98,7 @@ def test_kernels_compile_for_sm90_and_fit_shared_memory(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     shared = json.loads(out.read_text())
     assert {"classic:intra_kernel", "classic:recurrence_kernel", "classic:output_kernel",
-            "blocked_c64_bv64_3stages:recurrence_blocked_kernel"} <= set(shared)
+            "blocked_c32_bv64_3stages_fp32:recurrence_blocked_kernel"} <= set(shared)
     assert all(0 < b <= SHARED_MEMORY_BYTES for b in shared.values()), shared
 
 
