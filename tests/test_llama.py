@@ -4,6 +4,7 @@ folder (the real judge: strict sandbox, the full cascade, a transformers baselin
 matches transformers on fresh tokens. Serving: test_llama_serving.py."""
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import shutil
@@ -134,6 +135,21 @@ def test_each_design_matches_the_reference_in_process():
             assert _rel(out, W.reference_for(preset, inputs)["logits"]) < 1e-5, (name, case.name)
 
 
+def test_the_static_shape_step_matches_the_reference():
+    """The step compiled and CUDA-graph engines run (one position written by index, attention over the
+    whole cache under a mask), here uncompiled so it costs no build."""
+    preset = W.presets()["cpu_small"]
+    space = W.gene_space(preset, CPU)
+    for genes in ({}, {"rotary": "on_the_fly", "rotary_pairs": "halves", "kv_layout": "BLHD", "attention": "matmul"}):
+        engine = W.build(space.make(genes), preset, CPU)  # eager: no torch.compile import (~2 s)
+        engine.plan = dataclasses.replace(engine.plan, decode_step="compiled")
+        engine._static_step = engine._step_static
+        for i, case in enumerate(W.check_cases(preset)[0]):
+            inputs = W.make_inputs(case, "float32", "cpu", 50 + i)
+            out = engine(**inputs)["logits"]
+            assert _rel(out, W.reference_for(preset, inputs)["logits"]) < 1e-5, (genes, case.name)
+
+
 @pytest.mark.slow
 def test_search_on_a_checkpoint_then_best_engine_matches_transformers(ray_local, checkpoint, tmp_path):
     from evo.driver.config import load_config
@@ -143,7 +159,8 @@ def test_search_on_a_checkpoint_then_best_engine_matches_transformers(ray_local,
     preset_name = f"hf:{folder},B=1,P=9,N=5"
     config = load_config(ROOT / "configs" / "llama_smoke.yaml", [
         f"preset={preset_name}", "baselines=[hf_sdpa]", "search.generations=1", "search.offspring=2",
-        "search.max_evaluations=2", "search.population.size=2", "evaluators.count=1", "evaluator.repeats=2", f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        "search.max_evaluations=2", "search.population.size=2", "evaluators.count=1", "evaluator.repeats=2",
+        "search.intensify.enabled=false", f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
         "mlflow.experiment=llama-e2e", "mlflow.model_name=llama-checkpoint-engine"])
     log = io.StringIO()
     result = run(config, tmp_path / "run", out=log)
