@@ -6,7 +6,7 @@ and forks the engine's process: PID 1 of its own namespace, so when it dies the 
 process it started, whatever they called. That process then, still as root and before any engine code:
 1. joins the candidate's cgroups (`evaluators.cgroups`);
 2. makes its mounts private: a fresh /proc (only its own processes), private tmpfs on /tmp, /var/tmp
-   and /dev/shm (CPU), folders it must walk through but may not (e.g. /root holding pyenv's Python)
+   and /dev/shm (CPU) (its Python and the project bound back in where they live there), folders it must walk through but may not (e.g. /root holding pyenv's Python)
    replaced by just the subtrees it needs, every other mount read-only, the hidden paths (the reference, the baselines, the
    judge's modules, the project's git objects) covered by an unreadable empty file or folder;
 3. keeps only its channel's descriptor (stdin and stdout go to /dev/null);
@@ -141,9 +141,22 @@ def _mounts(plan: JailPlan) -> None:
     private = [p for p in _PRIVATE_TMP if os.path.isdir(p)]
     if plan.private_shm and os.path.isdir("/dev/shm"):
         private.append("/dev/shm")
+    needed = _needed_paths()
+    # Needed paths under a folder about to get a private tmpfs (a checkout or venv in /tmp): held open
+    # now, bound back in place once the tmpfs covers them (a bind from /proc/self/fd reaches the old tree).
+    kept = [(path, os.open(path, os.O_PATH)) for path in _tops(needed)
+            if any(path.startswith(folder + "/") for folder in private)]
     for path in private:
         _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=50%")
-    _reachable(_needed_paths())
+    for path, fd in kept:
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            os.makedirs(path, mode=0o755, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+            open(path, "w").close()
+        _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+        os.close(fd)
+    _reachable(needed)
     for target in _mount_points():
         if target in private or target == "/proc" or target.startswith(_SKIP_READONLY):
             continue
@@ -181,7 +194,7 @@ def _reachable(needed: list[str]) -> None:
                 blocked.setdefault(ancestor, []).append(path)
                 break
     for ancestor, paths in blocked.items():
-        tops = [p for p in sorted(set(paths)) if not any(p != q and p.startswith(q + "/") for q in paths)]
+        tops = _tops(paths)
         stages = []
         for i, path in enumerate(tops):
             stage = f"/tmp/.evo-stage/{len(stages)}-{i}"
@@ -199,6 +212,11 @@ def _reachable(needed: list[str]) -> None:
             else:
                 os.makedirs(path, mode=0o755, exist_ok=True)
             _mount(stage, path, None, MS_MOVE)
+
+
+def _tops(paths: list[str]) -> list[str]:
+    """The paths not inside another of them."""
+    return [p for p in sorted(set(paths)) if not any(p != q and p.startswith(q + "/") for q in paths)]
 
 
 def _empties() -> tuple[str, str]:
