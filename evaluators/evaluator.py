@@ -299,26 +299,18 @@ class Evaluator:
         note = f"passed {len(verdicts) + 1} checked calls (every timed call checked; tol {self._tolerance:.1e})"
         if telemetry.throttled(self._stamp()):  # the device held its clocks down: time the calls once more
             self._telemetry_start, self._retimed_after_throttle = self.sampler.sample(self.device), True
-            try:
-                again, timing = self._run_plan(process, self._plan(rng, checks=False), deadline, null_ms)
-            except EngineProcessError as exc:
-                return self._failed(genome_hash, start, exc, "re-timing after a throttle", self._limit(), **stamp)
-            failed = next((v for v in again if v.status is not None), None)
-            if failed is not None:
-                return self._result(genome_hash, failed.status, start, error=failed.error, **stamp,
-                                    message=f"re-timing after a throttle: {failed.message}")
+            timing, failed_result = self._time_again(genome_hash, start, process, rng, deadline, null_ms, stamp,
+                                                     "re-timing after a throttle")
+            if failed_result is not None:
+                return failed_result
             note += "; timed again: the device throttled during the first timing"
 
         if self._below_floor(timing.median_ms):
             first_median = timing.median_ms
-            try:
-                again, timing = self._run_plan(process, self._plan(rng, checks=False), deadline, null_ms)
-            except EngineProcessError as exc:
-                return self._failed(genome_hash, start, exc, "re-verification", self._limit(), **stamp)
-            failed = next((v for v in again if v.status is not None), None)
-            if failed is not None:
-                return self._result(genome_hash, failed.status, start, message=f"re-verification: {failed.message}",
-                                    error=failed.error, **stamp)
+            timing, failed_result = self._time_again(genome_hash, start, process, rng, deadline, null_ms, stamp,
+                                                     "re-verification")
+            if failed_result is not None:
+                return failed_result
             if self._below_floor(timing.median_ms):
                 return self._result(genome_hash, SUSPECT, start, latency_ms=timing.median_ms,
                                     latency_spread_ms=timing.spread_ms, **stamp,
@@ -520,6 +512,20 @@ class Evaluator:
             evaluator=self.name,
             **fields,
         )
+
+    def _time_again(self, genome_hash: str, start: float, process: EngineProcess, rng: np.random.Generator,
+                    deadline: float, null_ms: float, stamp: dict, what: str) -> tuple[Timing | None, EvalResult | None]:
+        """The timed calls once more, each still checked: (their timing, None), or (None, the failed
+        result, its message led by `what`)."""
+        try:
+            again, timing = self._run_plan(process, self._plan(rng, checks=False), deadline, null_ms)
+        except EngineProcessError as exc:
+            return None, self._failed(genome_hash, start, exc, what, self._limit(), **stamp)
+        failed = next((v for v in again if v.status is not None), None)
+        if failed is not None:
+            return None, self._result(genome_hash, failed.status, start, message=f"{what}: {failed.message}",
+                                      error=failed.error, **stamp)
+        return timing, None
 
     def _device_label(self) -> str:
         return f"{self._info.kind}:{self._info.name}"
