@@ -313,16 +313,16 @@ def _decode_data(data: Any, field: str, shape: tuple[int, ...], dtype: str) -> t
 
 def _integers(data: list, field: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
     """Nested or flat JSON integers -> an integer tensor; a float (even 3.0) or an out-of-range integer is refused."""
-    flat = np.array(data, dtype=object).reshape(-1)
-    floats = [j for j, x in enumerate(flat) if type(x) is not int]
-    if floats:
-        j = floats[0]
+    flat = np.array(data, dtype=object).reshape(-1).tolist()
+    j = next((j for j, x in enumerate(flat) if type(x) is not int), None)
+    if j is not None:
         raise RequestError(field, f"value {_short(flat[j])} at flat index {j} is not an integer; {dtype} data "
                                   f"must be JSON integers")
-    info = np.iinfo(DTYPES[dtype][1])
+    native = np.dtype(DTYPES[dtype][1]).newbyteorder("=")
     try:
-        arr = np.array(flat.tolist(), dtype=DTYPES[dtype][1]).astype(np.dtype(DTYPES[dtype][1]).newbyteorder("="))
+        arr = np.array(flat, dtype=native)
     except OverflowError:
+        info = np.iinfo(native)
         raise RequestError(field, f"an integer is out of the range of {dtype} [{info.min}, {info.max}]") from None
     return torch.from_numpy(arr).reshape(shape)
 
