@@ -146,3 +146,25 @@ def test_progress_is_a_bar_on_a_terminal_and_counter_lines_elsewhere():
 def test_description_fits_in_a_tag():
     assert len(run_description(SUMMARY, "/r" * 100)) < 8000
     assert json.dumps(version_tags(SUMMARY, "x", "/r"))  # every value a string
+
+
+def test_a_registered_engine_resolves_from_its_own_store_whatever_store_the_process_set(tmp_path_factory):
+    """MLflow resolves `models:/` against the process-wide registry: `resolve` must ask the store it is given."""
+    import mlflow
+
+    from evo.evidence.mlflow.registry import register_engine
+    from evo.serving.source import resolve
+
+    own, other = (f"sqlite:///{tmp_path_factory.mktemp(name) / 'mlflow.db'}" for name in ("own", "other"))
+    record = resolve("default:kda/cpu_small")
+    client = MlflowClient(own)
+    run_id = client.create_run(client.create_experiment("resolve")).info.run_id
+    version = register_engine(record, run_id, "resolve-engine", own)
+    client.set_registered_model_alias("resolve-engine", CHAMPION, version)
+    mlflow.set_tracking_uri(other)
+    try:
+        for source in (f"models:/resolve-engine/{version}", "models:/resolve-engine/latest",
+                       f"models:/resolve-engine@{CHAMPION}"):
+            assert resolve(source, own).genome.hash == record.genome.hash, source
+    finally:
+        mlflow.set_tracking_uri(None)

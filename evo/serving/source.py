@@ -74,7 +74,10 @@ def _from_mlflow(source: str, tracking_uri: str | None) -> EngineRecord:
     artifact = f"{source.rstrip('/')}/{SUMMARY_FILE}" if source.startswith("runs:/") else source
     with tempfile.TemporaryDirectory() as tmp, _no_progress_bar():
         try:
-            local = Path(mlflow.artifacts.download_artifacts(artifact_uri=artifact, dst_path=tmp, tracking_uri=uri))
+            if artifact.startswith("models:/"):
+                artifact = _model_version_artifacts(artifact, uri)
+            local = Path(mlflow.artifacts.download_artifacts(artifact_uri=artifact, dst_path=tmp, tracking_uri=uri,
+                                                             registry_uri=uri))
         except (MlflowException, OSError) as exc:
             raise SourceError(f"could not load {artifact!r} from MLflow at {uri}: {exc}") from exc
         if local.is_dir():
@@ -86,6 +89,31 @@ def _from_mlflow(source: str, tracking_uri: str | None) -> EngineRecord:
     if source.startswith("runs:/"):
         return record_from_summary(Summary.from_dict(data), source)
     return EngineRecord.from_dict(data, source)
+
+
+def _model_version_artifacts(source: str, uri: str) -> str:
+    """Where the artifacts of `models:/NAME/VERSION`, `models:/NAME/latest` or `models:/NAME@ALIAS` live in the
+    store at `uri`. Resolved here because MLflow resolves `models:/` against the process-wide registry URI,
+    not the one passed to `download_artifacts` (another store set earlier in the process wins)."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    name_and_version = source.removeprefix("models:/").rstrip("/")
+    if "@" in name_and_version:
+        name, alias = name_and_version.split("@", 1)
+        version = client.get_model_version_by_alias(name, alias).version
+    else:
+        name, _, version = name_and_version.rpartition("/")
+        if not name or not version:
+            raise MlflowException(f"{source!r} names no version: use models:/NAME/VERSION, models:/NAME/latest "
+                                  f"or models:/NAME@ALIAS")
+        if version == "latest":
+            versions = client.search_model_versions(f"name='{name}'")
+            if not versions:
+                raise MlflowException(f"registered model {name!r} has no versions")
+            version = max(int(v.version) for v in versions)
+    return client.get_model_version_download_uri(name, str(version))
 
 
 @contextmanager
