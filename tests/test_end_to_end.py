@@ -89,7 +89,9 @@ def test_mlflow_holds_parent_and_generation_runs(outcome):
     history = client.get_metric_history(parent.info.run_id, "best_latency_ms")
     assert [m.step for m in history] == list(range(config.search.generations))
     assert all(b.value <= a.value for a, b in zip(history, history[1:]))
-    assert parent.data.metrics["speedup_vs_best_baseline"] == pytest.approx(result.summary.speedup_vs_best_baseline)
+    assert parent.data.metrics["speedup_vs_best_baseline"] == pytest.approx(result.summary.speedup_vs_best_baseline,
+                                                                          rel=1e-5)
+    assert all(float(f"{v:.6g}") == v for v in parent.data.metrics.values())  # as the UI shows them: 6 digits
     assert "fraction_of_roofline" in parent.data.metrics
     for name in config.baselines:
         assert parent.data.metrics[f"speedup_ci_low_vs_{name}"] <= parent.data.metrics[f"speedup_ci_high_vs_{name}"]

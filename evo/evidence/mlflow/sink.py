@@ -195,7 +195,8 @@ class MlflowSink:
     def _batch(self, ref: str, metrics: list[tuple] = (), params: dict[str, str] | None = None,
                tags: dict[str, str] | None = None) -> None:
         """Queue log_batch operations within MLflow's limits (1000 metrics, 100 params and tags each)."""
-        metrics, params, tags = list(metrics), list((params or {}).items()), list((tags or {}).items())
+        metrics = [(key, _shown(value), *rest) for key, value, *rest in metrics]
+        params, tags = list((params or {}).items()), list((tags or {}).items())
         chunks = max(math.ceil(len(metrics) / MAX_METRICS), math.ceil(len(params) / MAX_BATCH),
                      math.ceil(len(tags) / MAX_BATCH))
         for i in range(chunks):
@@ -234,6 +235,12 @@ def sync(run_dir: Path, uri: str | None = None, wait_s: float = 30.0) -> int:
     outbox.drain(wait_s)
     log.info("replayed %d of %d MLflow operations from %s", before - len(outbox.ops), before, run_dir)
     return len(outbox.ops)
+
+
+def _shown(value: float) -> float:
+    """A metric to 6 significant digits: what MLflow's pages show (31.4786, not 31.478594999953202); timing
+    noise is far above the digits dropped."""
+    return float(f"{value:.6g}")
 
 
 def _now() -> int:
