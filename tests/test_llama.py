@@ -120,6 +120,7 @@ GENOMES = {  # representative designs, not every combination
               "attention": "matmul", "kv_alloc": "grown", "weight_layout": "native"},
     "chunked_blhd": {"prefill": "chunked", "prefill_chunk": 16, "kv_layout": "BLHD", "attention": "matmul",
                      "fused_qkv": False},
+    "left_products": {"weight_layout": "native_left", "fused_gate_up": False},
 }
 
 

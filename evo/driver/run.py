@@ -34,7 +34,9 @@ from evo.driver.stop import STOP, install_handlers
 from evo.evidence.journal import append_retimings, write_baselines, write_json
 from evo.evidence.mlflow.links import mlflow_lines
 from evo.evidence.mlflow.registry import register_best as register_best_engine
+from evo.evidence.mlflow.outbox import tracking_uri
 from evo.evidence.mlflow.sink import MlflowSink
+from evo.evidence.mlflow.warm import warm as warm_mlflow
 from evo.evidence.sink import FINISHED, KILLED, Sink, SinkList
 from evo.evidence.summary import SUMMARY_FILE, Summary, best_baseline, make_summary, with_final_retimings
 from evo.workloads.base import Roofline
@@ -66,6 +68,8 @@ def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout
         run_dir = open_run_dir(config, run_dir, resume)
         run_log.attach_file(run_dir)
         say(f"run directory: {run_dir}")
+        if config.mlflow.enabled:  # MLflow's stores load while Ray and the evaluators start
+            warm_mlflow(tracking_uri(config.mlflow.tracking_uri))
         with run_log.phase("start-up (Ray, evaluators, agents, MLflow)"):
             if start_ray(config):
                 stack.callback(ray.shutdown)

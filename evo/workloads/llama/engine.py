@@ -29,6 +29,17 @@ HAND_WRITTEN: Mapping[str, Callable] = {"attention": _attention_seed.attention, 
                                         "norm": _norm_seed.norm}
 
 
+def project(x: torch.Tensor, w: torch.Tensor, layout: str) -> torch.Tensor:
+    """x [M, in] times a weight in `layout`: [in, out] (pretransposed) or [out, in] (native, native_left).
+    native_left runs (W @ x^T)^T: at a few rows MKL's sgemm reads the weight ~2x faster that way round
+    (measured at B=4 on the 2-core host); the result is made contiguous (a few rows: a small copy)."""
+    if layout == "pretransposed":
+        return torch.mm(x, w)
+    if layout == "native_left":
+        return torch.mm(w, x.t()).t().contiguous()
+    return F.linear(x, w)
+
+
 def _rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, h, T, d] rotated on the pairs (i, i + d/2), Llama's layout; cos, sin [T, d/2]."""
     half = x.shape[-1] // 2
@@ -143,7 +154,7 @@ class LlamaEngine:
 
     def _proj(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [M, in] (2-D: one mm, no batched-matmul folding) times the weight."""
-        return torch.mm(x, w) if self.plan.weight_layout == "pretransposed" else F.linear(x, w)
+        return project(x, w, self.plan.weight_layout)
 
     # ------------------------------------------------------------------ the model
     def _rotation(self, angle: torch.Tensor):

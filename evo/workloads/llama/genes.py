@@ -64,8 +64,9 @@ def _memory_genes(preset: Preset) -> list[Gene]:
              "the cache allocated once for P+N positions, or grown by concatenation each step"),
         Gene("kv_dtype", "memory", dtypes, dtypes[0], "dtype of the KV cache"),
         Gene("weight_dtype", "memory", dtypes, dtypes[0], "dtype of the weights and activations"),
-        Gene("weight_layout", "memory", ("pretransposed", "native"), "pretransposed",
-             "weights stored [in, out] for x @ W, or as in the checkpoint [out, in] for F.linear"),
+        Gene("weight_layout", "memory", ("pretransposed", "native", "native_left"), "pretransposed",
+             "weights stored [in, out] for x @ W; or as in the checkpoint [out, in], for F.linear (native) or "
+             "multiplied from the left, (W @ x^T)^T (native_left: BLAS's kernel over the weight's rows)"),
     ]
 
 

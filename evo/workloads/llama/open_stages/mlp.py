@@ -4,7 +4,8 @@ Entry point: mlp(h, w, plan) -> [..., D].
   h [..., D] the normed residual stream in the activation dtype
   w a dict of this layer's weights: with plan.fused_gate_up, w["gate_up"] (gate then up stacked on the
     output axis); else w["gate"] and w["up"]; and w["down"]. With plan.weight_layout == "pretransposed"
-    each is [in, out] (use h @ W); with "native" each is [out, in] (use torch.nn.functional.linear(h, W)).
+    each is [in, out] (use h @ W); with "native" each is [out, in] (use torch.nn.functional.linear(h, W));
+    with "native_left" each is [out, in] too (use (W @ h^T)^T over h's rows).
   plan: a frozen dataclass of the genome's decisions; read its attributes, never import it.
 Imports allowed: torch, math, numpy.
 """
@@ -14,7 +15,12 @@ import torch
 def mlp(h, w, plan):
     # EVOLVE-BLOCK-START
     def proj(x, W):
-        return x @ W if plan.weight_layout == "pretransposed" else torch.nn.functional.linear(x, W)
+        if plan.weight_layout == "pretransposed":
+            return x @ W
+        if plan.weight_layout == "native_left":
+            rows = x.reshape(-1, x.shape[-1])
+            return torch.mm(W, rows.t()).t().reshape(*x.shape[:-1], W.shape[0])
+        return torch.nn.functional.linear(x, W)
 
     if plan.fused_gate_up:
         gate, up = proj(h, w["gate_up"]).chunk(2, -1)
