@@ -230,12 +230,16 @@ def _hold(engine_process: Any, fd: int, plan: dict | None, report: int) -> None:
 
 
 def _preload(modules: Any) -> None:
+    """Import each module and the modules it imports on first use (`evo.workloads.lazy`: a workload's
+    engine, baselines and reference), so engine processes start with them loaded, before any jail."""
+    from evo.workloads.lazy import load_all
+
     for name in modules:
-        if name not in sys.modules:
-            try:
-                importlib.import_module(name)
-            except Exception:  # noqa: BLE001 - the engine's process imports it again and reports the error
-                pass
+        try:
+            importlib.import_module(name)
+            load_all()
+        except Exception:  # noqa: BLE001 - the engine's process imports it again and reports the error
+            pass
 
 
 def _import_environment() -> dict[str, str]:

@@ -10,11 +10,12 @@ import os
 import time
 from typing import Mapping
 
-import torch
-
 from evo.core.code import CodeError, OpenStage, load_module
 from evo.core.genome import CodeGene, Gene, GeneSpace, Genome
 from evo.workloads.base import NO_SOURCES, CheckCase, DeviceInfo, Engine, MachineRates, Preset, Roofline, Workload
+from evo.workloads.lazy import lazy
+
+torch = lazy("torch")  # as a workload's package would: agents hold the gene space only
 
 IMPLS = (
     "cumsum",  # correct

@@ -5,7 +5,8 @@
 `Usage` values add up; `Budget.exhausted` says in words when a total has reached a limit. `redact`
 removes API keys from text before it is logged or stored.
 
-This module imports neither Ray nor MLflow nor torch.
+This module imports neither Ray nor MLflow nor torch, and `openai` only when a call is made (it takes
+~2 s to import: every agent process and the driver import this module).
 """
 from __future__ import annotations
 
@@ -17,9 +18,6 @@ import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
-
-import openai
-from openai.types.chat import ChatCompletion
 
 LOCAL_KEY = "not-needed"  # sent when the key variable is unset: local servers ignore the key
 ERROR_KINDS = ("rate_limited", "timeout", "connection", "http", "malformed", "over_limit", "empty")
@@ -242,6 +240,8 @@ class ChatClient:
         return (self._key,) if self._key else ()
 
     def _openai(self) -> openai.OpenAI:
+        import openai
+
         if self._client is None:
             s = self.settings
             self._client = openai.OpenAI(base_url=s.base_url, api_key=self._key or LOCAL_KEY,
@@ -250,6 +250,8 @@ class ChatClient:
 
     def chat(self, messages: list[dict], seed: int | None = None) -> ChatReply:
         """One completion of `messages`; raises LlmError (carrying the call's usage) when there is no usable text."""
+        import openai
+
         s = self.settings
         extra = {} if seed is None else {"seed": seed}
         started = time.monotonic()
@@ -266,6 +268,8 @@ class ChatClient:
         return self._reply(completion, time.monotonic() - started)
 
     def _reply(self, completion: object, wall_s: float) -> ChatReply:
+        from openai.types.chat import ChatCompletion
+
         s = self.settings
         if not isinstance(completion, ChatCompletion):  # a non-JSON content type comes back as str
             raise self._error("malformed", f"the server at {s.base_url} answered 200 with something that is not a "
@@ -299,6 +303,8 @@ class ChatClient:
 
 def _classify(exc: openai.OpenAIError, settings: LlmSettings) -> tuple[str, str]:
     """(kind, message) for an exception of the openai client (raised after its own retries)."""
+    import openai
+
     where = settings.base_url
     tries = f"after {settings.max_retries + 1} attempt(s)"
     if isinstance(exc, openai.RateLimitError):

@@ -17,16 +17,19 @@ from evo.core.genome import GeneSpace, Genome
 from evo.workloads.base import (NO_SOURCES, CheckCase, DeviceInfo, Engine, KernelFacts, MachineRates, Preset,
                                  Roofline, Workload)
 from evo.workloads.domain import InputDomain
-from evo.workloads.kda import baselines as _baselines
 from evo.workloads.kda import domain as _domain
-from evo.workloads.kda import engine as _engine
 from evo.workloads.kda import genes as _genes
-from evo.workloads.kda import inputs as _inputs
 from evo.workloads.kda import open_code as _open_code
-from evo.workloads.kda import reference as _reference
 from evo.workloads.kda import requests as _requests
 from evo.workloads.kda import roofline as _roofline
+from evo.workloads.lazy import lazy
 from evo.workloads.requests import TensorSpec
+
+# torch loads with these, on first use: an agent, which only holds the gene space, never imports them
+_baselines = lazy("evo.workloads.kda.baselines")
+_engine = lazy("evo.workloads.kda.engine")
+_inputs = lazy("evo.workloads.kda.inputs")
+_reference = lazy("evo.workloads.kda.reference")
 
 
 class KdaWorkload(Workload):
@@ -69,8 +72,9 @@ class KdaWorkload(Workload):
     def forbidden_callables(self) -> list[tuple[object, str]]:
         """What an engine must not call (the evaluator guards these while engines build and run):
         the float64 oracle and every baseline, whose answers would pass the check for free."""
-        return [(_reference, "reference"), (_reference, "recurrent_kda"), (_reference, "chunked_kda"),
-                *((_baselines, name) for name in ("chunk_pairwise", "_pairwise_intra", "_chunk_step",
+        reference, baselines = _reference.load(), _baselines.load()
+        return [(reference, "reference"), (reference, "recurrent_kda"), (reference, "chunked_kda"),
+                *((baselines, name) for name in ("chunk_pairwise", "_pairwise_intra", "_chunk_step",
                                                   "_compiled_chunk_pairwise", "_eager_recurrent",
                                                   "_fla_naive_chunk", "recurrent_kda", "baselines"))]
 

@@ -1,9 +1,10 @@
 """Presets, input distributions and the cascade of correctness cases."""
 from __future__ import annotations
 
-import torch
-
 from evo.workloads.base import CheckCase, Preset
+from evo.workloads.lazy import lazy
+
+torch = lazy("torch")  # the presets and constants are read without torch (agents); drawing inputs imports it
 
 PRESETS: dict[str, Preset] = {
     "cpu": Preset("cpu", {"B": 1, "T": 1024, "H": 4, "K": 64, "V": 64}, "float32", "cpu"),

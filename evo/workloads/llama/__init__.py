@@ -20,15 +20,18 @@ from evo.core.code import OpenStage
 from evo.core.genome import GeneSpace, Genome
 from evo.workloads.base import NO_SOURCES, CheckCase, DeviceInfo, Engine, MachineRates, Preset, Roofline, Workload
 from evo.workloads.domain import InputDomain
-from evo.workloads.llama import baselines as _baselines
-from evo.workloads.llama import engine as _engine
+from evo.workloads.lazy import lazy
 from evo.workloads.llama import genes as _genes
 from evo.workloads.llama import inputs as _inputs
 from evo.workloads.llama import open_code as _open_code
-from evo.workloads.llama import reference as _reference
 from evo.workloads.llama import roofline as _roofline
 from evo.workloads.llama.model import PRESETS, LlamaPreset, PresetTable
 from evo.workloads.requests import TensorSpec
+
+# torch loads with these, on first use: an agent, which only holds the gene space, never imports them
+_baselines = lazy("evo.workloads.llama.baselines")
+_engine = lazy("evo.workloads.llama.engine")
+_reference = lazy("evo.workloads.llama.reference")
 
 _TABLE = PresetTable(PRESETS)
 
@@ -88,9 +91,10 @@ class LlamaWorkload(Workload):
 
     def forbidden_callables(self) -> list[tuple[object, str]]:
         """The float64 oracle and every baseline: their answers would pass the check for free."""
-        return [(_reference, "generate"), (_reference, "float64_weights"), (_baselines, "baselines"),
-                (_baselines._Transformers, "__call__"), (_baselines._EagerOurs, "__call__"),
-                (_baselines._EagerOurs, "_forward")]
+        reference, baselines = _reference.load(), _baselines.load()
+        return [(reference, "generate"), (reference, "float64_weights"), (baselines, "baselines"),
+                (baselines._Transformers, "__call__"), (baselines._EagerOurs, "__call__"),
+                (baselines._EagerOurs, "_forward")]
 
     def open_stages(self, preset: Preset, device: DeviceInfo) -> tuple[OpenStage, ...]:
         return _open_code.open_stages(preset, device)

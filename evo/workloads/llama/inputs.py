@@ -9,11 +9,13 @@ prompt and continuation, per row), "extremes" (ids 0, 1, V-2 and V-1 only).
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from evo.workloads.base import CheckCase, Preset
 from evo.workloads.domain import AxisRange, InputDomain, ValueRange
+from evo.workloads.lazy import lazy
 from evo.workloads.requests import TensorSpec
+
+torch = lazy("torch")  # presets and specs are read without torch (agents); tensors import it
 
 DISTRIBUTIONS = ("uniform", "repeated", "extremes")
 

@@ -17,9 +17,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-import torch
-
 from evo.workloads.base import Preset
+from evo.workloads.lazy import lazy
+
+torch = lazy("torch")  # presets and specs are read without torch (agents); tensors import it
 
 CHECKPOINT_PREFIX = "hf:"  # a preset named hf:<folder>[,B=..,P=..,N=..,dtype=..,device=..]
 CHECKPOINT_DEFAULTS = {"B": 1, "P": 16, "N": 8}
@@ -193,8 +194,9 @@ def read_checkpoint_spec(folder: Path) -> ModelSpec:
         checkpoint=str(folder), storage_dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "float32")
 
 
-def inv_freq(spec: ModelSpec, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """Rotary inverse frequencies [head_dim / 2] (Llama's default, or Llama 3's scaled ones)."""
+def inv_freq(spec: ModelSpec, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Rotary inverse frequencies [head_dim / 2] (Llama's default, or Llama 3's scaled ones), float64
+    unless `dtype` says otherwise."""
     hd = spec.head_dim
     freq = 1.0 / (spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
     if spec.rope_scaling:
@@ -206,7 +208,7 @@ def inv_freq(spec: ModelSpec, dtype: torch.dtype = torch.float64) -> torch.Tenso
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old / high) & (wavelen <= old / low)
         freq = torch.where(medium, smoothed, scaled)
-    return freq.to(dtype)
+    return freq if dtype is None else freq.to(dtype)
 
 
 def load_weights(spec: ModelSpec) -> dict[str, torch.Tensor]:
