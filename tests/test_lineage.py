@@ -207,3 +207,17 @@ _RENDERED = """(() => {
     text: document.body.innerText,
   };
 })()"""
+
+
+def test_the_lineage_sink_redraws_at_most_once_per_interval_and_always_at_the_end(tmp_path, monkeypatch):
+    from evo.evidence.lineage_view import LineageSink
+
+    drawn = []
+    monkeypatch.setattr(LineageSink, "write", lambda self: drawn.append(self.min_interval_s))
+    every, rarely = LineageSink(tmp_path, min_interval_s=0.0), LineageSink(tmp_path, min_interval_s=3600.0)
+    for _ in range(3):
+        every.on_generation(None, None)
+        rarely.on_generation(None, None)
+    assert drawn == [0.0, 0.0, 0.0]  # the rare one has not drawn during the search ...
+    rarely.close()
+    assert drawn[-1] == 3600.0  # ... but does at the end

@@ -191,7 +191,7 @@ def evidence_sinks(parts: RunParts, resume: SavedRun | None, *reporters: Sink) -
     if parts.mlflow:
         sinks.append(MlflowEvidence(parts.mlflow, parts.run_dir, disk.generation_path,
                                     lambda generation: diffs.files.pop(generation, []) if diffs else []))
-    sinks.append(LineageSink(parts.run_dir, parts.mlflow))  # lineage page and plots, per generation and at the end
+    sinks.append(LineageSink(parts.run_dir, parts.mlflow))  # lineage page and plots, every 30 s of search and at the end
     return sinks
 
 

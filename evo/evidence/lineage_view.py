@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -61,21 +62,26 @@ def write_lineage(run_dir: Path, out_dir: Path | None = None, lineage: Lineage |
 
 
 class LineageSink(Sink):
-    """Search sink: rewrites the lineage files after every generation and when the run ends (`close`) and
-    queues them for the MLflow parent run (so it closes before MLflow's sink). Drawing never stops a
-    search: a failure is logged, and `python -m evo report RUN_DIR` draws the files again from the
-    evidence on disk."""
+    """Search sink: rewrites the lineage files after a generation when `min_interval_s` have passed since
+    the last drawing (the plots take ~1 s of the driver's CPU each time) and always when the run ends
+    (`close`), and queues them for the MLflow parent run (so it closes before MLflow's sink). Drawing
+    never stops a search: a failure is logged, and `python -m evo report RUN_DIR` draws the files again
+    from the evidence on disk."""
 
-    def __init__(self, run_dir: Path, mlflow_sink=None) -> None:
+    def __init__(self, run_dir: Path, mlflow_sink=None, min_interval_s: float = 30.0) -> None:
         self.run_dir, self.mlflow_sink = Path(run_dir), mlflow_sink
+        self.min_interval_s = min_interval_s
+        self._drawn_at = time.monotonic()  # a search's first drawing comes min_interval_s in
 
     def on_generation(self, report, search) -> None:
-        self.write()
+        if time.monotonic() - self._drawn_at >= self.min_interval_s:
+            self.write()
 
     def close(self, summary=None, status: str = FINISHED) -> None:
         self.write()
 
     def write(self) -> LineageFiles | None:
+        self._drawn_at = time.monotonic()
         try:
             files = write_lineage(self.run_dir)
         except Exception as exc:  # noqa: BLE001 - the evidence is on disk; the drawing can be redone
