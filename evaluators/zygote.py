@@ -237,9 +237,12 @@ def _preload(modules: Any) -> None:
     for name in modules:
         try:
             importlib.import_module(name)
-            load_all()
         except Exception:  # noqa: BLE001 - the engine's process imports it again and reports the error
             pass
+    try:
+        load_all()
+    except Exception:  # noqa: BLE001 - as above
+        pass
 
 
 def _import_environment() -> dict[str, str]:

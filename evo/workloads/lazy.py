@@ -19,10 +19,13 @@ class lazy:  # noqa: N801 - reads as the import it stands for
 
     def __init__(self, name: str) -> None:
         self._name = name
+        self._module: ModuleType | None = None
         _ALL.append(self)
 
     def load(self) -> ModuleType:
-        return importlib.import_module(self._name)
+        if self._module is None:  # once: attribute reads sit on per-call paths (inputs drawn, engines run)
+            self._module = importlib.import_module(self._name)
+        return self._module
 
     def __getattr__(self, attr: str) -> Any:
         if attr.startswith("__"):
