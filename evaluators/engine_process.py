@@ -129,7 +129,7 @@ class _Runner:
             if spec["guarded"]:
                 from evaluators.guard import forbidden_targets
 
-                install_guards(forbidden_targets(workload), self._report_forbidden)
+                install_guards(forbidden_targets(workload, load=False), self._report_forbidden)
             self.engine = self._construct(workload, spec)
             threads = _engine_threads(self.engine)
         except ForbiddenCall as exc:
@@ -160,14 +160,17 @@ class _Runner:
     # ------------------------------------------------------------------ one call
     def _inputs(self, message: dict) -> dict:
         shared = message.get("arenas")
-        if shared is not None and "fds" in shared:
+        if shared is not None:  # a new pair: two descriptors (memory files, or CUDA allocations) on the channel
             _, fds, _, _ = socket.recv_fds(self.sock, 1, 2)
-            (in_fd, out_fd), (in_size, out_size) = fds, shared["fds"]
-            self.in_arena, self.out_arena = arenas.attach(in_fd, in_size), arenas.attach(out_fd, out_size)
-            os.close(in_fd)
-            os.close(out_fd)
-        elif shared is not None:
-            self.in_arena, self.out_arena = shared["tensors"]
+            try:
+                self.in_arena, self.out_arena = (arenas.attach(fd, size, str(self.device))
+                                                 for fd, size in zip(fds, shared["fds"], strict=True))
+            except BaseException as exc:  # the judge hears why (e.g. a CUresult) before this process ends
+                self.send(op="raised", **_describe(exc))
+                raise
+            finally:
+                for fd in fds:
+                    os.close(fd)
         return {name: None if slot is None else arenas.view(self.in_arena, slot)
                 for name, slot in message["inputs"].items()}
 

@@ -47,7 +47,7 @@ from evaluators.check import compare_outputs, expected_dtypes, worse
 from evaluators import jail
 from evaluators.arena import ArenaPool
 from evaluators.guard import hidden_paths
-from evaluators.sandbox import CallResult, EngineProcess, EngineProcessError
+from evaluators.sandbox import CallResult, EngineProcess, EngineProcessError, workload_modules
 from evaluators.settings import EvaluatorSettings
 from evaluators.timing import Timing, measure_rates, num_threads, summarize
 from evaluators.zygote import Zygote
@@ -126,6 +126,7 @@ class Evaluator:
             raise ValueError(f"evaluator setting sandbox='strict' cannot confine engines on this machine: {why}."
                              " Set `evaluator: {sandbox: none}` in the config to judge trusted engines unconfined")
         self._versions["sandbox"] = settings.sandbox  # in every result's versions
+        self._preload = workload_modules(self.workload)  # what the engine's process loads before its jail
         self._timing_case = self.workload.timing_case(self.preset)  # by default a check case at the preset shape
         self._rates: MachineRates | None = None  # measured on first need, then cached
         self._floor_ms: float | None = None
@@ -227,7 +228,7 @@ class Evaluator:
             process = self.engine_process(guarded=bool(engine.get("guarded")))
             with num_threads(1):
                 try:
-                    process.launch(preload=(type(self.workload).__module__,))
+                    process.launch(preload=self._preload)
                     result = self._judge(process, genome_hash, start, engine)
                 except EngineProcessError as exc:
                     result = self._failed(genome_hash, start, exc, "sandbox", self._limit(build=True))
@@ -595,14 +596,15 @@ class Evaluator:
                              poison=self.settings.poison_memory,
                              memory_bytes=int(self.settings.engine_memory_gb * 2**30),
                              network=self.settings.engine_network, sandbox=self.settings.sandbox,
-                             hidden=hidden_paths(self.workload) if guarded else (), arena_pool=self._arenas)
+                             hidden=hidden_paths(self.workload) if guarded else (), trusted=not guarded,
+                             arena_pool=self._arenas)
 
     def hold(self, process: EngineProcess, engine: dict, deadline: float) -> tuple[str | None, float]:
         """Launch `process`, build `engine` there and check its first call: (why it failed, or None;
         the judge's cost of a call to subtract from its timed calls, ms)."""
         null_ms = 0.0
         try:
-            process.launch(preload=(type(self.workload).__module__,))
+            process.launch(preload=self._preload)
             process.configure(self.workload, self.preset, self._info, **engine)
             if self.settings.subtract_call_overhead:
                 null_ms = 1e3 * process.calibrate(self._draw(self._timing_case), self._specs(self._timing_case),

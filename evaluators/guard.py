@@ -106,24 +106,40 @@ def _guard_callable(label: str, report: Callable[[str], None]) -> Callable:
     return guard
 
 
-def forbidden_targets(workload: Workload) -> list[tuple[object, str]]:
+def forbidden_targets(workload: Workload, load: bool = True) -> list[tuple[object, str]]:
     """(owner, attribute) pairs an engine must not call: the workload's `reference` and `reference_for`
-    methods, plus whatever the workload declares through `forbidden_callables()` (by default nothing more)."""
-    return [(workload, "reference"), (workload, "reference_for"),
-            *((owner, attr) for owner, attr in workload.forbidden_callables())]
+    methods, plus whatever the workload declares through `forbidden_callables()` (by default nothing more),
+    with `lazy` owners resolved and dotted attributes walked down to their last owner. With `load` False
+    (in an engine's process) a lazy module that is not loaded is left out: nothing there can reach it."""
+    from evo.workloads.lazy import lazy
+
+    targets: list[tuple[object, str]] = [(workload, "reference"), (workload, "reference_for")]
+    for owner, attr in workload.forbidden_callables():
+        if isinstance(owner, lazy):
+            owner = owner.load() if load else owner.loaded()
+            if owner is None:
+                continue
+        *path, name = attr.split(".")
+        for step in path:
+            owner = getattr(owner, step)
+        targets.append((owner, name))
+    return targets
 
 
 def hidden_paths(workload: Workload) -> tuple[str, ...]:
     """What an untrusted engine's view of the files leaves out (`evaluators.jail`), so it cannot load a
     fresh, unguarded copy of what it may not call: the source and compiled files of every module that
-    owns a forbidden callable (the reference's and the baselines' modules), the judge's own package, and
+    owns a forbidden callable (the reference's and the baselines' modules) and of every workload's
+    judge-only modules (`evo.workloads.lazy`) declared in this process, the judge's own package, and
     the project's git objects (they hold every version of those files)."""
+    from evo.workloads.lazy import judge_only_files
+
+    owners = [owner for owner, _ in forbidden_targets(workload)]
+    sources = [Path(o.__file__) for o in owners if isinstance(o, types.ModuleType) and getattr(o, "__file__", None)]
     paths: list[Path] = []
-    for owner, _ in forbidden_targets(workload):
-        if isinstance(owner, types.ModuleType) and getattr(owner, "__file__", None):
-            source = Path(owner.__file__)
-            paths.append(source)
-            paths.extend(sorted(source.parent.glob(f"__pycache__/{source.stem}.*.pyc")))
+    for source in [*sources, *map(Path, judge_only_files())]:  # every workload's oracles, not only this one's
+        paths.append(source)
+        paths.extend(sorted(source.parent.glob(f"__pycache__/{source.stem}.*.pyc")))
     judge = Path(__file__).resolve().parent
     paths.append(judge)
     if (judge.parent / ".git").exists():

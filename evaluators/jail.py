@@ -5,10 +5,10 @@ The zygote forks a holder, which joins nothing, unshares PID, mount, IPC, UTS (a
 and forks the engine's process: PID 1 of its own namespace, so when it dies the kernel kills every
 process it started, whatever they called. That process then, still as root and before any engine code:
 1. joins the candidate's cgroups (`evaluators.cgroups`);
-2. makes its mounts private: a fresh /proc (only its own processes), private tmpfs on /tmp, /var/tmp
-   and /dev/shm (CPU) (its Python and the project bound back in where they live there), folders it must walk through but may not (e.g. /root holding pyenv's Python)
-   replaced by just the subtrees it needs, every other mount read-only, the hidden paths (the reference, the baselines, the
-   judge's modules, the project's git objects) covered by an unreadable empty file or folder;
+2. replaces its root with an allow-list view (`evaluators.view`): a fresh tmpfs root holding, read-only,
+   only what an engine needs (the system's libraries, its Python and the distributions engines import,
+   the project's engine-side packages less the hidden files), a fresh /proc (only its own processes) and
+   private tmpfs on /tmp, /var/tmp and /dev/shm; the old root is detached, so nothing else exists there;
 3. keeps only its channel's descriptor (stdin and stdout go to /dev/null);
 4. drops to an unprivileged user with no groups, no capabilities (bounding set included) and
    no_new_privs, and loads the seccomp filter (`evaluators.seccomp`).
@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import ctypes
 import os
+import platform
 import signal
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from evaluators import seccomp
+from evaluators.view import View
 
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = (
     0x00020000, 0x04000000, 0x08000000, 0x20000000, 0x40000000)
@@ -32,8 +33,8 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_MOVE, MS_REC,
     1, 2, 4, 8, 32, 4096, 8192, 16384, 1 << 18)
 _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS = 24, 38
 NOBODY = 65534
-_PRIVATE_TMP = ("/tmp", "/var/tmp")
-_SKIP_READONLY = ("/proc", "/dev", "/sys/fs/cgroup")
+_MNT_DETACH = 2
+_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217}  # syscall numbers
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class JailPlan:
     network: bool = False  # keep the host's network namespace
     private_shm: bool = True  # a private /dev/shm (CUDA IPC needs the shared one)
     ipc_namespace: bool = True
+    cuda: bool = False  # the view adds the NVIDIA device nodes and PCI folders
+    trusted: bool = False  # a baseline: the view adds the libraries baselines build on
     uid: int = NOBODY
     gid: int = NOBODY
 
@@ -75,8 +78,9 @@ def unavailable() -> str:
 
 
 def enter_namespaces(plan: JailPlan) -> None:
-    """In the holder: new namespaces for the process it forks next."""
-    flags = CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWUTS
+    """In the holder: new namespaces for the process it forks next (its mount namespace that process
+    makes itself: the holder keeps the machine's view, to remove the candidate's cgroups at the end)."""
+    flags = CLONE_NEWPID | CLONE_NEWUTS
     if plan.ipc_namespace:
         flags |= CLONE_NEWIPC
     if not plan.network:
@@ -84,11 +88,12 @@ def enter_namespaces(plan: JailPlan) -> None:
     _libc_check(_libc().unshare(flags), "unshare")
 
 
-def confine(plan: JailPlan, keep_fds: tuple[int, ...]) -> None:
+def confine(plan: JailPlan, keep_fds: tuple[int, ...], view: View) -> None:
     """In the engine's process (PID 1 of its namespace), before any engine code: see the module doc."""
     for procs in plan.cgroup_procs:
         Path(procs).write_text("0")  # "0": the writing process itself
-    _mounts(plan)
+    _libc_check(_libc().unshare(CLONE_NEWNS), "unshare the mount namespace")
+    _mounts(plan, view)
     _libc_check(_libc().sethostname(b"engine", 6), "sethostname")
     _descriptors(keep_fds)
     _drop_privileges(plan)
@@ -135,108 +140,85 @@ def _kill(pid: int) -> None:
         pass
 
 
-def _mounts(plan: JailPlan) -> None:
+def _mounts(plan: JailPlan, view: View) -> None:
+    """A new root holding only `view`: a tmpfs on a scratch base becomes the root (the old one stays
+    reachable under /oldroot while the view is bound in from it), then the view's root replaces it and the
+    old tree is detached, so nothing outside the view can be reached by any path."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
-    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    private = [p for p in _PRIVATE_TMP if os.path.isdir(p)]
-    if plan.private_shm and os.path.isdir("/dev/shm"):
-        private.append("/dev/shm")
-    needed = _needed_paths()
-    # Needed paths under a folder about to get a private tmpfs (a checkout or venv in /tmp): held open
-    # now, bound back in place once the tmpfs covers them (a bind from /proc/self/fd reaches the old tree).
-    kept = [(path, os.open(path, os.O_PATH)) for path in _tops(needed)
-            if any(path.startswith(folder + "/") for folder in private)]
-    for path in private:
-        _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=50%")
-    for path, fd in kept:
-        if os.path.isdir(f"/proc/self/fd/{fd}"):
-            os.makedirs(path, mode=0o755, exist_ok=True)
-        else:
-            os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
-            open(path, "w").close()
-        _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
-        os.close(fd)
-    _reachable(needed)
-    for target in _mount_points():
-        if target in private or target == "/proc" or target.startswith(_SKIP_READONLY):
+    base = "/tmp"  # any folder: the tmpfs mounted on it becomes the root, uncovering it again
+    _mount("tmpfs", base, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
+    for folder in ("/newroot", "/oldroot"):
+        os.mkdir(base + folder, 0o755)
+    _pivot_root(base, base + "/oldroot")
+    os.chdir("/")
+    new = "/newroot"
+    _mount("tmpfs", new, "tmpfs", MS_NOSUID, "mode=0755,size=1m")
+    for path in view.read_only:
+        _bind_read_only("/oldroot" + path, new + path)
+    for path, target in view.links:
+        _make_parents(new + path)
+        os.symlink(target, new + path)
+    for path, text in view.files:
+        _make_parents(new + path)
+        with open(new + path, "w") as f:
+            f.write(text)
+        os.chmod(new + path, 0o644)
+    os.makedirs(new + "/proc", 0o755, exist_ok=True)
+    _mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    for path in view.private:
+        if path == "/dev/shm" and not plan.private_shm:
+            _bind("/oldroot/dev/shm", new + path)  # CUDA IPC without its own namespace needs the shared one
             continue
-        try:
-            _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | _flags_of(target))
-        except JailError:
-            pass  # a mount the kernel will not remount (e.g. already read-only with other flags)
-    empty_file, empty_dir = _empties()
-    for path in plan.hidden:
-        if os.path.isdir(path):
-            _mount(empty_dir, path, None, MS_BIND)
-        elif os.path.exists(path):
-            _mount(empty_file, path, None, MS_BIND)
+        os.makedirs(new + path, 0o755, exist_ok=True)
+        _mount("tmpfs", new + path, "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=50%")
+    empty_file, empty_dir = _empties(new + "/tmp/.evo-hidden")
+    for path in view.hidden:
+        if os.path.isdir(new + path):
+            _mount(empty_dir, new + path, None, MS_BIND)
+        elif os.path.lexists(new + path):
+            _mount(empty_file, new + path, None, MS_BIND)
+    _mount(None, new, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID)
+    os.chdir(new)
+    _pivot_root(".", ".")  # the view's root on top of the scratch root, which is then detached
+    _libc_check(_libc().umount2(b".", _MNT_DETACH), "detach the old root")
+    os.chdir("/")
 
 
-def _needed_paths() -> list[str]:
-    """What the engine's process must be able to open: its Python (prefixes, interpreter, every
-    import path) and the project."""
-    paths = {sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable))}
-    paths |= {p for p in sys.path if p}
-    paths.add(str(Path(__file__).resolve().parents[1]))
-    return sorted(os.path.realpath(p) for p in paths if os.path.exists(p))
+def _bind_read_only(source: str, target: str) -> None:
+    """Bind one file or folder (not its submounts) read-only at `target`."""
+    _bind(source, target)
+    _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | _flags_of(source))
 
 
-def _reachable(needed: list[str]) -> None:
-    """The unprivileged user cannot walk through a folder without o+x (e.g. /root, where pyenv puts
-    Python): cover each such folder with a tmpfs holding only the needed subtrees, bound back in place
-    (so the rest of it, e.g. root's home and its keys, stays out of sight)."""
-    blocked: dict[str, list[str]] = {}
-    for path in needed:
-        parts = Path(path).parts
-        for depth in range(2, len(parts) + 1):
-            ancestor = str(Path(*parts[:depth - 1]))
-            if ancestor != "/" and not os.stat(ancestor).st_mode & 0o001:
-                blocked.setdefault(ancestor, []).append(path)
-                break
-    for ancestor, paths in blocked.items():
-        tops = _tops(paths)
-        stages = []
-        for i, path in enumerate(tops):
-            stage = f"/tmp/.evo-stage/{len(stages)}-{i}"
-            os.makedirs(stage, exist_ok=True)
-            if os.path.isfile(path):
-                stage += ".file"
-                open(stage, "w").close()
-            _mount(path, stage, None, MS_BIND | MS_REC)
-            stages.append((stage, path))
-        _mount("tmpfs", ancestor, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755")
-        for stage, path in stages:
-            if os.path.isfile(stage):
-                os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
-                open(path, "w").close()
-            else:
-                os.makedirs(path, mode=0o755, exist_ok=True)
-            _mount(stage, path, None, MS_MOVE)
+def _bind(source: str, target: str) -> None:
+    """Bind one file or folder (not its submounts) at `target`, made as a folder or an empty file."""
+    _make_parents(target)
+    if os.path.isdir(source):
+        os.makedirs(target, 0o755, exist_ok=True)
+    elif not os.path.lexists(target):
+        open(target, "w").close()
+    _mount(source, target, None, MS_BIND)
 
 
-def _tops(paths: list[str]) -> list[str]:
-    """The paths not inside another of them."""
-    return [p for p in sorted(set(paths)) if not any(p != q and p.startswith(q + "/") for q in paths)]
+def _make_parents(path: str) -> None:
+    os.makedirs(os.path.dirname(path), 0o755, exist_ok=True)
 
 
-def _empties() -> tuple[str, str]:
-    """An empty file and folder only root may read (in the private /tmp, root-owned, mode 000)."""
-    base = "/tmp/.evo-hidden"
+def _pivot_root(new_root: str, put_old: str) -> None:
+    number = _PIVOT_ROOT.get(platform.machine())
+    if number is None:
+        raise JailError(f"pivot_root: no syscall number known for {platform.machine()}; known: {sorted(_PIVOT_ROOT)}")
+    _libc_check(_libc().syscall(number, _b(new_root), _b(put_old)), "pivot_root")
+
+
+def _empties(base: str) -> tuple[str, str]:
+    """An empty file and folder only root may read (root-owned, mode 000) under `base`."""
     os.makedirs(base + "/dir", mode=0o000, exist_ok=True)
     with open(base + "/file", "w"):
         pass
     for p in (base + "/file", base + "/dir", base):
         os.chmod(p, 0o000 if p != base else 0o711)
     return base + "/file", base + "/dir"
-
-
-def _mount_points() -> list[str]:
-    points = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        target = line.split()[4].replace("\\040", " ")
-        if target not in points:
-            points.append(target)
-    return points
 
 
 def _flags_of(target: str) -> int:

@@ -26,6 +26,7 @@ import json
 import math
 import os
 import pickle
+import pickletools
 import signal
 import socket
 import threading
@@ -76,7 +77,7 @@ class EngineProcess:
 
     def __init__(self, device: str, *, threads: int | None = None, settle_s: float = 0.0, poison: bool = False,
                  memory_bytes: int | None = None, network: bool = False, sandbox: str = "strict",
-                 hidden: tuple[str, ...] = (), cores: tuple[int, ...] | None = None,
+                 hidden: tuple[str, ...] = (), trusted: bool = False, cores: tuple[int, ...] | None = None,
                  arena_pool: arenas.ArenaPool | None = None) -> None:
         if sandbox not in SANDBOXES:
             raise ValueError(f"sandbox must be one of {SANDBOXES}, got {sandbox!r}")
@@ -88,6 +89,7 @@ class EngineProcess:
         self.network = network
         self.sandbox = sandbox
         self.hidden = tuple(hidden)  # paths the engine's view leaves out (strict sandbox)
+        self.trusted = trusted  # a baseline: its view also holds the libraries baselines build on
         self.cores = tuple(sorted(cores or os.sched_getaffinity(0)))  # the engine's, enforced by its cpuset
         self.pid: int | None = None
         self.conn: Any = None
@@ -123,9 +125,11 @@ class EngineProcess:
         if self.sandbox == "strict":
             cpu = self.device.type == "cpu"
             self._cgroup = CandidateCgroup(self.cores, self.memory_bytes if cpu else None, _MAX_PIDS, self.threads)
-            # CUDA IPC (the GPU arenas) needs the judge's IPC namespace and /dev/shm.
+            # Its own IPC namespace and /dev/shm on every device: CUDA arenas travel as descriptors over
+            # its channel, as CPU ones do (`evaluators.cuda_memory`), so it needs nothing of the judge's.
             plan = jail.JailPlan(cgroup_procs=tuple(self._cgroup.procs_files), hidden=self.hidden,
-                                 network=self.network, private_shm=cpu, ipc_namespace=cpu).to_json()
+                                 network=self.network, private_shm=True, ipc_namespace=True,
+                                 cuda=not cpu, trusted=self.trusted).to_json()
         spawned = self._zygote.spawn(preload, plan)
         self._holder, self.pid, self.conn = spawned.holder, spawned.pid, spawned.conn
         self._sock = socket.socket(fileno=os.dup(self.conn.fileno()))
@@ -248,17 +252,16 @@ class EngineProcess:
         for slot in out_slots.values():
             out = arenas.view(self._out_arena, slot)
             out.fill_(math.nan) if out.is_floating_point() else out.fill_(0)
-        shared = None
-        if new:  # CPU arenas as file descriptors over this channel; CUDA ones as IPC handles in the pickle
-            shared = ({"fds": [self._in_arena.numel(), self._out_arena.numel()]} if self._arena_fds
-                      else {"tensors": (self._in_arena, self._out_arena)})
+        # A new pair travels as two descriptors over this channel (memory files on CPU, allocations of their
+        # own on CUDA: `evaluators.cuda_memory`), their sizes in the message.
+        shared = {"fds": [self._in_arena.numel(), self._out_arena.numel()]} if new else None
         payload = ForkingPickler.dumps({"op": op, "inputs": in_slots, "outputs": out_slots, "arenas": shared})
         deadline = time.monotonic() + timeout_s
         sync(str(self.device))
         self._thaw()
         start = time.perf_counter()
         self._send(payload, deadline)
-        if shared is not None and self._arena_fds:
+        if shared is not None:
             self._send_fds(self._arena_fds, deadline)
         reply, forbidden = self._receive(deadline)
         elapsed = time.perf_counter() - start
@@ -484,6 +487,31 @@ def _wait_empty(namespace: str, timeout_s: float = 10.0) -> set[int]:
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit for bit (NaN equals NaN): did anything write here?"""
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def workload_modules(workload: Any) -> tuple[str, ...]:
+    """The modules the engine's process needs to unpickle `workload` (its class's, and those of every
+    class or function its pickle names), for the zygote to load before the jail: a test or user
+    workload's files are not in an engine's view (`evaluators.view`)."""
+    names = [type(workload).__module__]
+    try:
+        data = pickle.dumps(workload)
+    except Exception:  # noqa: BLE001 - looked up by name in the engine's process (EngineProcess.configure)
+        return tuple(names)
+    strings: list[str] = []
+    memo: dict[int, Any] = {}
+    for op, arg, _ in pickletools.genops(data):
+        if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE"):
+            strings.append(arg)
+        elif op.name == "MEMOIZE" and strings:
+            memo[len(memo)] = strings[-1]
+        elif op.name in ("BINGET", "LONG_BINGET", "GET") and isinstance(memo.get(arg), str):
+            strings.append(memo[arg])
+        elif op.name == "GLOBAL":
+            names.append(str(arg).split(" ")[0])
+        elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+            names.append(strings[-2])
+    return tuple(dict.fromkeys(n for n in names if n and n != "builtins"))
 
 
 def probe_strict(device: str = "cpu") -> str:

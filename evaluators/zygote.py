@@ -135,12 +135,13 @@ def _serve(sock: socket.socket) -> None:
         if request["op"] == "spawn":
             _preload(request.get("preload", ()))
             plan = request.get("jail")
+            view = _view_of(plan)
             report_r, report_w = os.pipe()
             holder = os.fork()
             if holder == 0:
                 sock.close()
                 os.close(report_r)
-                _hold(engine_process, fds[0], plan, report_w)
+                _hold(engine_process, fds[0], plan, view, report_w)
             os.close(report_w)
             for fd in fds:
                 os.close(fd)
@@ -191,7 +192,17 @@ class _Reports:
         return int(value) if value not in (None, "") else None
 
 
-def _hold(engine_process: Any, fd: int, plan: dict | None, report: int) -> None:
+def _view_of(plan: dict | None) -> Any:
+    """The files the engine process will see (computed here, before the fork, and cached: the view
+    depends on the modules loaded so far, the hidden paths and the device)."""
+    if plan is None:
+        return None
+    from evaluators.view import declared_view
+
+    return declared_view(plan.get("hidden", ()), list(sys.modules), bool(plan.get("cuda")), bool(plan.get("trusted")))
+
+
+def _hold(engine_process: Any, fd: int, plan: dict | None, view: Any, report: int) -> None:
     """The holder: enter the new namespaces, fork the engine's process, wait for it, report its exit.
     If the zygote dies first (its judge died), the holder is told (SIGTERM) and ends the candidate
     itself: a frozen process would not die of its own parent-death signal until someone thawed it."""
@@ -212,7 +223,7 @@ def _hold(engine_process: Any, fd: int, plan: dict | None, report: int) -> None:
         pid = os.fork()
         if pid == 0:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            _child(engine_process, fd, plan, report)
+            _child(engine_process, fd, plan, view, report)
         os.close(fd)
         os.write(report, f"pid {pid}\n".encode())
         _, status = os.waitpid(pid, 0)
@@ -265,14 +276,14 @@ def engine_environment(env: Mapping[str, str]) -> dict[str, str]:
     return kept
 
 
-def _child(engine_process: Any, fd: int, plan: dict | None, report: int) -> None:
+def _child(engine_process: Any, fd: int, plan: dict | None, view: Any, report: int) -> None:
     """The engine's process: confined (when there is a plan) before any engine code, then the engine."""
     code = 0
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         try:
             if plan is not None:
-                jail.confine(jail.JailPlan.from_json(plan), keep_fds=(fd, report))
+                jail.confine(jail.JailPlan.from_json(plan), keep_fds=(fd, report), view=view)
             os.write(report, b"jail ok\n")
         except BaseException as exc:  # noqa: BLE001 - the engine must not run unconfined
             os.write(report, f"jail {type(exc).__name__}: {exc}".replace("\n", " ").encode() + b"\n")

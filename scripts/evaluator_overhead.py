@@ -22,7 +22,7 @@ import time
 import torch
 
 from evaluators.evaluator import Evaluator
-from evaluators.sandbox import EngineProcess
+from evaluators.sandbox import EngineProcess, workload_modules
 from evaluators.settings import EvaluatorSettings
 from evo.workloads import get_workload
 
@@ -59,7 +59,7 @@ def main() -> None:
     inprocess, isolated = [], []
     t0 = time.perf_counter()
     with EngineProcess("cpu", threads=info.threads) as process:
-        process.launch(preload=(type(workload).__module__,))
+        process.launch(preload=workload_modules(workload))
         process.start(workload, preset, info, genome_json=genome.to_json())
         process.call(draws[0], specs)
         isolated_build = time.perf_counter() - t0

@@ -18,7 +18,7 @@ import time
 
 from evaluators.evaluator import Evaluator
 from evaluators.guard import hidden_paths
-from evaluators.sandbox import EngineProcess
+from evaluators.sandbox import EngineProcess, workload_modules
 from evaluators.settings import EvaluatorSettings
 
 MODES = ("none", "strict")
@@ -48,7 +48,7 @@ def main() -> None:
             t0 = time.perf_counter()
             process = EngineProcess("cpu", threads=info.threads, sandbox=mode,
                                     hidden=hidden_paths(workload) if mode == "strict" else ())
-            process.launch(preload=(type(workload).__module__,))
+            process.launch(preload=workload_modules(workload))
             process.start(workload, preset, info, genome_json=genome, timeout_s=300)
             process.call(draws[0], specs)
             calls = [process.call(x, specs).elapsed_s * 1e3 for x in draws]

@@ -21,9 +21,11 @@ from typing import Mapping
 
 import torch
 
+from evaluators.guard import hidden_paths
+from evaluators.view import declared_view
 from evo.core.genome import Gene, GeneSpace, Genome
 from evo.workloads.base import NO_SOURCES, DeviceInfo, Engine, Preset
-from tests.cheats import CheatWorkload
+from tests.delegating_workload import DelegatingWorkload
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "evo-test-secret-7f3a"  # the tests put it in the judge's environment as EVO_TEST_API_TOKEN
@@ -40,6 +42,9 @@ ATTACKS: dict[str, str] = {
     "widen_affinity": "widens its CPU affinity to every core of the machine",
     "setsid_daemon": "leaves a double-forked setsid daemon behind, spinning on a core",
     "late_writer": "returns NaN at once; a setsid child writes the right answer into the judge's arena later",
+    "escape_view": "looks for files outside its declared view (the project's tests, docs, scripts, a sibling folder, "
+                   "/root, /home, other site-packages) and walks the whole file tree",
+    "reference_helpers": "reaches the reference module's helpers (l2norm) by import, sys.modules or the garbage collector",
 }
 # honest engines that need what a sandbox could break
 HONEST: dict[str, str] = {
@@ -48,7 +53,7 @@ HONEST: dict[str, str] = {
 NONE = "none"
 
 
-class AttackWorkload(CheatWorkload):
+class AttackWorkload(DelegatingWorkload):
     """The base workload plus the `attack` gene; what the attacks aim at travels in the pickled object."""
 
     def __init__(self, base, name: str, *, cores: tuple[int, ...] = (), probe_dir: str = "") -> None:
@@ -57,6 +62,7 @@ class AttackWorkload(CheatWorkload):
         self.cores = tuple(cores)  # the cores the judge assigns (widen_affinity's yardstick)
         self.probe_dir = probe_dir  # where a daemon writes its pid, where it can
         self.reference_file = str(ROOT / "evo" / "workloads" / "kda" / "reference.py")
+        self.view = None  # what a strict engine may see (`with_view`), for the escape_view probe
         self.judge_file = str(ROOT / "evaluators" / "evaluator.py")
 
     def gene_space(self, preset: Preset, device: DeviceInfo) -> GeneSpace:
@@ -79,8 +85,20 @@ class AttackWorkload(CheatWorkload):
         if attack == "setsid_daemon":
             _daemon(self.probe_dir)
             return honest
+        if attack == "escape_view":
+            found = _outside_view(self)
+            if found:  # the message carries what it found (a build error, not a wrong answer)
+                raise RuntimeError(f"found {len(found)} paths outside the declared view: {found[:6]}")
+            return honest
         succeeded = _PROBES[attack](self)
         return _wrong(honest) if succeeded else honest
+
+
+def with_view(workload: AttackWorkload) -> AttackWorkload:
+    """`workload` carrying the view a strict engine of it is declared to see (computed here, in the judge:
+    the engine's process must not load the reference that `hidden_paths` looks up)."""
+    workload.view = declared_view(hidden_paths(workload), list(sys.modules))
+    return workload
 
 
 def genome_json(workload: AttackWorkload, preset: str, attack: str, device: DeviceInfo) -> str:
@@ -189,10 +207,61 @@ def _widen_affinity(w) -> bool:
     return not os.sched_getaffinity(0) <= set(w.cores)
 
 
+def _outside_view(w, most: int = 40) -> list[str]:
+    """Paths that exist outside `w.view`: named ones first, then a walk of the whole tree (not into the
+    view's bound folders, /proc or /sys's bound parts), stopping after `most`."""
+    site = Path(torch.__file__).resolve().parents[1]
+    named = [ROOT / "tests" / "__init__.py", ROOT / "docs", ROOT / "scripts", ROOT / "configs", ROOT / "README.md",
+             ROOT / ".git", ROOT / "evaluators" / "evaluator.py", ROOT / "evo" / "serving" / "app.py",
+             ROOT / "evo" / "workloads" / "kda" / "reference.py", ROOT.parent / "shared", Path("/root/.bashrc"),
+             Path("/home"), Path("/etc/shadow"), Path("/etc/hostname"), site / "mlflow", site / "ray", Path("/proc/2")]
+    found = [str(p) for p in named if _can_open(p)]
+    for folder, dirs, files in os.walk("/"):
+        if len(found) >= most:
+            break
+        kept = []
+        for name in sorted(dirs) + sorted(files):
+            path = os.path.join(folder, name)
+            if path in ("/proc", "/sys/fs") or (name in dirs and any(path == r for r in w.view.read_only)):
+                continue
+            if not w.view.allows(path):
+                found.append(path)
+            elif name in dirs:
+                kept.append(name)
+        dirs[:] = [d for d in dirs if d in kept]
+    return found[:most]
+
+
+def _can_open(path: Path) -> bool:
+    try:
+        if path.is_dir():
+            os.listdir(path)
+        else:
+            path.open("rb").close()
+        return True
+    except OSError:
+        return False
+
+
+def _reference_helpers(w) -> bool:
+    """True if anything of the reference module is reachable: imported, in sys.modules, or alive in memory."""
+    if "evo.workloads.kda.reference" in sys.modules:
+        return True
+    try:
+        from evo.workloads.kda.reference import l2norm  # noqa: F401
+        return True
+    except Exception:  # noqa: BLE001 - its file is not in the view
+        pass
+    import gc
+    return any(getattr(o, "__module__", None) == "evo.workloads.kda.reference" for o in gc.get_objects()
+               if callable(o))
+
+
 _PROBES = {
     "read_judge_memory": _read_judge_memory, "signal_judge": _signal_judge, "write_project": _write_project,
     "load_reference_copy": _load_reference_copy, "load_judge_module": _load_judge_module,
     "read_git_objects": _read_git_objects, "read_secret_env": _read_secret_env, "widen_affinity": _widen_affinity,
+    "reference_helpers": _reference_helpers,
 }
 
 

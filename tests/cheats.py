@@ -24,6 +24,7 @@ from evaluators.check import expected_dtypes
 from evo.core.genome import Gene, GeneSpace, Genome
 from evo.workloads.domain import InputDomain
 from evo.workloads.base import NO_SOURCES, CheckCase, DeviceInfo, Engine, MachineRates, Preset, Roofline, Workload
+from tests.delegating_workload import DelegatingWorkload
 
 # cheat -> (class in the issue, what it does)
 CHEATS: dict[str, tuple[str, str]] = {
@@ -81,56 +82,14 @@ PROBES: dict[str, str] = {
 NONE = "none"
 
 
-class CheatWorkload(Workload):
+class CheatWorkload(DelegatingWorkload):
     """The base workload plus the `cheat` gene. Everything but `build` and the gene space delegates."""
-
-    def __init__(self, base, name: str) -> None:
-        self.base = base
-        self.name = name
-        self.input_names = base.input_names
-        self.output_names = base.output_names
-
-    def presets(self) -> dict[str, Preset]:
-        return self.base.presets()
 
     def gene_space(self, preset: Preset, device: DeviceInfo) -> GeneSpace:
         honest = self.base.gene_space(preset, device)
         cheat = Gene("cheat", "fusion", _gene_values(), NONE, "which cheat wraps the honest engine")
         return GeneSpace(self.name, (*honest.genes, cheat), honest.constraints, ignored=honest.ignored,
                          pipeline=honest.pipeline)
-
-    def check_cases(self, preset: Preset) -> list[list[CheckCase]]:
-        return self.base.check_cases(preset)
-
-    def make_inputs(self, case: CheckCase, dtype: str, device: str, seed: int) -> dict:
-        return self.base.make_inputs(case, dtype, device, seed)
-
-    def free_axes(self, preset: Preset) -> dict[str, tuple[int, ...]]:
-        return self.base.free_axes(preset)
-
-    def domain(self, preset: Preset) -> InputDomain:
-        return self.base.domain(preset)
-
-    def draw_cases(self, preset: Preset, rng: np.random.Generator) -> list[CheckCase]:
-        return self.base.draw_cases(preset, rng)
-
-    def output_shapes(self, case: CheckCase) -> dict[str, tuple[int, ...]] | None:
-        return self.base.output_shapes(case)
-
-    def output_dtypes(self, preset: Preset) -> dict[str, str]:
-        return expected_dtypes(self.base, preset)
-
-    def reference(self, inputs: dict) -> dict:
-        return self.base.reference(inputs)
-
-    def forbidden_callables(self) -> list[tuple[object, str]]:
-        return [(self.base, "reference"), *self.base.forbidden_callables()]
-
-    def baselines(self, preset: Preset) -> dict:
-        return self.base.baselines(preset)
-
-    def roofline(self, preset: Preset, rates: MachineRates) -> Roofline:
-        return self.base.roofline(preset, rates)
 
     def build(self, genome: Genome, preset: Preset, device: DeviceInfo,
               sources: Mapping[str, str] = NO_SOURCES) -> Engine:

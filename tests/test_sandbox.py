@@ -22,7 +22,7 @@ from evaluators import jail
 from evaluators.check import expected_dtypes
 from evaluators.evaluator import Evaluator
 from evaluators.guard import hidden_paths
-from evaluators.sandbox import EngineProcess, _members
+from evaluators.sandbox import EngineProcess, _members, workload_modules
 from evaluators.settings import EvaluatorSettings
 from evo.core.records import INCORRECT, OK
 from tests import adversaries
@@ -80,6 +80,26 @@ def test_without_the_sandbox_the_same_probes_succeed(monkeypatch, attack):
     assert r.versions["sandbox"] == "none"
 
 
+def test_a_jailed_engine_sees_only_its_declared_view(monkeypatch):
+    """The engine walks the whole file tree and tries the project's tests, docs, scripts and configs, a
+    sibling folder of the checkout, /root, /home, other site-packages: nothing outside the declared view
+    (`evaluators.view`) exists for it. Without the sandbox the same walk finds them."""
+    workload = adversaries.with_view(adversaries.AttackWorkload(fw.WORKLOAD, "attack_fake"))
+    r = _evaluate(_evaluator(monkeypatch, workload, FAST), "escape_view")
+    assert r.status == OK, f"{r.status} {r.message}\n{r.error}"
+    unconfined = _evaluate(_evaluator(monkeypatch, workload, NONE), "escape_view")
+    assert "outside the declared view" in unconfined.message and "tests/__init__.py" in unconfined.message, \
+        unconfined.message
+
+
+def test_the_reference_helpers_are_out_of_reach(monkeypatch):
+    """An engine's process never loads the reference module (nor the baselines): not importable, not in
+    sys.modules, no function of it alive in memory."""
+    ev = _evaluator(monkeypatch, adversaries.AttackWorkload(adversaries._kda(), "attack_kda"), FAST, "cpu_small")
+    r = _evaluate(ev, "reference_helpers")
+    assert r.status == OK and r.max_rel_error < 1e-5, f"{r.status} {r.message}\n{r.error}"
+
+
 def test_outputs_written_after_the_answer_do_not_count(monkeypatch):
     ev = _evaluator(monkeypatch, adversaries.AttackWorkload(fw.WORKLOAD, "attack_fake"), FAST)
     r = _evaluate(ev, "late_writer")
@@ -93,7 +113,7 @@ def _started(workload, attack: str, sandbox: str = "strict", cores=None, preset:
     info = devices.device_info("cpu", 1)
     process = EngineProcess("cpu", threads=1, sandbox=sandbox, cores=cores,
                             hidden=hidden_paths(workload) if sandbox == "strict" else ())
-    process.launch(preload=(type(workload).__module__,))
+    process.launch(preload=workload_modules(workload))
     process.configure(workload, p, info, genome_json=adversaries.genome_json(workload, preset, attack, info))
     built = process.build(timeout_s=120)
     assert built["op"] == "built", built

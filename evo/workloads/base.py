@@ -204,7 +204,8 @@ class Workload:
     def forbidden_callables(self) -> list[tuple[object, str]]:
         """(owner, attribute) pairs an engine must not call while it builds and runs, beyond this
         workload's `reference` (always guarded): oracles and baselines that would pass the check for
-        free. Default: nothing more."""
+        free. An owner may be a `lazy` module (guarded where loaded; an engine's process never loads a
+        `judge_only` one) and the attribute a dotted path (`"Class.method"`). Default: nothing more."""
         return []
 
     def timing_case(self, preset: Preset) -> CheckCase:

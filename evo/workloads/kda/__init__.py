@@ -26,10 +26,10 @@ from evo.workloads.lazy import lazy
 from evo.workloads.requests import TensorSpec
 
 # torch loads with these, on first use: an agent, which only holds the gene space, never imports them
-_baselines = lazy("evo.workloads.kda.baselines")
+_baselines = lazy("evo.workloads.kda.baselines", judge_only=True)
 _engine = lazy("evo.workloads.kda.engine")
 _inputs = lazy("evo.workloads.kda.inputs")
-_reference = lazy("evo.workloads.kda.reference")
+_reference = lazy("evo.workloads.kda.reference", judge_only=True)
 
 
 class KdaWorkload(Workload):
@@ -72,9 +72,8 @@ class KdaWorkload(Workload):
     def forbidden_callables(self) -> list[tuple[object, str]]:
         """What an engine must not call (the evaluator guards these while engines build and run):
         the float64 oracle and every baseline, whose answers would pass the check for free."""
-        reference, baselines = _reference.load(), _baselines.load()
-        return [(reference, "reference"), (reference, "recurrent_kda"), (reference, "chunked_kda"),
-                *((baselines, name) for name in ("chunk_pairwise", "_pairwise_intra", "_chunk_step",
+        return [(_reference, "reference"), (_reference, "recurrent_kda"), (_reference, "chunked_kda"),
+                *((_baselines, name) for name in ("chunk_pairwise", "_pairwise_intra", "_chunk_step",
                                                   "_compiled_chunk_pairwise", "_eager_recurrent",
                                                   "_fla_naive_chunk", "recurrent_kda", "baselines"))]
 

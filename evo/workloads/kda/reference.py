@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-L2NORM_EPS = 1e-6
+from evo.workloads.kda.definition import L2NORM_EPS
+
 CHUNK = 64  # tokens per chunk of the chunked oracle
 MAX_EXPONENT = 600.0  # |cumulative log decay| within one chunk: exp(600) ~ 1e260 stays inside float64
 CHUNKED_MIN_T = 8  # below this many tokens the token loop is faster on a CPU (measured, docs/gpu.md)

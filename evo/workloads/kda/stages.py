@@ -25,7 +25,7 @@ from evo.workloads.kda.genes import Plan
 from evo.workloads.kda.open_stages import intra as _intra_seed
 from evo.workloads.kda.open_stages import output as _output_seed
 from evo.workloads.kda.open_stages import recurrence as _recurrence_seed
-from evo.workloads.kda.reference import L2NORM_EPS
+from evo.workloads.kda.definition import L2NORM_EPS
 
 Ctx = dict
 Impl = Mapping[str, Callable]  # stage name -> implementation (see HAND_WRITTEN)

@@ -29,9 +29,9 @@ from evo.workloads.llama.model import PRESETS, LlamaPreset, PresetTable
 from evo.workloads.requests import TensorSpec
 
 # torch loads with these, on first use: an agent, which only holds the gene space, never imports them
-_baselines = lazy("evo.workloads.llama.baselines")
+_baselines = lazy("evo.workloads.llama.baselines", judge_only=True)
 _engine = lazy("evo.workloads.llama.engine")
-_reference = lazy("evo.workloads.llama.reference")
+_reference = lazy("evo.workloads.llama.reference", judge_only=True)
 
 _TABLE = PresetTable(PRESETS)
 
@@ -91,10 +91,9 @@ class LlamaWorkload(Workload):
 
     def forbidden_callables(self) -> list[tuple[object, str]]:
         """The float64 oracle and every baseline: their answers would pass the check for free."""
-        reference, baselines = _reference.load(), _baselines.load()
-        return [(reference, "generate"), (reference, "float64_weights"), (baselines, "baselines"),
-                (baselines._Transformers, "__call__"), (baselines._EagerOurs, "__call__"),
-                (baselines._EagerOurs, "_forward")]
+        return [(_reference, "generate"), (_reference, "float64_weights"), (_baselines, "baselines"),
+                (_baselines, "_Transformers.__call__"), (_baselines, "_EagerOurs.__call__"),
+                (_baselines, "_EagerOurs._forward")]
 
     def open_stages(self, preset: Preset, device: DeviceInfo) -> tuple[OpenStage, ...]:
         return _open_code.open_stages(preset, device)

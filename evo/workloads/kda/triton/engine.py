@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from evo.workloads.kda.reference import L2NORM_EPS
+from evo.workloads.kda.definition import L2NORM_EPS
 
 DOT_CODES = {"float32": 0, "tfloat32": 1, "bfloat16": 2}  # compute_dtype gene -> kernels' DOT
 

@@ -37,7 +37,7 @@ import triton.language as tl
 # 10 mantissa bits, and both multiplied in float32: the GPU's numerics.
 _EMULATE_BF16_DOT = tl.constexpr(bool(triton.knobs.runtime.interpret))  # TRITON_INTERPRET=1
 SUB = 16  # sub-chunk block of the pair products (see the module docstring for why 16)
-# l2norm epsilon: 1e-6, written inline in _prepare as in the reference (reference.L2NORM_EPS)
+# l2norm epsilon: 1e-6, written inline in _prepare as in the reference (definition.L2NORM_EPS)
 
 
 @triton.jit
