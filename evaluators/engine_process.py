@@ -76,6 +76,9 @@ def cut_network() -> str:
 
 
 def _configure(spec: dict) -> None:
+    from evo.core.code import allow_engine_code
+
+    allow_engine_code()  # this confined process is where code genes may run (evo.core.code.load_module)
     os.environ.clear()
     os.environ.update(spec["env"])
     if spec["cores"]:

@@ -72,3 +72,13 @@ def fake() -> str:
     from tests import fake_workload
 
     return fake_workload.NAME
+
+
+@pytest.fixture
+def trusted_engine_code():
+    """Let this test build engines from the project's own seed sources in its process
+    (`evo.core.code.load_module` refuses anywhere but an engine's confined process otherwise)."""
+    from evo.core.code import trusted_code
+
+    with trusted_code():
+        yield

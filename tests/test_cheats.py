@@ -10,7 +10,7 @@ import pytest
 import evaluators.evaluator as evaluator_module
 from evaluators.evaluator import Evaluator
 from evaluators.settings import EvaluatorSettings
-from evo.core.records import INCORRECT, OK
+from evo.core.records import INCORRECT, OK, RUNTIME_ERROR
 from tests import cheats
 from tests import fake_workload as fw
 
@@ -30,7 +30,7 @@ WHY = {
     "deferred": ("non-finite", "error", "changed after the engine returned"),
     "calls_reference": ("engine called",),
     "calls_reference_swallowed": ("engine called",),
-    "calls_baseline": ("engine called",),
+    "calls_baseline": ("engine called", "Permission denied"),  # KDA: its file is not in the view, never loaded
     # the stale answer may come from a call of another shape (the order of calls is shuffled)
     "correct_then_zeros": ("all zeros", "shape"),
     "correct_then_previous": ("cached or stale result", "shape"),
@@ -73,7 +73,9 @@ def kda_honest(kda_ev):
 @pytest.mark.parametrize("cheat", sorted(WHY))
 def test_kda_cheat_is_rejected(kda_ev, cheat):
     r = _evaluate(kda_ev, cheat)
-    assert r.status == INCORRECT, f"{cheat}: {r.status} {r.message}\n{r.error}"
+    # a baseline the engine's process never loaded cannot even be imported there: the call fails
+    expected = RUNTIME_ERROR if cheat == "calls_baseline" else INCORRECT
+    assert r.status == expected, f"{cheat}: {r.status} {r.message}\n{r.error}"
     assert any(w in r.message for w in WHY[cheat]), r.message
     assert not r.ok and math.isnan(r.latency_ms)
 

@@ -8,7 +8,7 @@ from evaluators.evaluator import Evaluator
 from evaluators.settings import EvaluatorSettings
 from evo.core.code import CodeError, CodeStore, check_source, code_hash, load_module, marked_blocks
 from evo.core.genome import Genome, GenomeError
-from evo.core.records import BUILD_ERROR, INCORRECT, OK
+from evo.core.records import BUILD_ERROR, INCORRECT, OK, RUNTIME_ERROR
 from evo.workloads.base import DeviceInfo
 from tests import fake_workload as fw
 
@@ -65,11 +65,20 @@ def test_the_store_keeps_sources_by_hash_and_detects_damage(tmp_path):
         store.get("0" * 16)
 
 
-def test_loaded_code_is_readable_by_inspect():
+def test_loaded_code_is_readable_by_inspect(trusted_engine_code):
     import inspect
 
     module = load_module(fw.SUM_SEED, STAGE)
     assert "x.cumsum(1)" in inspect.getsource(module.running_sum)
+
+
+def test_code_runs_nowhere_but_in_an_engine_process():
+    """The code filter is not a boundary (this source passes it and reaches os through torch): load_module
+    refuses to run a code gene outside an engine's confined process, whatever the source."""
+    source = fw.SUM_SEED + "\nimport torch\nLEAK = torch.os.getcwd\n"
+    check_source(source, STAGE)  # passes the filter
+    with pytest.raises(CodeError, match="only inside a judge's confined engine process"):
+        load_module(source, STAGE)
 
 
 # -- code genes --------------------------------------------------------------------------------------
@@ -150,7 +159,9 @@ def test_cheats_written_as_code_are_rejected(ev, cheat):
 # -- KDA: agent-written stage code that cheats, judged by the same evaluator ---------------------------
 KDA_BODY = '    return {"O": inter + (M @ ctx["U"].to(M.dtype)).float()}\n'
 KDA_CHEATS = {
-    # reaches the float64 oracle at run time (no name the static check refuses): the guard reports it
+    # reaches for the float64 oracle at run time (no name the static check refuses): a KDA engine's process
+    # never loads it, so the lookup fails; where a test workload's module bound it before the jail (a zygote
+    # shared with tests.cheats), the guard reports the call
     "calls_reference": ('    ref = getattr(getattr(torch, "sy" + "s"), "mod" + "ules")["evo.workloads.kda.reference"]\n'
                         "    try:\n        ref.reference({})\n    except Exception:\n        pass\n" + KDA_BODY,
                         "reference"),
@@ -196,7 +207,8 @@ def test_kda_cheats_written_as_code_are_rejected(kda_code_ev, cheat):
     assert source != stage.seed()
     check_source(source, stage)
     result = _kda_code(kda_code_ev, source)
-    assert result.status == INCORRECT, f"{cheat}: {result.status} {result.message}"
+    expected = {INCORRECT, RUNTIME_ERROR} if cheat == "calls_reference" else {INCORRECT}
+    assert result.status in expected, f"{cheat}: {result.status} {result.message}"
     if words:
         assert words in result.message, result.message
 

@@ -12,6 +12,8 @@ from evo.core.genome import GenomeError
 from evo.workloads import get_workload
 from evo.workloads.base import CheckCase, DeviceInfo
 
+pytestmark = pytest.mark.usefixtures("trusted_engine_code")  # the project's own seed sources, built here
+
 W = get_workload("kda")
 PRESET = W.presets()["cpu_small"]
 DEVICE = DeviceInfo("cpu", "test", threads=2)

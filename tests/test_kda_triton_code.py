@@ -16,6 +16,8 @@ from evo.workloads.base import CheckCase, DeviceInfo
 from evo.workloads.kda import open_code
 from evo.workloads.kda.open_code import TRITON_KERNELS, TRITON_STAGE
 
+pytestmark = pytest.mark.usefixtures("trusted_engine_code")  # the project's own seed sources, built here
+
 W = get_workload("kda")
 PRESET = W.presets()["cpu_small"]
 CPU = DeviceInfo("cpu", "test", threads=2)

@@ -9,10 +9,15 @@ run directory); genomes stay small and hashable, and equal code dedupes to one h
 submits and by the judge before an engine process sees the code: the source compiles (Python's
 `compile`, which runs nothing), imports only the allow-list, names none of the builtins that load or
 run other code nor the attributes that walk to other code's internals, and defines the declared entry
-point with the declared parameters at top level. These checks are an early, readable refusal, not the
-boundary: code runs only in the evaluator's isolated engine process, under its guards.
-`load_module` turns a checked source into a module; it is called only inside an evaluator's isolated
-engine process, never in the driver, an agent or the judge.
+point with the declared parameters at top level. **This filter is a fast, readable early rejection of
+obviously forbidden code, not a boundary**: Python offers many other paths to the same places (e.g.
+`torch.os`, `torch.sys`, `torch.save` pass it), so code that passes may still do anything the process
+it runs in can do. The boundary is the process: code genes run only inside a judge's confined engine
+process (`evaluators.jail`: no privileges, an allow-list view of the files, no network), in the
+search, a benchmark and Serve alike.
+`load_module` turns a checked source into a module and refuses to run anywhere but in such a process
+(`allow_engine_code`, called there before the build); tests of the project's own seed sources opt in
+with `trusted_code()`.
 
 This module imports neither torch nor Ray nor MLflow.
 """
@@ -27,7 +32,8 @@ import sys
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator, Mapping
 
 HASH_LENGTH = 16
 _HASH = re.compile(rf"[0-9a-f]{{{HASH_LENGTH}}}")
@@ -166,9 +172,35 @@ def check_sources(genome_values: Mapping[str, object], sources: Mapping[str, str
     return chosen
 
 
+_engine_code_allowed = False  # set in an engine's confined process only (evaluators.engine_process)
+
+
+def allow_engine_code() -> None:
+    """Mark this process as an engine's confined process: `load_module` may run code genes here."""
+    global _engine_code_allowed
+    _engine_code_allowed = True
+
+
+@contextmanager
+def trusted_code() -> Iterator[None]:
+    """Let `load_module` run in this process for the block: for tests of the project's own seed sources,
+    which are not engine code an agent wrote."""
+    global _engine_code_allowed
+    before, _engine_code_allowed = _engine_code_allowed, True
+    try:
+        yield
+    finally:
+        _engine_code_allowed = before
+
+
 def load_module(source: str, stage: OpenStage) -> types.ModuleType:
-    """Execute a checked source as a module and return it (engine processes only). The source is put in
-    linecache under a stable name, so tracebacks, `inspect.getsource` and Triton's JIT can read it."""
+    """Execute a checked source as a module and return it (engine processes only: CodeError elsewhere).
+    The source is put in linecache under a stable name, so tracebacks, `inspect.getsource` and Triton's
+    JIT can read it."""
+    if not _engine_code_allowed:
+        raise CodeError(f"load_module refuses to run the code gene {stage.gene} in this process (pid {os.getpid()}):"
+                        " a genome's code runs only inside a judge's confined engine process"
+                        " (evaluators.engine_process), where the search, benchmarks and Serve build engines")
     check_source(source, stage)
     name = f"evo_code_{stage.stage}_{code_hash(source)}"
     filename = f"<evo-code {stage.gene} {code_hash(source)}>"
