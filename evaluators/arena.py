@@ -1,17 +1,21 @@
 """Tensors laid out in one flat shared byte buffer, so the judge and the engine's process exchange
 inputs and outputs without pickling tensors back to the judge.
 
-The judge allocates the arenas (CPU: an anonymous memory file, `memfd_create`, whose descriptor goes to
-the engine's process over its own channel; CUDA: device memory shared through IPC), writes inputs and
-reads outputs through views; the engine's process gets the same views from a `Slot` table. Only the
-judge ever sends pickles; the engine's process answers in JSON.
+The judge allocates the arenas and hands each to the engine's process as a file descriptor over the
+engine's own channel (no key of the judge's is handed out): on CPU an anonymous memory file
+(`memfd_create`), on CUDA an allocation of its own made with the driver's virtual memory API
+(`evaluators.cuda_memory`), apart from torch's caching allocator. Either way the descriptor reaches the
+arena and nothing else: the judge's inputs and expected outputs (ordinary tensors, on CUDA from the
+caching allocator) never share an allocation with an arena. The judge writes inputs and reads outputs
+through views; the engine's process gets the same views from a `Slot` table. Only the judge ever sends
+pickles; the engine's process answers in JSON.
 
 The arenas belong to the judge, not to an engine's process: an `ArenaPool` per evaluator lends one
 pair (inputs, outputs) to each engine process alive at once, takes it back when that process is dead,
 grows a pair only when a call needs more, and frees them all at `close`. So candidates that are
-SIGKILLed cost nothing: CUDA memory shared by IPC stays allocated in the sender while a receiver that
-died by a signal still "holds" it, which per-candidate arenas would pile up (~2 GB per evaluation at
-a full-size GPU preset); the pool's pairs are allocated once and reused.
+SIGKILLed cost nothing: the pool's pairs are allocated once and reused instead of one pair per
+candidate (~2 GB per evaluation at a full-size GPU preset), and a pair whose candidate left a process
+behind is freed, never lent again (that process keeps only its own mapping).
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 import torch
+
+from evaluators import cuda_memory
 
 ALIGN = 256  # bytes: every slot starts on a boundary any dtype (and vector loads) can use
 
@@ -77,19 +83,23 @@ def view(arena: torch.Tensor, slot: Slot) -> torch.Tensor:
     return flat.view(dtype_of(slot.dtype)).view(slot.shape)
 
 
-def allocate(nbytes: int, device: str) -> tuple[torch.Tensor, int | None]:
-    """A flat uint8 arena of at least `nbytes` (rounded up to 1 MiB) the other process can map, and on
-    CPU the descriptor of its memory file (the caller closes it once sent)."""
+def allocate(nbytes: int, device: str) -> tuple[torch.Tensor, int]:
+    """A flat uint8 arena of at least `nbytes` (rounded up to 1 MiB, on CUDA then to the allocation
+    granularity) that another process can map, and the descriptor it maps it from (the caller closes it
+    once it is no longer to be sent)."""
     size = max(1 << 20, -(-nbytes // (1 << 20)) * (1 << 20))
-    if torch.device(device).type != "cpu":
-        return torch.empty(size, dtype=torch.uint8, device=device), None
+    if torch.device(device).type == "cuda":
+        return cuda_memory.allocate(size, device)
     fd = os.memfd_create("evo-arena", os.MFD_CLOEXEC)
     os.ftruncate(fd, size)
-    return attach(fd, size), fd
+    return attach(fd, size, device), fd
 
 
-def attach(fd: int, size: int) -> torch.Tensor:
-    """The CPU arena behind a memory file's descriptor, as a flat uint8 tensor (the mapping outlives `fd`)."""
+def attach(fd: int, size: int, device: str = "cpu") -> torch.Tensor:
+    """The arena behind a descriptor from `allocate`, as a flat uint8 tensor of `size` bytes on `device`
+    (the mapping outlives `fd`)."""
+    if torch.device(device).type == "cuda":
+        return cuda_memory.attach(fd, size, device)
     mapping = mmap.mmap(fd, size)
     return torch.frombuffer(mapping, dtype=torch.uint8)
 
@@ -102,7 +112,7 @@ class ArenaPair:
     device: str
     inputs: torch.Tensor | None = None
     outputs: torch.Tensor | None = None
-    fds: tuple[int, ...] = ()  # CPU: the memory files' descriptors, kept to send to each new process
+    fds: tuple[int, ...] = ()  # the arenas' descriptors (memory files, CUDA allocations), sent to each new process
     version: int = 0
 
     def ensure(self, in_bytes: int, out_bytes: int) -> bool:
@@ -114,8 +124,9 @@ class ArenaPair:
             return False
         self.release()
         self.inputs, in_fd = allocate(max(in_bytes, have_in), self.device)
+        self.fds = (in_fd,)  # closed by the next release even if the second allocation fails
         self.outputs, out_fd = allocate(max(out_bytes, have_out), self.device)
-        self.fds = () if in_fd is None else (in_fd, out_fd)
+        self.fds = (in_fd, out_fd)
         self.version += 1
         return True
 
@@ -124,6 +135,7 @@ class ArenaPair:
         return sum(0 if t is None else t.numel() for t in (self.inputs, self.outputs))
 
     def release(self) -> None:
+        """Close the descriptors and drop the arenas (their memory is freed once no view of them is left)."""
         for fd in self.fds:
             os.close(fd)
         self.inputs = self.outputs = None
@@ -170,5 +182,3 @@ class ArenaPool:
         for pair in (*self._free, *self._lent):
             pair.release()
         self._free, self._lent = [], []
-        if torch.device(self.device).type == "cuda":
-            torch.cuda.ipc_collect()  # blocks whose receivers released them normally

@@ -2,9 +2,10 @@
 each part a child process it stops at its share, and a table that is always written.
 
 Parts, in order (BUDGET_S seconds in all, default 420, so the whole script fits 8 minutes):
-  preflight  CUDA device and compute mode, a two-process CUDA IPC round trip, a trivial Triton kernel
-             compiled and run (TRITON_CACHE_DIR inside the output folder; a C compiler), free memory,
-             the sandbox; each failure one line naming the cause and what it skips
+  preflight  CUDA device and compute mode, a trivial Triton kernel compiled and run (TRITON_CACHE_DIR
+             inside the output folder; a C compiler), free memory, the sandbox, and from jailed engine
+             processes the isolation probes (arena bounds, candidate files; a FAIL there fails the
+             check); each failure one line naming the cause and what it skips
   tests      the gpu-marked tests (dry run: the interpreter tests); failures go into the table's header
   warm-up    fla's kernels autotuned once at the preset shape, their configs cached in the output folder
   engines    the reference baseline, the genomes, the other baselines: one row printed and appended to
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpu_engines import engines, markdown_row, warmup  # torch is imported inside the parts only
-from gpu_preflight import PREFLIGHT_ITEMS, preflight
+from gpu_preflight import ISOLATION_ITEMS, PREFLIGHT_ITEMS, preflight
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARES = {"preflight": 0.10, "tests": 0.23, "warm-up": 0.25}  # of the budget; the engines get the rest
@@ -44,7 +45,7 @@ ENGINES_SLACK_S = 15.0  # the engines part's own deadline comes this long before
 # The gpu-marked tests; on the dry run they skip (the plumbing is what is rehearsed): the interpreter
 # tests of the kernels run in the ordinary suite (TESTS="tests/test_kda_triton.py" runs them here).
 GPU_TESTS = ("-m gpu tests/test_kda_triton.py tests/test_kda_triton_code.py tests/test_kda_reference.py"
-             " tests/test_arena.py tests/test_gpu_check.py")
+             " tests/test_arena.py tests/test_cuda_memory.py tests/test_gpu_check.py")
 GPU = {"config": "configs/kda_h200.yaml", "preset": "h200", "genomes": "configs/bench_h200_genomes.json",
        "tests": GPU_TESTS,
        "settings": ["evaluator.warmup=3", "evaluator.repeats=15"]}
@@ -147,7 +148,7 @@ def orchestrate(args: argparse.Namespace) -> int:
                *[f"--set={o}" for o in overrides]]
         engines = _run("engines", cmd, max(end - RESERVE_S - time.time(), 1.0), env, out)
     ran = [part for part in (pre, tests.get("part"), warm, engines) if part is not None]
-    failures = _finish(out, start, args, tests, engines, exclusive, ran)
+    failures = _finish(out, start, args, tests, engines, exclusive, ran, preflight)
     return 1 if failures else 0
 
 
@@ -302,7 +303,7 @@ def _write_header(out: Path, args: argparse.Namespace, start: float, pre: Part, 
 
 
 def _finish(out: Path, start: float, args: argparse.Namespace, tests: dict, engines: Part | None,
-            exclusive: bool, ran: list[Part]) -> list[str]:
+            exclusive: bool, ran: list[Part], preflight: list[dict]) -> list[str]:
     """Rows for what the engines part did not reach, the notes, table.json; the table printed.
     Returns the failures that make the check's exit code 1."""
     rows = _read_rows(out / "rows.jsonl")
@@ -324,6 +325,8 @@ def _finish(out: Path, start: float, args: argparse.Namespace, tests: dict, engi
         used = ", ".join(f"{p.name} {p.seconds:.0f} of {p.allowed_s:.0f} s{' (stopped)' if p.stopped else ''}" for p in ran)
         table.write(f"- wall time: {time.time() - start:.0f} s of a {args.budget_s:.0f} s budget ({used})\n")
     failures = [f"tests: {tests['summary']}"] if tests.get("failed") else []
+    failures += [f"preflight {i['item']}: {i['detail']}" for i in preflight
+                 if i.get("item") in ISOLATION_ITEMS and i.get("status") == "FAIL"]
     failures += [f"{r['engine']}: {r['message']}" for r in rows if r.get("status") == "missing"]
     if engines is not None and engines.rc not in (0, None):
         failures.append(f"engines part exit {engines.rc}")

@@ -1,10 +1,13 @@
 """The GPU check's preflight part (run by scripts/gpu_check.py in a child process, first, in seconds):
-versions; the CUDA device and its compute mode; a two-process CUDA IPC round trip; a trivial Triton
-kernel compiled and run (TRITON_CACHE_DIR inside the output folder; the C compiler Triton needs);
-free device memory; whether fla's KDA kernels import; the strict sandbox probe. Each item is one line
+versions; the CUDA device and its compute mode; a trivial Triton kernel compiled and run
+(TRITON_CACHE_DIR inside the output folder; the C compiler Triton needs); free device memory; whether
+fla's KDA kernels import; the strict sandbox probe; then, from jailed engine processes
+(`evaluators.isolation_probe`), what a candidate reaches beyond its own arena (CUDA: the arena's
+address range, mapping its allocation larger, a read one granule past it) and beyond its own files
+(what the previous candidate left in its /tmp, /dev/shm and System V IPC). Each item is one line
 (ok, warn, FAIL or skipped: the cause and what it skips), recorded in OUT/preflight.json as it
 finishes, so a preflight stopped at its budget still says what it saw. On CPU the CUDA items are
-"skipped (no CUDA)" and the Triton kernel runs in the interpreter."""
+"skipped (no CUDA)" and the Triton kernel runs in the interpreter; the files probe runs on CPU too."""
 from __future__ import annotations
 
 import argparse
@@ -37,12 +40,6 @@ def preflight(args: argparse.Namespace) -> int:
         exclusive = _device_item(torch, say)
     else:
         say("device", "skipped (no CUDA)", "CUDA items skipped; engines run on the CPU")
-    if not cuda:
-        say("cuda ipc", "skipped (no CUDA)", "CPU arenas are memory files: nothing to check")
-    elif exclusive:
-        say("cuda ipc", "skipped", "EXCLUSIVE_PROCESS: a second process cannot open a CUDA context")
-    else:
-        _ipc_item(say)
     _triton_item(say, out, cuda)
     if cuda:
         free, total = torch.cuda.mem_get_info()
@@ -52,7 +49,8 @@ def preflight(args: argparse.Namespace) -> int:
     else:
         say("memory", "skipped (no CUDA)", f"host: {_host_available_gib():.1f} GiB available")
     _fla_item(say)
-    _sandbox_item(say, "cuda" if cuda else "cpu")
+    strict = _sandbox_item(say, "cuda" if cuda else "cpu")
+    _isolation_items(say, "cuda" if cuda else "cpu", strict, exclusive)
     return 0
 
 
@@ -70,7 +68,8 @@ def _versions(torch) -> str:
     return ", ".join(parts)
 
 
-PREFLIGHT_ITEMS = ("versions", "device", "cuda ipc", "triton", "memory", "fla", "sandbox")
+PREFLIGHT_ITEMS = ("versions", "device", "triton", "memory", "fla", "sandbox", "arena bounds", "candidate files")
+ISOLATION_ITEMS = ("arena bounds", "candidate files")  # a FAIL here fails the check
 COMPUTE_MODES = {0: "DEFAULT", 1: "EXCLUSIVE_THREAD", 2: "PROHIBITED", 3: "EXCLUSIVE_PROCESS"}
 
 
@@ -82,7 +81,7 @@ def _device_item(torch, say) -> bool:
               f"{props.multi_processor_count} SMs, CUDA {torch.version.cuda}, compute mode {mode} ({how})")
     if mode == "EXCLUSIVE_PROCESS" or mode == "PROHIBITED":
         say("device", "warn", detail + ": every engine runs in a process of its own beside the judge's CUDA context,"
-            " which this mode refuses: skipped: the IPC round trip and every engine evaluation", skips_engines=True)
+            " which this mode refuses: skipped: the isolation probes and every engine evaluation", skips_engines=True)
         return True
     say("device", "ok", detail)
     return False
@@ -107,44 +106,6 @@ def _compute_mode(props) -> tuple[str, str]:
             return text.upper().replace(" ", "_") or "unknown", "nvidia-smi"
         except (OSError, subprocess.SubprocessError):
             return "unknown", f"neither NVML ({type(exc).__name__}) nor nvidia-smi answered"
-
-
-def _ipc_child(inbox, outbox) -> None:
-    x = inbox.get(timeout=60)
-    x += 1  # writes the parent's memory through the IPC handle
-    import torch
-
-    if x.is_cuda:
-        torch.cuda.synchronize()
-    outbox.put("done")
-    inbox.get(timeout=60)  # keep the handle open until the parent has read
-
-
-def _ipc_item(say, device: str = "cuda") -> None:
-    import torch
-    import torch.multiprocessing as mp
-
-    start = time.perf_counter()
-    ctx = mp.get_context("spawn")
-    inbox, outbox = ctx.Queue(), ctx.Queue()
-    child = ctx.Process(target=_ipc_child, args=(inbox, outbox), daemon=True)
-    try:
-        x = torch.zeros(1024, device=device)
-        child.start()
-        inbox.put(x)
-        outbox.get(timeout=90)
-        ok = bool((x == 1).all())
-        inbox.put("bye")
-        child.join(timeout=30)
-        status = "ok" if ok else "FAIL"
-        say("cuda ipc", status, f"a second process wrote this one's tensor through CUDA IPC: {ok}"
-            f" ({time.perf_counter() - start:.1f} s)" + ("" if ok else ": engines cannot return outputs"))
-    except Exception as exc:  # noqa: BLE001 - a preflight item reports, never raises
-        say("cuda ipc", "FAIL", f"{type(exc).__name__}: {exc}: engines on CUDA cannot share arenas with the judge;"
-            " their evaluations will fail")
-    finally:
-        if child.is_alive():
-            child.kill()
 
 
 def _triton_item(say, out: Path, cuda: bool) -> None:
@@ -203,14 +164,37 @@ def _fla_item(say) -> None:
     say("fla", "ok", f"yes (fla-core {version}; fla.ops.kda imports, {time.perf_counter() - start:.1f} s)")
 
 
-def _sandbox_item(say, device: str) -> None:
+def _sandbox_item(say, device: str) -> bool:
+    """The sandbox line; True when the strict sandbox works here."""
     from evaluators.sandbox import probe_strict
 
     start = time.perf_counter()
     why = probe_strict()
     if why:
         say("sandbox", "warn", f"NONE: engines run UNCONFINED on this machine ({why})")
-    else:
-        say("sandbox", "ok", f"strict (namespaces, seccomp, cgroups; probe {time.perf_counter() - start:.1f} s)")
+        return False
+    say("sandbox", "ok", f"strict (namespaces, seccomp, cgroups; probe {time.perf_counter() - start:.1f} s)")
+    return True
+
+
+def _isolation_items(say, device: str, strict: bool, exclusive: bool) -> None:
+    """'arena bounds' and 'candidate files': two probe candidates on `device`, one after the other."""
+    from evaluators import isolation_probe as probes
+
+    cuda = device == "cuda"
+    if exclusive or not (cuda or strict):
+        why = ("EXCLUSIVE_PROCESS: an engine process cannot open a CUDA context" if exclusive
+               else "no strict sandbox here: engines share the judge's files")
+        for item in ISOLATION_ITEMS:
+            say(item, "skipped (no CUDA)" if item == "arena bounds" and not cuda else "skipped", why)
+        return
+    start = time.perf_counter()
+    try:
+        findings = probes.run_probes(device, "strict" if strict else "none")
+    except Exception as exc:  # noqa: BLE001 - a preflight item reports, never raises
+        findings = probes.Findings({}, {}, {}, error=f"{type(exc).__name__}: {exc}")
+    took = f" ({time.perf_counter() - start:.1f} s)"
+    for item, status, detail in probes.rows(findings, cuda, strict):
+        say(item, status, detail + ("" if status.startswith("skipped") else took))
 
 
