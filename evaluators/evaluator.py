@@ -324,7 +324,7 @@ class Evaluator:
         return self._result(genome_hash, OK, start, latency_ms=timing.median_ms, latency_spread_ms=timing.spread_ms,
                             message=f"{note}; {len(timing.samples_ms)} timed calls", **stamp)
 
-    def _plan(self, rng: np.random.Generator, checks: bool = True) -> list[_Call]:
+    def _plan(self, rng: np.random.Generator, checks: bool = True, timed: bool = True) -> list[_Call]:
         """Every check case, the cases drawn over the workload's domain for this evaluation (from `rng`)
         and the warm-up + timed calls, shuffled; the first `warmup` calls at the timing shape in the
         shuffled order are the warm-up."""
@@ -332,7 +332,8 @@ class Evaluator:
         drawn = self._drawn_cases(rng) if checks else []
         calls = [_Call(case, False, f"check case {case.name!r}") for case in cases]
         calls += [_Call(case, False, f"drawn case {case.name!r} {_shape_text(case)}") for case in drawn]
-        calls += [_Call(self._timing_case, True, "") for _ in range(self.settings.warmup + self.settings.repeats)]
+        if timed:
+            calls += [_Call(self._timing_case, True, "") for _ in range(self.settings.warmup + self.settings.repeats)]
         order = rng.permutation(len(calls))
         return [calls[i] for i in order]
 
@@ -402,37 +403,43 @@ class Evaluator:
         """One call on fresh inputs: (inputs, what the judge saw, a failure found without the reference
         or None). Raises EngineProcessError."""
         inputs = self._draw(call.case)
-        specs = self._specs(call.case)
+        result, failure = self._send(process, inputs, self._specs(call.case), call.where, deadline, first)
+        return inputs, result, failure
+
+    def _send(self, process: EngineProcess, inputs: dict, specs: dict, where: str, deadline: float,
+              first: bool = False) -> tuple[CallResult, _Verdict | None]:
+        """One call on `inputs`: (what the judge saw, a failure found without the reference or None).
+        Raises EngineProcessError."""
         remaining = deadline - time.perf_counter()
         if remaining <= 0:
-            raise EngineProcessError("timeout", "the evaluation ran out of time before " + call.where)
+            raise EngineProcessError("timeout", "the evaluation ran out of time before " + where)
         result = process.call(inputs, specs, timeout_s=remaining)
-        reply, where = result.reply, call.where
+        reply = result.reply
         if result.forbidden or reply.get("forbidden"):
             calls = ", ".join(sorted(set(result.forbidden))) or "a forbidden function"
-            return inputs, result, _Verdict(INCORRECT, f"{where}: engine called {calls}: {_FORBIDDEN_ADVICE}")
+            return result, _Verdict(INCORRECT, f"{where}: engine called {calls}: {_FORBIDDEN_ADVICE}")
         if reply.get("op") == "raised":
             if first:
                 status = BUILD_ERROR if reply.get("compile_error") else RUNTIME_ERROR
-                return inputs, result, _Verdict(status, _summary("first call failed", reply),
-                                                str(reply.get("traceback", "")))
+                return result, _Verdict(status, _summary("first call failed", reply),
+                                        str(reply.get("traceback", "")))
             kind = "out of memory" if reply.get("oom") else reply.get("type", "an error")
             text = str(reply.get("message", "")).strip().splitlines()
-            return inputs, result, _Verdict(RUNTIME_ERROR, f"engine raised {kind} on {where}: {text[0] if text else ''}"[:500],
-                                            str(reply.get("traceback", "")))
+            return result, _Verdict(RUNTIME_ERROR, f"engine raised {kind} on {where}: {text[0] if text else ''}"[:500],
+                                    str(reply.get("traceback", "")))
         if reply.get("op") != "returned":
-            return inputs, result, _Verdict(INCORRECT, f"{where}: engine process answered"
-                                                       f" {str(reply.get('op'))[:40]!r}, not a result")
+            return result, _Verdict(INCORRECT, f"{where}: engine process answered"
+                                              f" {str(reply.get('op'))[:40]!r}, not a result")
         if result.inputs_changed:
-            return inputs, result, _Verdict(INCORRECT, f"{where}: engine modified its inputs in place:"
-                                                       f" {list(result.inputs_changed)}")
+            return result, _Verdict(INCORRECT, f"{where}: engine modified its inputs in place:"
+                                              f" {list(result.inputs_changed)}")
         if reply.get("problem"):
-            return inputs, result, _Verdict(INCORRECT, f"{where}: {str(reply['problem'])[:500]}")
+            return result, _Verdict(INCORRECT, f"{where}: {str(reply['problem'])[:500]}")
         if result.late:
-            return inputs, result, _Verdict(INCORRECT, f"{where}: outputs {list(result.late)} changed after the engine"
-                                                       " returned (work deferred past return, e.g. a kernel or thread"
-                                                       " still writing)")
-        return inputs, result, None
+            return result, _Verdict(INCORRECT, f"{where}: outputs {list(result.late)} changed after the engine"
+                                              " returned (work deferred past return, e.g. a kernel or thread"
+                                              " still writing)")
+        return result, None
 
     def _compare(self, call: _Call, inputs: dict, result: CallResult) -> _Verdict:
         """The call's outputs against the float64 reference of its inputs."""
@@ -637,6 +644,57 @@ class Evaluator:
         """A timed call's outputs against the float64 reference: why they are wrong, or None."""
         verdict = self._compare(*pending)
         return None if verdict.status is None else f"{verdict.status}: {verdict.message}"
+
+    def verify_held(self, process: EngineProcess, deadline: float) -> tuple[str | None, float]:
+        """Every check case and a fresh draw over the domain, on a held engine (no timed calls): (why it
+        failed, or None; the worst relative error)."""
+        self._seen = {}
+        try:
+            verdicts, _ = self._run_plan(process, self._plan(np.random.default_rng(self._seeds.next()), timed=False),
+                                         deadline, 0.0)
+        except EngineProcessError as exc:
+            return f"{exc.kind}: {exc}", math.nan
+        worst = math.nan
+        for verdict in verdicts:
+            worst = worse(worst, verdict.rel_error)
+        failed = next((v for v in verdicts if v.status is not None), None)
+        self._seen = {}
+        return (None if failed is None else f"{failed.status}: {failed.message}"), worst
+
+    def case_of(self, inputs: Mapping[str, torch.Tensor | None]) -> CheckCase:
+        """The case a request's inputs are an instance of: each free dim read off the tensors through the
+        workload's request schema, the other dims the preset's."""
+        shape = dict(self.preset.shape)
+        optional = False
+        for spec in self.workload.request_specs(self.preset):
+            tensor = inputs.get(spec.name)
+            if tensor is None:
+                continue
+            optional |= not spec.required
+            for i, dim in enumerate(spec.shape):
+                name = dim if isinstance(dim, str) else spec.dim_names[i] if i < len(spec.dim_names) else None
+                if name is not None:
+                    shape[name] = int(tensor.shape[i])
+        return CheckCase("request", shape, self._timing_case.distribution, optional)
+
+    def request(self, process: EngineProcess, inputs: Mapping[str, torch.Tensor | None], where: str,
+                timeout_s: float) -> tuple[dict[str, torch.Tensor] | None, str | None]:
+        """One call of a held engine on a client's inputs: (the outputs as the judge copied them, None), or
+        (None, what went wrong without the reference). Raises EngineProcessError."""
+        full = {name: inputs.get(name) for name in self.workload.input_names}
+        result, failure = self._send(process, full, self._specs(self.case_of(full)), where,
+                                     time.perf_counter() + timeout_s)
+        if failure is not None:
+            return None, f"{failure.status}: {failure.message}"
+        return result.outputs, None
+
+    def rescore(self, inputs: Mapping[str, torch.Tensor | None], outputs: Mapping[str, torch.Tensor]
+                ) -> tuple[str, float]:
+        """A served call's outputs against the float64 reference of its inputs: (the problem or "", the
+        norm-wise relative error)."""
+        full = {name: inputs.get(name) for name in self.workload.input_names}
+        reference = self.workload.reference_for(self.preset, full)
+        return compare_outputs(dict(outputs), reference, self._dtypes, self._tolerance, self.settings.elementwise_factor)
 
     @property
     def defer_checks(self) -> bool:

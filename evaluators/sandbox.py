@@ -108,6 +108,7 @@ class EngineProcess:
         self._pool = arena_pool if arena_pool is not None else arenas.ArenaPool(str(self.device))
         self._pair: arenas.ArenaPair | None = None
         self._sent_version = -1  # the version of the pair this engine's process has mapped
+        self._guard = _Watchdog(self._kill)
 
     def __enter__(self) -> EngineProcess:
         return self
@@ -217,6 +218,7 @@ class EngineProcess:
             self._pair = None
         if self._own_pool:
             self._pool.close()
+        self._guard.close()
         self.pid = self._holder = None
 
     # ------------------------------------------------------------------ one call
@@ -335,7 +337,7 @@ class EngineProcess:
             return message, forbidden
 
     def _watchdog(self, deadline: float) -> _Watchdog:
-        return _Watchdog(deadline - time.monotonic(), self._kill)
+        return self._guard(deadline)
 
     def _lost(self) -> EngineProcessError:
         if self._killed:
@@ -424,20 +426,46 @@ class EngineProcess:
 
 
 class _Watchdog:
-    """Kills the engine's process if a blocking read or write outlives the deadline."""
+    """Kills the engine's process if a blocking read or write outlives its deadline. One thread per engine
+    process, armed and disarmed around each blocking step (a timer thread per step cost ~1 ms a call)."""
 
-    def __init__(self, seconds: float, kill: Any) -> None:
-        self._timer = threading.Timer(max(seconds, 0.0), kill) if math.isfinite(seconds) else None
+    def __init__(self, kill: Any) -> None:
+        self._kill = kill
+        self._deadline = math.inf
+        self._closed = False
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def __call__(self, deadline: float) -> _Watchdog:
+        with self._wake:
+            self._deadline = deadline
+            if self._thread is None and math.isfinite(deadline):
+                self._thread = threading.Thread(target=self._watch, name="engine-watchdog", daemon=True)
+                self._thread.start()
+            self._wake.notify()
+        return self
 
     def __enter__(self) -> _Watchdog:
-        if self._timer is not None:
-            self._timer.daemon = True
-            self._timer.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
+        with self._wake:
+            self._deadline = math.inf
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+
+    def _watch(self) -> None:
+        with self._wake:
+            while not self._closed:
+                left = self._deadline - time.monotonic()
+                if left <= 0:
+                    self._deadline = math.inf
+                    self._kill()
+                    continue
+                self._wake.wait(None if math.isinf(left) else left)
 
 
 def _state(pid: int) -> str:

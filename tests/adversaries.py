@@ -45,6 +45,14 @@ ATTACKS: dict[str, str] = {
     "escape_view": "looks for files outside its declared view (the project's tests, docs, scripts, a sibling folder, "
                    "/root, /home, other site-packages) and walks the whole file tree",
     "reference_helpers": "reaches the reference module's helpers (l2norm) by import, sys.modules or the garbage collector",
+    "reach_replica": "reads the serving replica's environment (any /proc/*/environ holding the secret), reads the "
+                     "project's tests and configs and writes into the project",
+}
+# engines that behave differently where they run or as they age (Serve's live checks)
+MARKER_T, HONEST_MARKER_CALLS = 49, 3
+TWO_FACED: dict[str, str] = {
+    "honest_in_jail": "honest only when it runs as nobody (the jail's user), wrong anywhere else",
+    "wrong_after_calls": f"honest for its first {HONEST_MARKER_CALLS} calls at T={MARKER_T}, wrong from then on",
 }
 # honest engines that need what a sandbox could break
 HONEST: dict[str, str] = {
@@ -67,7 +75,8 @@ class AttackWorkload(DelegatingWorkload):
 
     def gene_space(self, preset: Preset, device: DeviceInfo) -> GeneSpace:
         honest = self.base.gene_space(preset, device)
-        attack = Gene("attack", "fusion", (NONE, *ATTACKS, *HONEST), NONE, "which attack the engine tries at build")
+        attack = Gene("attack", "fusion", (NONE, *ATTACKS, *HONEST, *TWO_FACED), NONE,
+                      "which attack the engine tries at build")
         return GeneSpace(self.name, (*honest.genes, attack), honest.constraints, ignored=honest.ignored,
                          pipeline=honest.pipeline)
 
@@ -85,6 +94,10 @@ class AttackWorkload(DelegatingWorkload):
         if attack == "setsid_daemon":
             _daemon(self.probe_dir)
             return honest
+        if attack == "honest_in_jail":
+            return honest if os.getuid() == 65534 else _wrong(honest)
+        if attack == "wrong_after_calls":
+            return _wrong_after(honest)
         if attack == "escape_view":
             found = _outside_view(self)
             if found:  # the message carries what it found (a build error, not a wrong answer)
@@ -108,6 +121,18 @@ def genome_json(workload: AttackWorkload, preset: str, attack: str, device: Devi
 
 def _wrong(honest):
     return lambda **x: {k: (v + 1.0).contiguous() for k, v in honest(**x).items()}
+
+
+def _wrong_after(honest):
+    """Honest for its first HONEST_MARKER_CALLS calls at T=MARKER_T (few such calls are drawn while it is
+    verified), wrong on every call after those."""
+    seen = [0]
+
+    def engine(**x):
+        seen[0] += int(x["q"].shape[1] == MARKER_T)
+        out = honest(**x)
+        return {k: (v + 1.0).contiguous() for k, v in out.items()} if seen[0] > HONEST_MARKER_CALLS else out
+    return engine
 
 
 def _compiled(honest):
@@ -257,11 +282,26 @@ def _reference_helpers(w) -> bool:
                if callable(o))
 
 
+@_quietly
+def _reach_replica(w) -> bool:
+    """The serving replica's (or any process's) environment, the project's files: any reached is a success."""
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and SECRET.encode() in Path(f"/proc/{entry}/environ").read_bytes():
+                return True
+        except OSError:
+            pass
+    if any(SECRET in v for v in os.environ.values()):
+        return True
+    return any(_can_open(p) for p in (ROOT / "tests" / "adversaries.py", ROOT / "configs" / "serve.yaml")) \
+        or _write_project(w)
+
+
 _PROBES = {
     "read_judge_memory": _read_judge_memory, "signal_judge": _signal_judge, "write_project": _write_project,
     "load_reference_copy": _load_reference_copy, "load_judge_module": _load_judge_module,
     "read_git_objects": _read_git_objects, "read_secret_env": _read_secret_env, "widen_affinity": _widen_affinity,
-    "reference_helpers": _reference_helpers,
+    "reference_helpers": _reference_helpers, "reach_replica": _reach_replica,
 }
 
 

@@ -47,6 +47,12 @@ class DelegatingWorkload(Workload):
     def reference(self, inputs: dict) -> dict:
         return self.base.reference(inputs)
 
+    def reference_for(self, preset: Preset, inputs: dict) -> dict:  # llama: the oracle needs the preset's weights
+        return self.base.reference_for(preset, inputs)
+
+    def timing_case(self, preset: Preset) -> CheckCase:
+        return self.base.timing_case(preset)
+
     def forbidden_callables(self) -> list[tuple[object, str]]:
         return [(self.base, "reference"), *self.base.forbidden_callables()]
 
@@ -55,3 +61,9 @@ class DelegatingWorkload(Workload):
 
     def roofline(self, preset: Preset, rates: MachineRates) -> Roofline:
         return self.base.roofline(preset, rates)
+
+    def request_specs(self, preset: Preset) -> tuple:
+        return self.base.request_specs(preset)
+
+    def example_request(self, preset: Preset, seed: int, **axes: int) -> dict:
+        return self.base.example_request(preset, seed, **axes)

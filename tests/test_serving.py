@@ -36,6 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD = get_workload("kda")
 PRESET = WORKLOAD.presets()["cpu_small"]
 ENV = dict(os.environ)  # conftest's: Ray on 127.0.0.1 only, with the session's token (the CLIs send it)
+# replicas import the test workloads (tests.adversaries); a secret in their environment for engines to look for
+ENV.update(PYTHONPATH=str(Path(__file__).resolve().parents[1]), EVO_TEST_API_TOKEN="evo-test-secret-7f3a")
 MAX_REQUEST_BYTES = 4 * 1024 * 1024
 
 
@@ -297,7 +299,7 @@ def test_swap_to_a_broken_engine_is_refused_and_the_old_one_keeps_answering(serv
         server.deploy(str(broken), "broken")
         swap = wait_for(lambda: (s := get(server, "/v1/engine")[1]["last_swap"]) and s["source"] == str(broken) and s,
                         120, "the refused swap to be reported", SERVER_NOT_READY)
-    assert swap["ok"] is False and "failed its check" in swap["error"] and swap["kept"] == old
+    assert swap["ok"] is False and "failed its verification" in swap["error"] and swap["kept"] == old
     assert clients.failures == [] and clients.ok > 0
     assert engine_hash(server) == old and get(server, "/healthz")[0] == 200
     inputs, body = request_body(77)
@@ -436,3 +438,76 @@ def test_the_cluster_and_serve_listen_on_loopback_only_or_behind_the_token(serve
     found = listening(processes)
     assert any(port == server.http for _, _, _, port in found), found  # Serve's proxy is among them
     assert exposed(processes) == [], found
+
+
+# ---------------------------------------------------------------- the engine runs in the jail (issue 28)
+def write_attack_run(path: Path, attack: str) -> Path:
+    """A run directory whose best engine is the honest KDA engine with `tests.adversaries`' `attack`."""
+    from tests import adversaries
+
+    space = adversaries.WORKLOAD.gene_space(PRESET, DeviceInfo("cpu", "cpu", 1))
+    genome = space.make({**space.default().values(), "attack": attack})
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "summary.json").write_text(json.dumps({
+        "workload": "tests.adversaries", "preset": PRESET.name, "best_genome": genome.to_dict(),
+        "best_latency_ms": 1.0, "speedups": {}, "device": "cpu:test", "mlflow_run_id": None}))
+    return path
+
+
+def serve_attack(server: Server, attack: str, **user_config) -> str:
+    """Deploy the engine with `attack` and wait until it serves; its hash."""
+    run = write_attack_run(server.tmp / f"run-{attack}", attack)
+    server.deploy(str(run), attack, **user_config)
+    want = Genome.from_dict(json.loads((run / "summary.json").read_text())["best_genome"]).hash
+    return wait_for(lambda: engine_hash(server) == want and want, 180, f"the {attack} engine to serve", SERVER_NOT_READY)
+
+
+def test_an_engine_honest_only_in_the_jail_answers_honestly(server):
+    """Serve builds, verifies and calls the engine in the judge's jail: an engine that is right only as
+    `nobody` is right in every answer (run in the replica as root, it would answer wrongly)."""
+    serve_attack(server, "honest_in_jail")
+    info = get(server, "/v1/engine")[1]
+    assert info["sandbox"] == "strict" and "strict sandbox" in info["verification"]["message"]
+    for seed in (21, 22):
+        inputs, body = request_body(seed)
+        status, response = post(server, body)
+        assert status == 200, response
+        assert_matches_reference(inputs, response)
+
+
+def test_the_engine_reaches_neither_the_replica_nor_the_project(server):
+    """At build the engine looks for the secret in every /proc/*/environ and its own, reads the project's
+    tests and configs and writes into the project; any success would make its answers wrong. The same
+    probe run here, unconfined, succeeds (so it is not a probe that does nothing)."""
+    from tests import adversaries
+
+    serve_attack(server, "reach_replica")
+    inputs, body = request_body(31)
+    status, response = post(server, body)
+    assert status == 200, response
+    assert_matches_reference(inputs, response)
+    assert adversaries._reach_replica(adversaries.WORKLOAD)
+
+
+def test_an_engine_that_turns_wrong_is_taken_out_of_service(server):
+    """Every call re-scored: an engine honest while it is verified and for its first calls, wrong later,
+    is caught by the live re-scoring and replaced by the engine it had replaced."""
+    from tests import adversaries
+
+    before = serve_attack(server, "honest_in_jail")
+    bad = serve_attack(server, "wrong_after_calls", rescore_fraction=1.0)
+    assert bad != before
+    T = adversaries.MARKER_T
+
+    def caught():
+        post(server, request_body(41, T=T)[1])
+        return get(server, "/v1/engine")[1]["hash"] == before
+
+    wait_for(caught, 120, "live re-scoring to take the engine out of service", SERVER_NOT_READY)
+    info = get(server, "/v1/engine")[1]
+    assert info["rescoring"]["failed"] >= 1 and info["rescoring"]["fraction"] == 1.0, info["rescoring"]
+    assert "answered a served call wrongly" in info["last_swap"]["reason"] and info["last_swap"]["from"] == bad
+    inputs, body = request_body(42, T=T)
+    status, response = post(server, body)
+    assert status == 200 and get(server, "/healthz")[0] == 200
+    assert_matches_reference(inputs, response)

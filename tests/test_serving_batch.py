@@ -21,8 +21,8 @@ def test_merged_batches_stay_within_the_verified_batch():
         return {"o": q * 2}
 
     requests = [{"q": torch.full((b, 4, 2), float(i))} for i, b in enumerate([1, 2, 1, 3, 1, 1])]
-    results, n_calls = _run_grouped(_loaded(engine, 3), requests)
-    assert max(calls) <= 3 and sum(calls) == 9 and n_calls == len(calls)
+    results, engine_calls = _run_grouped(_loaded(engine, 3), requests)
+    assert max(calls) <= 3 and sum(calls) == 9 and len(engine_calls) == len(calls)
     for request, result in zip(requests, results):
         assert torch.equal(result["o"], request["q"] * 2)
 
@@ -38,3 +38,29 @@ def test_a_max_batch_size_beyond_the_verified_batch_is_refused():
     check_batch({"max_batch_size": 8}, loaded)
     with pytest.raises(ValueError, match="verified at \\(B=8\\)"):
         check_batch({"max_batch_size": 9}, loaded)
+
+
+def test_an_engine_found_wrong_with_no_engine_to_fall_back_on_fails_readiness():
+    """Live re-scoring takes a wrong engine out of service: with no previous engine, /healthz and Serve's
+    health check fail (the replica stops being routed to); with one, that one serves again."""
+    import dataclasses
+
+    from evo.serving.app import EngineServer
+
+    server = object.__new__(EngineServer.func_or_class)  # its state and methods, without Serve's wrapper
+    bad, good = (dataclasses.replace(_loaded(lambda q: {"o": q}, 8), record=_record(n)) for n in ("bad", "good"))
+    server.loaded, server.previous, server.out_of_service, server.last_swap = bad, None, None, None
+    server._take_out_of_service(bad, "answered wrongly")
+    with pytest.raises(RuntimeError, match="taken out of service by live re-scoring: answered wrongly"):
+        server.check_health()
+    server.loaded, server.previous, server.out_of_service = bad, good, None
+    server._take_out_of_service(bad, "answered wrongly")
+    server.check_health()
+    assert server.loaded is good and server.previous is None and server.last_swap["reason"] == "answered wrongly"
+
+
+def _record(name: str):
+    from evo.core.genome import Genome
+    from evo.evidence.engine_record import EngineRecord
+
+    return EngineRecord("kda", "cpu_small", Genome({"name": name}), f"test:{name}")

@@ -5,9 +5,17 @@
     GET  /v1/engine  workload, preset, genome, hash, measured latency, speedups, device, MLflow run id
     GET  /healthz    200 when an engine is loaded and verified
 
-The engine is named by `user_config.engine` (any source `evo.serving.source.resolve` accepts). Each
-replica builds it on its own device and checks it against the float64 reference on fresh inputs
-before it reports ready; a replica whose engine fails that check never becomes ready.
+The engine is named by `user_config.engine` (any source `evo.serving.source.resolve` accepts). The
+replica never runs engine code itself: it is a client of the engine, as the judge is. It starts the
+engine in the same confined process kind the evaluator judges engines in (`evaluators.served`: zygote,
+jail with its allow-list view, seccomp, cgroups, filtered environment), where the engine is built and
+verified against the float64 reference over every check case and a fresh draw over the verified domain
+before the replica reports ready; a replica whose engine fails never becomes ready. Each engine call
+goes over that process's channel and shared arenas. The replica keeps checking what it serves: a
+sample of the engine calls (`rescore_fraction`) is re-scored against the reference on a thread of its
+own, off the request path; a mismatch takes the engine out of service (back to the previous engine
+where a hot swap left one, else `/healthz` and Serve's health check fail and `/v1/infer` answers 503)
+and is reported under "rescoring" in `/v1/engine` and in the logs.
 `reconfigure` (a new user_config) first checks every key and value, then builds and verifies the new
 engine off the request path, and swaps engine and options in only if all of that passes; otherwise
 the old engine and options keep serving and the refusal is reported under "last_swap" in /v1/engine.
@@ -30,12 +38,10 @@ import asyncio
 import ctypes
 import logging
 import os
-import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-import numpy as np
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -43,10 +49,12 @@ from fastapi.responses import JSONResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from evaluators.check import SeedStream, check_engine
+from evaluators.sandbox import SANDBOXES
+from evaluators.served import ServedEngine, ServedEngineError
 from evaluators.settings import EvaluatorSettings
 from evo.serving.codec import ENCODINGS, RequestError, decode_request, encode_outputs, parse_body
 from evo.serving.example import example_body
+from evo.serving.rescoring import Rescorer
 from evo.serving.source import EngineRecord, resolve
 from evo.workloads import get_workload
 from evo.workloads.base import DeviceInfo, Preset, Workload
@@ -62,6 +70,8 @@ USER_CONFIG_DEFAULTS: dict[str, Any] = {
     "max_queue_wait_s": 0.0,  # how long a request may wait for room (unread) before its 503 + Retry-After
     "max_batch_size": 8,  # requests merged into one engine call
     "batch_wait_timeout_s": 0.005,  # how long a batch waits to fill
+    "rescore_fraction": 0.05,  # share of engine calls re-scored against the float64 reference, off the request path
+    "sandbox": "strict",  # the engine process's confinement, as the evaluator's; "none" only for trusted engines
 }
 RETRY_AFTER_S = 1
 
@@ -83,6 +93,11 @@ def check_user_config(user_config: Any) -> dict[str, Any]:
     for key, low in (("max_request_bytes", 1), ("max_inflight_bytes", 1), ("max_batch_size", 1)):
         if type(config[key]) is not int or config[key] < low:
             raise ValueError(f"user_config {key!r} must be an integer >= {low}, got {config[key]!r}")
+    fraction = config["rescore_fraction"]
+    if type(fraction) not in (int, float) or not 0 <= fraction <= 1:
+        raise ValueError(f"user_config 'rescore_fraction' must be a number in [0, 1], got {fraction!r}")
+    if config["sandbox"] not in SANDBOXES:
+        raise ValueError(f"user_config 'sandbox' must be one of {list(SANDBOXES)}, got {config['sandbox']!r}")
     for key in ("batch_wait_timeout_s", "max_queue_wait_s"):
         wait = config[key]
         if type(wait) not in (int, float) or not 0 <= wait <= 600:
@@ -122,7 +137,7 @@ class EngineRejected(RuntimeError):
 @dataclass(frozen=True)
 class LoadedEngine:
     record: EngineRecord
-    engine: Any
+    engine: ServedEngine  # the engine's confined process; calls go over its channel
     specs: tuple
     device: str
     check_message: str
@@ -153,41 +168,32 @@ def check_batch(config: dict[str, Any], loaded: LoadedEngine) -> None:
                          f"engines of this workload are verified at (B={loaded.max_batch}); use at most {loaded.max_batch}")
 
 
-def load_engine(source: str, tracking_uri: str | None = None) -> LoadedEngine:
-    """Resolve, build and verify an engine on this process's device; raise EngineRejected if it fails."""
+def load_engine(source: str, tracking_uri: str | None = None, sandbox: str = "strict") -> LoadedEngine:
+    """Resolve the engine, start it in its own confined process, build and verify it there; raise
+    EngineRejected if anything of that fails."""
     record = resolve(source, tracking_uri)
     workload = get_workload(record.workload)
     preset = workload.presets()[record.preset]
-    device = "cuda" if preset.device == "cuda" and torch.cuda.is_available() else "cpu"
-    if preset.device == "cuda" and device != "cuda":
+    if preset.device == "cuda" and not torch.cuda.is_available():
         raise EngineRejected(f"engine {record.genome.hash} is for the cuda preset {preset.name!r}; this replica has no GPU")
-    info = DeviceInfo(device, torch.cuda.get_device_name(0) if device == "cuda" else "cpu", torch.get_num_threads())
     try:
         specs, axes = request_schema(workload, preset)
     except NotImplementedError as exc:
         raise EngineRejected(f"engine {record.genome.hash} from {source}: no HTTP input schema: {exc}") from exc
     try:
-        engine = workload.build(record.genome, preset, info, record.sources)
-        settings = EvaluatorSettings()
-        # the fixed cascade, then a stage drawn at random over the domain (as every evaluation draws one)
-        drawn = workload.draw_cases(preset, np.random.default_rng(secrets.randbits(63)))
-        with torch.no_grad():
-            report = check_engine(engine, workload, preset, [*workload.check_cases(preset), drawn],
-                                  SeedStream(secrets.randbits(63), "serve"), device=device,
-                                  tolerance=settings.tolerance(preset.dtype),
-                                  elementwise_factor=settings.elementwise_factor)
-    except Exception as exc:
-        raise EngineRejected(f"engine {record.genome.hash} from {source}: {type(exc).__name__}: {exc}") from exc
-    if not report.passed:
-        raise EngineRejected(f"engine {record.genome.hash} from {source} failed its check: {report.message}")
-    return LoadedEngine(record, engine, specs, device, report.message,
-                        report.max_rel_error, time.time(), verified_batch(workload, preset), axes)
+        engine = ServedEngine(record.workload, record.preset, record.genome.to_json(), record.sources,
+                              EvaluatorSettings(sandbox=sandbox))
+    except (ServedEngineError, ValueError) as exc:
+        raise EngineRejected(f"engine {record.genome.hash} from {source}: {exc}") from exc
+    return LoadedEngine(record, engine, specs, engine.device, engine.check_message,
+                        engine.max_rel_error, time.time(), verified_batch(workload, preset), axes)
 
 
-def _run_grouped(loaded: LoadedEngine, requests: list[dict[str, torch.Tensor]]) -> tuple[list[dict], int]:
+def _run_grouped(loaded: LoadedEngine, requests: list[dict[str, torch.Tensor]]
+                 ) -> tuple[list[dict], list[tuple[dict, dict]]]:
     """Requests with the same tensors, equal in every dim but the batch axis (0), become one engine call
     along axis 0, never more than `loaded.max_batch` (verified) batch elements in one call. Returns each
-    request's outputs and the number of engine calls made."""
+    request's outputs and each engine call's (inputs, outputs)."""
     results: list[dict[str, torch.Tensor] | None] = [None] * len(requests)
     groups: list[list[int]] = []
     open_groups: dict[tuple, tuple[list[int], int]] = {}
@@ -200,15 +206,16 @@ def _run_grouped(loaded: LoadedEngine, requests: list[dict[str, torch.Tensor]]) 
             groups.append(members)
         members.append(i)
         open_groups[key] = (members, total + size)
-    with torch.no_grad():
-        for members in groups:
-            sizes = [requests[i][next(iter(requests[i]))].shape[0] for i in members]
-            merged = {name: torch.cat([requests[i][name] for i in members]) for name in requests[members[0]]}
-            outputs = loaded.engine(**{k: v.to(loaded.device) for k, v in merged.items()})
-            split = {name: torch.split(t.cpu(), sizes) for name, t in outputs.items()}
-            for j, i in enumerate(members):
-                results[i] = {name: parts[j].clone() for name, parts in split.items()}
-    return results, len(groups)
+    calls = []
+    for members in groups:
+        sizes = [requests[i][next(iter(requests[i]))].shape[0] for i in members]
+        merged = {name: torch.cat([requests[i][name] for i in members]) for name in requests[members[0]]}
+        outputs = loaded.engine(**merged)
+        calls.append((merged, outputs))
+        split = {name: torch.split(t, sizes) for name, t in outputs.items()}
+        for j, i in enumerate(members):
+            results[i] = {name: parts[j].clone() for name, parts in split.items()}
+    return results, calls
 
 
 def _content_length(request: Request, limit: int) -> int | None:
@@ -277,13 +284,16 @@ class EngineServer:
     def __init__(self, engine: str | None = None, **options: Any) -> None:
         self.config = dict(USER_CONFIG_DEFAULTS)
         self.loaded: LoadedEngine | None = None
+        self.previous: LoadedEngine | None = None  # the engine a hot swap replaced: the fallback
+        self.out_of_service: dict[str, Any] | None = None  # why no engine serves (live re-scoring failed)
+        self.rescorer = Rescorer(self._take_out_of_service)
         self.last_swap: dict[str, Any] | None = None
         self.stats = {"requests": 0, "batches": 0, "engine_calls": 0, "refused_busy": 0}
         self.inflight_bytes = 0  # bytes reserved by the requests this replica is reading or running
         self._budget: asyncio.Condition | None = None  # admission: waits for inflight_bytes to fit
         if engine is not None:  # plain `serve.run(EngineServer.bind(engine=...))` without user_config
             config = check_user_config({**options, "engine": engine})
-            self.loaded = load_engine(engine, config["tracking_uri"])
+            self.loaded = load_engine(engine, config["tracking_uri"], config["sandbox"])
             check_batch(config, self.loaded)
             self._apply_options(config)
 
@@ -294,10 +304,11 @@ class EngineServer:
         source = user_config.get("engine") if isinstance(user_config, dict) else None
         try:
             config = check_user_config(user_config)
-            if self.loaded is not None and config["engine"] == self.config["engine"]:
+            if self.loaded is not None and all(config[k] == self.config[k] for k in ("engine", "sandbox")):
                 candidate = self.loaded  # options only
             else:  # build and verify off the event loop: requests keep being served meanwhile
-                candidate = await asyncio.to_thread(load_engine, config["engine"], config["tracking_uri"])
+                candidate = await asyncio.to_thread(load_engine, config["engine"], config["tracking_uri"],
+                                                    config["sandbox"])
             check_batch(config, candidate)
         except Exception as exc:
             if self.loaded is None:
@@ -310,24 +321,53 @@ class EngineServer:
         previous = self.loaded.record.genome.hash if self.loaded else None
         self._apply_options(config)
         if candidate is not self.loaded:
+            retired, self.previous = self.previous, self.loaded
             self.loaded = candidate  # one reference assignment: in-flight batches finish on the old engine
+            self.out_of_service = None
             self.last_swap = {"source": config["engine"], "ok": True, "from": previous,
                               "to": candidate.record.genome.hash, "at": started, "seconds": time.time() - started}
+            if retired is not None:  # waits for a call still running there, then kills its process
+                await asyncio.to_thread(retired.engine.close)
+
+    def _take_out_of_service(self, failed: LoadedEngine, why: str) -> None:
+        """Live re-scoring found `failed` wrong: serve the previous engine where there is one, else nothing."""
+        if failed is self.previous:
+            self.previous = None
+            return
+        if failed is not self.loaded:
+            return
+        fallback = self.previous
+        if fallback is not None:
+            self.previous, self.loaded = None, fallback
+            self.last_swap = {"source": fallback.record.source, "ok": True, "from": failed.record.genome.hash,
+                              "to": fallback.record.genome.hash, "at": time.time(), "reason": why}
+        else:
+            self.out_of_service = {"hash": failed.record.genome.hash, "reason": why, "at": time.time()}
 
     def _apply_options(self, config: dict[str, Any]) -> None:
         """Apply a config `check_user_config` accepted."""
         self.config = dict(config)
         self._run_batch.set_max_batch_size(int(config["max_batch_size"]))
         self._run_batch.set_batch_wait_timeout_s(float(config["batch_wait_timeout_s"]))
+        self.rescorer.fraction = float(config["rescore_fraction"])
+
+    def _unavailable(self) -> str | None:
+        """Why no engine may answer now, or None."""
+        if self.out_of_service is not None:
+            return (f"engine {self.out_of_service['hash']} was taken out of service by live re-scoring: "
+                    f"{self.out_of_service['reason']}"[:500])
+        return "no verified engine loaded yet" if self.loaded is None else None
 
     def check_health(self) -> None:
-        if self.loaded is None:
-            raise RuntimeError("no verified engine loaded")
+        why = self._unavailable()
+        if why is not None:
+            raise RuntimeError(why)
 
     @api.get("/healthz")
     async def healthz(self) -> JSONResponse:
-        if self.loaded is None:
-            return error_response("engine", "no verified engine loaded yet", 503)
+        why = self._unavailable()
+        if why is not None:
+            return error_response("engine", why, 503)
         return JSONResponse({"status": "ok", "hash": self.loaded.record.genome.hash})
 
     @api.get("/v1/engine")
@@ -341,6 +381,10 @@ class EngineServer:
             "verification": {"message": self.loaded.check_message, "max_rel_error": self.loaded.max_rel_error},
             "loaded_at": self.loaded.loaded_at,
             "last_swap": self.last_swap,
+            "sandbox": self.config["sandbox"],
+            "rescoring": {"fraction": self.config["rescore_fraction"], **self.rescorer.stats,
+                          "out_of_service": self.out_of_service,
+                          "previous": self.previous.record.genome.hash if self.previous else None},
             "batching": {"max_batch_size": self.config["max_batch_size"],
                          "batch_wait_timeout_s": self.config["batch_wait_timeout_s"]},
             "limits": {"max_request_bytes": self.config["max_request_bytes"],
@@ -352,9 +396,9 @@ class EngineServer:
 
     @api.post("/v1/infer")
     async def infer(self, request: Request) -> JSONResponse:
-        loaded = self.loaded
-        if loaded is None:
-            return error_response("engine", "no engine loaded", 503)
+        loaded, why = self.loaded, self._unavailable()
+        if why is not None:
+            return error_response("engine", why, 503)
         limit, budget = self.config["max_request_bytes"], self.config["max_inflight_bytes"]
         try:
             declared = _content_length(request, limit)
@@ -418,10 +462,16 @@ class EngineServer:
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=0.005)
     async def _run_batch(self, requests: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
         loaded = self.loaded  # the engine this whole batch runs on, even if a swap lands meanwhile
-        results, calls = await asyncio.to_thread(_run_grouped, loaded, requests)
+        try:
+            results, calls = await asyncio.to_thread(_run_grouped, loaded, requests)
+        except ServedEngineError as exc:  # it raised, died or answered malformed on verified inputs
+            logger.error("engine call failed; taking the engine out of service: %s", exc)
+            self._take_out_of_service(loaded, str(exc))
+            raise
         self.stats["requests"] += len(requests)
         self.stats["batches"] += 1
-        self.stats["engine_calls"] += calls
+        self.stats["engine_calls"] += len(calls)
+        self.rescorer.offer(loaded, calls)
         return results
 
 
