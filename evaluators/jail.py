@@ -44,8 +44,6 @@ class JailPlan:
     cgroup_procs: tuple[str, ...] = ()  # files the process writes its pid into, to join its cgroups
     hidden: tuple[str, ...] = ()  # paths covered by an unreadable empty file or folder
     network: bool = False  # keep the host's network namespace
-    private_shm: bool = True  # a private /dev/shm (CUDA IPC needs the shared one)
-    ipc_namespace: bool = True
     cuda: bool = False  # the view adds the NVIDIA device nodes and PCI folders
     trusted: bool = False  # a baseline: the view adds the libraries baselines build on
     uid: int = NOBODY
@@ -80,12 +78,13 @@ def unavailable() -> str:
 def enter_namespaces(plan: JailPlan) -> None:
     """In the holder: new namespaces for the process it forks next (its mount namespace that process
     makes itself: the holder keeps the machine's view, to remove the candidate's cgroups at the end)."""
-    flags = CLONE_NEWPID | CLONE_NEWUTS
-    if plan.ipc_namespace:
-        flags |= CLONE_NEWIPC
-    if not plan.network:
-        flags |= CLONE_NEWNET
-    _libc_check(_libc().unshare(flags), "unshare")
+    _libc_check(_libc().unshare(namespace_flags(plan)), "unshare")
+
+
+def namespace_flags(plan: JailPlan) -> int:
+    """The namespaces the holder unshares: PID, UTS and IPC always (on CUDA too: arenas travel as
+    descriptors, so no candidate shares the judge's System V IPC or anyone's /dev/shm), network unless kept."""
+    return CLONE_NEWPID | CLONE_NEWUTS | CLONE_NEWIPC | (0 if plan.network else CLONE_NEWNET)
 
 
 def confine(plan: JailPlan, keep_fds: tuple[int, ...], view: View) -> None:
@@ -93,7 +92,7 @@ def confine(plan: JailPlan, keep_fds: tuple[int, ...], view: View) -> None:
     for procs in plan.cgroup_procs:
         Path(procs).write_text("0")  # "0": the writing process itself
     _libc_check(_libc().unshare(CLONE_NEWNS), "unshare the mount namespace")
-    _mounts(plan, view)
+    _mounts(view)
     _libc_check(_libc().sethostname(b"engine", 6), "sethostname")
     _descriptors(keep_fds)
     _drop_privileges(plan)
@@ -140,7 +139,7 @@ def _kill(pid: int) -> None:
         pass
 
 
-def _mounts(plan: JailPlan, view: View) -> None:
+def _mounts(view: View) -> None:
     """A new root holding only `view`: a tmpfs on a scratch base becomes the root (the old one stays
     reachable under /oldroot while the view is bound in from it), then the view's root replaces it and the
     old tree is detached, so nothing outside the view can be reached by any path."""
@@ -166,9 +165,6 @@ def _mounts(plan: JailPlan, view: View) -> None:
     os.makedirs(new + "/proc", 0o755, exist_ok=True)
     _mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     for path in view.private:
-        if path == "/dev/shm" and not plan.private_shm:
-            _bind("/oldroot/dev/shm", new + path)  # CUDA IPC without its own namespace needs the shared one
-            continue
         os.makedirs(new + path, 0o755, exist_ok=True)
         _mount("tmpfs", new + path, "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=50%")
     empty_file, empty_dir = _empties(new + "/tmp/.evo-hidden")

@@ -36,7 +36,6 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any, Mapping, Sequence
 
 import torch
-import torch.multiprocessing  # noqa: F401 - registers the reductions that share tensors with the child
 
 from evaluators import arena as arenas
 from evaluators import jail
@@ -129,8 +128,7 @@ class EngineProcess:
             # Its own IPC namespace and /dev/shm on every device: CUDA arenas travel as descriptors over
             # its channel, as CPU ones do (`evaluators.cuda_memory`), so it needs nothing of the judge's.
             plan = jail.JailPlan(cgroup_procs=tuple(self._cgroup.procs_files), hidden=self.hidden,
-                                 network=self.network, private_shm=True, ipc_namespace=True,
-                                 cuda=not cpu, trusted=self.trusted).to_json()
+                                 network=self.network, cuda=not cpu, trusted=self.trusted).to_json()
         spawned = self._zygote.spawn(preload, plan)
         self._holder, self.pid, self.conn = spawned.holder, spawned.pid, spawned.conn
         self._sock = socket.socket(fileno=os.dup(self.conn.fileno()))

@@ -18,8 +18,9 @@ import torch
 
 from evaluators import arena as arenas
 from evaluators import cuda_memory as cm
-from evaluators import engine_process, sandbox
+from evaluators import engine_process, jail, sandbox
 from evaluators.sandbox import EngineProcess, EngineProcessError
+from evaluators.view import declared_view
 from evaluators.zygote import Spawned
 
 MiB = 1 << 20
@@ -140,8 +141,9 @@ def test_every_engine_process_gets_its_own_ipc_namespace_and_shm(monkeypatch, de
     _NoZygote.plans.clear()
     with pytest.raises(EngineProcessError, match="captured by the test"):
         EngineProcess(device, sandbox="strict").launch()
-    plan = _NoZygote.plans[-1]
-    assert plan["private_shm"] is True and plan["ipc_namespace"] is True, plan
+    plan = jail.JailPlan.from_json(_NoZygote.plans[-1])
+    assert jail.namespace_flags(plan) & jail.CLONE_NEWIPC and plan.cuda == (device != "cpu"), plan
+    assert "/dev/shm" in declared_view(plan.hidden, (), plan.cuda).private
 
 
 def _memfd_arena(nbytes: int, device: str) -> tuple[torch.Tensor, int]:
