@@ -35,6 +35,8 @@ _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS = 24, 38
 NOBODY = 65534
 _MNT_DETACH = 2
 _PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217}  # syscall numbers
+_MOUNT_SETATTR = {"x86_64": 442, "aarch64": 442, "ppc64le": 442, "s390x": 442}
+_AT_FDCWD, _AT_RECURSIVE, _MOUNT_ATTR_RDONLY = -100, 0x8000, 0x1
 
 
 @dataclass(frozen=True)
@@ -153,7 +155,7 @@ def _mounts(view: View) -> None:
     new = "/newroot"
     _mount("tmpfs", new, "tmpfs", MS_NOSUID, "mode=0755,size=1m")
     for path in view.read_only:
-        _bind_read_only("/oldroot" + path, new + path)
+        _bind("/oldroot" + path, new + path)
     for path, target in view.links:
         _make_parents(new + path)
         os.symlink(target, new + path)
@@ -162,10 +164,11 @@ def _mounts(view: View) -> None:
         with open(new + path, "w") as f:
             f.write(text)
         os.chmod(new + path, 0o644)
-    os.makedirs(new + "/proc", 0o755, exist_ok=True)
+    for path in ("/proc", *view.private):
+        os.makedirs(new + path, 0o755, exist_ok=True)
+    _read_only_tree(new, [new + p for p in view.read_only])
     _mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     for path in view.private:
-        os.makedirs(new + path, 0o755, exist_ok=True)
         _mount("tmpfs", new + path, "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=50%")
     empty_file, empty_dir = _empties(new + "/tmp/.evo-hidden")
     for path in view.hidden:
@@ -173,17 +176,22 @@ def _mounts(view: View) -> None:
             _mount(empty_dir, new + path, None, MS_BIND)
         elif os.path.lexists(new + path):
             _mount(empty_file, new + path, None, MS_BIND)
-    _mount(None, new, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID)
     os.chdir(new)
     _pivot_root(".", ".")  # the view's root on top of the scratch root, which is then detached
     _libc_check(_libc().umount2(b".", _MNT_DETACH), "detach the old root")
     os.chdir("/")
 
 
-def _bind_read_only(source: str, target: str) -> None:
-    """Bind one file or folder (not its submounts) read-only at `target`."""
-    _bind(source, target)
-    _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | _flags_of(source))
+def _read_only_tree(root: str, binds: list[str]) -> None:
+    """Make `root` and every mount under it read-only: one mount_setattr (Linux 5.12+), else one remount
+    per bind and one of the root."""
+    attr = (ctypes.c_uint64 * 4)(_MOUNT_ATTR_RDONLY, 0, 0, 0)  # struct mount_attr: set, clear, propagation, userns
+    number = _MOUNT_SETATTR.get(platform.machine())
+    if number is not None and _libc().syscall(number, _AT_FDCWD, _b(root), _AT_RECURSIVE, attr, 32) == 0:
+        return
+    for target in binds:
+        _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | _flags_of(target))
+    _mount(None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID)
 
 
 def _bind(source: str, target: str) -> None:

@@ -197,7 +197,10 @@ def _view_of(plan: dict | None) -> Any:
     depends on the modules loaded so far, the hidden paths and the device)."""
     if plan is None:
         return None
+    from evaluators import seccomp
     from evaluators.view import declared_view
+
+    seccomp.program()  # compiled once here, loaded by each engine process
 
     return declared_view(plan.get("hidden", ()), list(sys.modules), bool(plan.get("cuda")), bool(plan.get("trusted")))
 

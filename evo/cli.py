@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
                            help="most requests a replica runs as one batched call")
     serve_cmd.add_argument("--tracking-uri", default=None, help="MLflow store for models:/ and runs:/ sources "
                                                                 "(default: $MLFLOW_TRACKING_URI, else ./mlflow.db)")
+    serve_cmd.add_argument("--sandbox", choices=("strict", "none"), default="strict",
+                           help="the engine process's confinement, as the evaluator's (none: trusted engines only)")
+    serve_cmd.add_argument("--rescore-fraction", type=float, default=0.05,
+                           help="share of engine calls re-scored against the float64 reference, off the request path")
     genes_cmd = add("genes", help="print a workload preset's gene space")
     genes_cmd.add_argument("config", help="YAML experiment config: its workload, preset and genes restriction")
     bench_cmd = add("bench", help="evaluate genomes and every baseline in this process (no Ray, no MLflow needed)")
@@ -115,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         from evo.serving.serve_cli import serve_forever
 
         return serve_forever(args.engine, host=args.host, port=args.port, name=args.name,
-                             max_batch_size=args.max_batch_size, tracking_uri=args.tracking_uri)
+                             max_batch_size=args.max_batch_size, tracking_uri=args.tracking_uri,
+                             sandbox=args.sandbox, rescore_fraction=args.rescore_fraction)
     if args.command == "resume":
         from evo.driver.resume import RunDirError, load_run
 

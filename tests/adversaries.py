@@ -239,7 +239,7 @@ def _outside_view(w, most: int = 40) -> list[str]:
     named = [ROOT / "tests" / "__init__.py", ROOT / "docs", ROOT / "scripts", ROOT / "configs", ROOT / "README.md",
              ROOT / ".git", ROOT / "evaluators" / "evaluator.py", ROOT / "evo" / "serving" / "app.py",
              ROOT / "evo" / "workloads" / "kda" / "reference.py", ROOT.parent / "shared", Path("/root/.bashrc"),
-             Path("/home"), Path("/etc/shadow"), Path("/etc/hostname"), site / "mlflow", site / "ray", Path("/proc/2")]
+             Path("/home"), Path("/etc/shadow"), Path("/etc/hostname"), site / "mlflow", site / "ray"]
     found = [str(p) for p in named if _can_open(p)]
     for folder, dirs, files in os.walk("/"):
         if len(found) >= most:

@@ -35,7 +35,7 @@ def port_problem(host: str, port: int) -> str | None:
 
 
 def serve_forever(engine: str, host: str, port: int, name: str, max_batch_size: int,
-                  tracking_uri: str | None) -> int:
+                  tracking_uri: str | None, sandbox: str = "strict", rescore_fraction: float = 0.05) -> int:
     problem = port_problem(host, port)  # before Ray starts: a busy port is one line, not a traceback
     if problem:
         print(f"error: {problem}", file=sys.stderr)
@@ -66,7 +66,8 @@ def serve_forever(engine: str, host: str, port: int, name: str, max_batch_size: 
         signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": host, "port": port})
-        app = build_app({"engine": engine, "max_batch_size": max_batch_size, "tracking_uri": tracking_uri})
+        app = build_app({"engine": engine, "max_batch_size": max_batch_size, "tracking_uri": tracking_uri,
+                         "sandbox": sandbox, "rescore_fraction": rescore_fraction})
         serve.run(app, name=name, route_prefix="/")
         url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
         print(f"serving engine {record.genome.hash} ({record.workload}/{record.preset}) at {url}"

@@ -17,19 +17,13 @@ class EnginePyfunc(mlflow.pyfunc.PythonModel):
     """predict({input name: array}) -> {output name: float32 array} with the engine on CPU."""
 
     def load_context(self, context) -> None:
-        from evo.workloads import get_workload
-        from evo.workloads.base import DeviceInfo
+        from evo.evidence.mlflow.pyfunc_engine import confined_engine
 
         record = EngineRecord.from_dict(json.loads(Path(context.artifacts["engine"]).read_text()), "pyfunc")
-        workload = get_workload(record.workload)
-        preset = workload.presets()[record.preset]
-        self.engine = workload.build(record.genome, preset, DeviceInfo("cpu", "cpu", 1), record.sources)
-        self.dtype = preset.dtype
+        self.engine = confined_engine(record)  # in its own engine process, as Serve runs it
 
     def predict(self, context, model_input, params=None):  # untyped, as those versions were logged
         import torch
 
         inputs = {name: torch.as_tensor(value) for name, value in model_input.items() if value is not None}
-        with torch.no_grad():
-            outputs = self.engine(**inputs)
-        return {name: tensor.float().numpy() for name, tensor in outputs.items()}
+        return {name: tensor.float().numpy() for name, tensor in self.engine(**inputs).items()}
