@@ -1,8 +1,9 @@
 """Correctness policy: an engine against the workload's float64 reference, on fresh inputs.
 
 `compare_outputs` is the policy every call of every engine is judged by (the evaluator applies it to
-each call an isolated engine makes, see evaluators/evaluator.py). `check_engine` runs the cascade on an
-engine in this process: the Serve replica uses it to verify the engine it is about to serve.
+each call an isolated engine makes, see evaluators/evaluator.py; Serve's replica verifies through the same
+evaluator, `evaluators.served`). `check_engine` runs the cascade on a trusted engine in this process (the
+policy's own tests); untrusted engines never run in the caller's process.
 
 For each case of each cascade stage (cheap stages first, stop at the first failing one) the check
 draws fresh inputs, snapshots them, runs the engine and verifies, in order:

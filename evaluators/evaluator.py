@@ -136,7 +136,7 @@ class Evaluator:
         self._retimed_after_throttle = False  # this evaluation's calls were timed again: the device throttled
         self.sampler = sampler or telemetry.MachineSampler()  # tests pass one of their own (a throttle)
         self._paired_seed, self._retimings = derive_seed(seed, f"{name}:paired"), 0  # paired call orders
-        Zygote.shared()  # starts now (imports torch there), ready by the first evaluation
+        Zygote.shared(self._preload)  # starts now (imports torch there), ready by the first evaluation
 
     # ----------------------------------------------------------------- public API
     def close(self) -> None:
@@ -200,7 +200,7 @@ class Evaluator:
         measures once more and keeps the higher of each rate: ceilings read low when another process
         disturbs a measurement, and a low ceiling would make an honest engine look too fast."""
         if self._rates is None or again:
-            Zygote.shared().wait_ready()  # it shares these cores while it starts
+            Zygote.shared(self._preload).wait_ready()  # it shares these cores while it starts
             rates = measure_rates(self.device, self.preset.dtype,
                                   self._info.threads if self.device == "cpu" else None)
             if self._rates is not None:
@@ -342,10 +342,11 @@ class Evaluator:
         """Run the plan (stop at the first failing call); the verdicts and the timing of the timed calls
         (each call's wall time less `null_ms`, the judge's cost of a call without an engine).
 
-        On the CPU the outputs are compared after the whole plan ran (every call is still checked, in
-        plan order): a float64 reference computed between two calls would evict the engine's working
-        set from the caches the calls share and make every engine look slower than it runs."""
-        defer = self.device == "cpu"
+        On the CPU a call's outputs are compared only once the next call is not a timed one (every call is
+        still checked, in plan order): a float64 reference computed right before a timed call would evict
+        the engine's working set from the caches the calls share and make the engine look slower than it
+        runs; before an untimed check call it costs nothing, and a wrong engine stops at once."""
+        on_cpu = self.device == "cpu"
         verdicts: list[_Verdict] = []
         pending: list[tuple[_Call, dict, CallResult]] = []
         samples: list[float] = []
@@ -360,7 +361,7 @@ class Evaluator:
                 warm = timing_calls <= self.settings.warmup
                 call = _Call(call.case, True, f"{'warm-up' if warm else 'timed'} call {timing_calls} ({call.case.name})")
             inputs, result, failure = self._call(process, call, deadline)
-            if failure is None and defer:
+            if failure is None and on_cpu and queue and queue[0].timing:
                 pending.append((call, inputs, result))
                 verdict = _Verdict(None, elapsed_ms=result.elapsed_s * 1e3)
             else:
@@ -604,7 +605,7 @@ class Evaluator:
                              memory_bytes=int(self.settings.engine_memory_gb * 2**30),
                              network=self.settings.engine_network, sandbox=self.settings.sandbox,
                              hidden=hidden_paths(self.workload) if guarded else (), trusted=not guarded,
-                             arena_pool=self._arenas)
+                             readable=self.workload.engine_files(self.preset), arena_pool=self._arenas)
 
     def hold(self, process: EngineProcess, engine: dict, deadline: float) -> tuple[str | None, float]:
         """Launch `process`, build `engine` there and check its first call: (why it failed, or None;

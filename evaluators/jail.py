@@ -48,6 +48,7 @@ class JailPlan:
     network: bool = False  # keep the host's network namespace
     cuda: bool = False  # the view adds the NVIDIA device nodes and PCI folders
     trusted: bool = False  # a baseline: the view adds the libraries baselines build on
+    readable: tuple[str, ...] = ()  # files the workload's engines read (Workload.engine_files)
     uid: int = NOBODY
     gid: int = NOBODY
 
@@ -57,7 +58,7 @@ class JailPlan:
     @classmethod
     def from_json(cls, data: dict) -> JailPlan:
         return cls(**{**data, "cgroup_procs": tuple(data.get("cgroup_procs", ())),
-                      "hidden": tuple(data.get("hidden", ()))})
+                      "hidden": tuple(data.get("hidden", ())), "readable": tuple(data.get("readable", ()))})
 
 
 class JailError(RuntimeError):

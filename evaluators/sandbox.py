@@ -76,7 +76,8 @@ class EngineProcess:
 
     def __init__(self, device: str, *, threads: int | None = None, settle_s: float = 0.0, poison: bool = False,
                  memory_bytes: int | None = None, network: bool = False, sandbox: str = "strict",
-                 hidden: tuple[str, ...] = (), trusted: bool = False, cores: tuple[int, ...] | None = None,
+                 hidden: tuple[str, ...] = (), trusted: bool = False, readable: tuple[str, ...] = (),
+                 cores: tuple[int, ...] | None = None,
                  arena_pool: arenas.ArenaPool | None = None) -> None:
         if sandbox not in SANDBOXES:
             raise ValueError(f"sandbox must be one of {SANDBOXES}, got {sandbox!r}")
@@ -89,6 +90,7 @@ class EngineProcess:
         self.sandbox = sandbox
         self.hidden = tuple(hidden)  # paths the engine's view leaves out (strict sandbox)
         self.trusted = trusted  # a baseline: its view also holds the libraries baselines build on
+        self.readable = tuple(readable)  # files its engine reads (Workload.engine_files), in its view read-only
         self.cores = tuple(sorted(cores or os.sched_getaffinity(0)))  # the engine's, enforced by its cpuset
         self.pid: int | None = None
         self.conn: Any = None
@@ -120,7 +122,7 @@ class EngineProcess:
         """Fork the engine's process from the zygote (waits for the zygote to be ready on first use),
         confined as `sandbox` says; `preload` names modules (the workload's) the zygote imports once for
         every later fork."""
-        self._zygote = Zygote.shared()
+        self._zygote = Zygote.shared(preload)
         plan = None
         if self.sandbox == "strict":
             cpu = self.device.type == "cpu"
@@ -128,7 +130,8 @@ class EngineProcess:
             # Its own IPC namespace and /dev/shm on every device: CUDA arenas travel as descriptors over
             # its channel, as CPU ones do (`evaluators.cuda_memory`), so it needs nothing of the judge's.
             plan = jail.JailPlan(cgroup_procs=tuple(self._cgroup.procs_files), hidden=self.hidden,
-                                 network=self.network, cuda=not cpu, trusted=self.trusted).to_json()
+                                 network=self.network, cuda=not cpu, trusted=self.trusted,
+                                 readable=self.readable).to_json()
         spawned = self._zygote.spawn(preload, plan)
         self._holder, self.pid, self.conn = spawned.holder, spawned.pid, spawned.conn
         self._sock = socket.socket(fileno=os.dup(self.conn.fileno()))

@@ -11,6 +11,7 @@ read-only, exactly the paths of a `View`; nothing else of the machine exists the
   the `.pth` files and import hooks the site machinery reads;
 - of the project, the engine-side packages (`evo/__init__.py`, `evo/core`, `evo/workloads`) less the
   hidden files (the reference's and the baselines' modules, which an engine process never has loaded);
+- the files the workload says its engines read (`Workload.engine_files`: a checkpoint's weights);
 - a few device nodes (null, zero, random; on CUDA the NVIDIA ones), `/sys` only for the CPU topology
   (and on CUDA the PCI devices), a fresh `/proc` of its own PID namespace, private `/tmp`, `/var/tmp`
   and `/dev/shm`.
@@ -30,7 +31,8 @@ from typing import Iterable
 
 PROJECT = Path(__file__).resolve().parents[1]
 ENGINE_PACKAGES = ("evo/__init__.py", "evo/core", "evo/workloads")  # the project's engine side
-ROOT_DISTRIBUTIONS = ("torch", "triton", "numpy")  # always importable by engine code (evo.core.code)
+ROOT_DISTRIBUTIONS = ("torch", "triton", "numpy",  # what engine code may import (evo.core.code)
+                      "safetensors")  # how engines read a checkpoint's weights (Workload.engine_files)
 BASELINE_DISTRIBUTIONS = ("transformers", "fla-core", "einops")  # what baselines (trusted) may import besides
 SYSTEM = ("/usr", "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives", "/etc/localtime")
 MERGED_USR_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
@@ -67,17 +69,21 @@ class View:
         return any(_under(path, r) or _under(r, path) for r in roots)
 
 
-def declared_view(hidden: Iterable[str], modules: Iterable[str], cuda: bool = False, trusted: bool = False) -> View:
+def declared_view(hidden: Iterable[str], modules: Iterable[str], cuda: bool = False, trusted: bool = False,
+                  readable: Iterable[str] = ()) -> View:
     """The view of an engine process whose interpreter has `modules` loaded (their files stay visible),
     with `hidden` covered; `cuda` adds the NVIDIA devices and PCI folders; `trusted` (a baseline) adds the
-    libraries baselines build on (`BASELINE_DISTRIBUTIONS`, where installed)."""
-    return _view(tuple(sorted(hidden)), frozenset(m.partition(".")[0] for m in modules), cuda, trusted)
+    libraries baselines build on (`BASELINE_DISTRIBUTIONS`, where installed); `readable` adds the files a
+    workload's engines read (`Workload.engine_files`, e.g. a checkpoint folder)."""
+    return _view(tuple(sorted(hidden)), frozenset(m.partition(".")[0] for m in modules), cuda, trusted,
+                 tuple(sorted(readable)))
 
 
 @functools.lru_cache(maxsize=16)
-def _view(hidden: tuple[str, ...], top_modules: frozenset[str], cuda: bool, trusted: bool) -> View:
+def _view(hidden: tuple[str, ...], top_modules: frozenset[str], cuda: bool, trusted: bool,
+          readable: tuple[str, ...]) -> View:
     extra = BASELINE_DISTRIBUTIONS if trusted else ()
-    paths = [*SYSTEM, *CPU_DEVICES, *CPU_SYS, *_python(), *_site_entries(top_modules, extra),
+    paths = [*SYSTEM, *CPU_DEVICES, *CPU_SYS, *_python(), *_site_entries(top_modules, extra), *readable,
              *(str(PROJECT / p) for p in ENGINE_PACKAGES)]
     if cuda:
         paths += [*_nvidia_devices(), *CUDA_SYS]

@@ -1,7 +1,8 @@
 """A clean process that forks engine processes on request: `python -m evaluators.zygote FD PATHS`.
 
-Started once per judge process (`Zygote.shared()`), it imports torch and the engine-process code and
-never runs an engine itself, so every engine process starts in milliseconds from the same clean state
+Started once per judge process and set of preloaded modules (`Zygote.shared(preload)`: the engines of
+one workload never start from a zygote that loaded another workload's modules, which may hold that
+workload's reference), it imports torch and the engine-process code and never runs an engine itself, so every engine process starts in milliseconds from the same clean state
 and inherits nothing of the judge (no seeds, no inputs, no references). Unlike multiprocessing's fork
 server it does not re-import the judge's `__main__` (a Ray worker's, or pytest's).
 
@@ -55,18 +56,24 @@ class Spawned:
 class Zygote:
     """The judge's handle on its zygote (one per judge process, started on first use)."""
 
-    _shared: Zygote | None = None
+    _shared: dict[tuple[str, ...], Zygote] = {}  # by preload set, most recently used last
     _shared_lock = threading.Lock()
+    KEPT = 3  # zygotes kept per judge process (one per workload in use; a hot swap may hold two; tests use many)
 
     @classmethod
-    def shared(cls) -> Zygote:
+    def shared(cls, preload: tuple[str, ...] = ()) -> Zygote:
+        """The zygote for engines that need the modules `preload` (started on first use)."""
+        key = tuple(sorted(set(preload)))
         with cls._shared_lock:
-            current = cls._shared
+            current = cls._shared.pop(key, None)
             if current is None or not current.alive() or current.environment != _import_environment():
                 if current is not None:
                     current.stop()
-                cls._shared = cls()
-            return cls._shared
+                current = cls()
+            cls._shared[key] = current
+            while len(cls._shared) > cls.KEPT:
+                cls._shared.pop(next(iter(cls._shared))).stop()
+            return current
 
     def __init__(self) -> None:
         self.environment = _import_environment()
@@ -202,7 +209,8 @@ def _view_of(plan: dict | None) -> Any:
 
     seccomp.program()  # compiled once here, loaded by each engine process
 
-    return declared_view(plan.get("hidden", ()), list(sys.modules), bool(plan.get("cuda")), bool(plan.get("trusted")))
+    return declared_view(plan.get("hidden", ()), list(sys.modules), bool(plan.get("cuda")), bool(plan.get("trusted")),
+                         plan.get("readable", ()))
 
 
 def _hold(engine_process: Any, fd: int, plan: dict | None, view: Any, report: int) -> None:

@@ -135,7 +135,7 @@ def _judge_cost(ev, out: Path) -> float:
     from evaluators.timing import num_threads, sync
     from evaluators.zygote import Zygote
 
-    Zygote.shared().wait_ready()  # it starts beside this process and would slow what is timed here
+    Zygote.shared(ev._preload).wait_ready()  # it starts beside this process and would slow what is timed here
     case = ev._timing_case
     samples = []
     with num_threads(1) if ev.device == "cpu" else nullcontext():  # as the judge works during an evaluation

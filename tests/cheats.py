@@ -1,13 +1,15 @@
 """Cheating engines, kept as fixtures: each must be rejected by the evaluator, or gain nothing from it.
 
-`CheatWorkload(base)` is the base workload (KDA or the fake one) with one more gene, `cheat`: "none"
+`CheatWorkload(base)` is the base workload (KDA, llama or the fake one) with one more gene, `cheat`: "none"
 builds the honest engine, any other value wraps the honest engine in that cheat. It is registered
 like any workload, so the cheats go through the evaluator's full path (build, first call, check,
 timing) with every guard the evaluator applies to every engine.
 
-CHEATS lists the cheats that must come back 'incorrect'. DOMAIN_CHEATS (KDA only) are right everywhere
-but on a part of the input domain no fixed check case reaches: the cases drawn over the domain on
-every evaluation must make them 'incorrect' (tests/test_domain.py). PROBES lists engines that try to tell checks
+CHEATS lists the cheats that must come back 'incorrect'. DOMAIN_CHEATS (KDA) and LLAMA_DOMAIN_CHEATS
+(llama, `tests/llama_cheats.py`) are right everywhere but on a band of the input domain no fixed check
+case reaches: the cases drawn over the domain, stratified so that every band is drawn in every
+evaluation, must make them 'incorrect' every time (tests/test_domain.py; `WHERE_WRONG` says where each
+is wrong, so a test can show each evaluation's draws reach it). PROBES lists engines that try to tell checks
 from timed calls (or to fool the judge's clock) and cheat only when they think they can: the judge
 gives them nothing to tell apart, so they must never come back 'ok' at a latency their cheat bought.
 """
@@ -70,6 +72,13 @@ DOMAIN_CHEATS: dict[str, str] = {
     "beyond_4t": "wrong only for T beyond 4x the preset's T",
     "correlated_keys": "wrong only when consecutive keys point almost the same way",
     "decay_floor": "wrong only when g sits at the domain's floor (log decay -5) on over 1% of its entries",
+    # issue 28: the domain's bands
+    "no_norm_eps": "normalises q and k as x / |x| (F.normalize), without the norm's epsilon: off by ~3e-2 "
+                   "at norms ~1e-3",
+    "ragged_128_60_62": "wrong only for T % 128 in 60..62 (a narrow band of the largest chunk's residues)",
+}
+LLAMA_DOMAIN_CHEATS: dict[str, str] = {
+    "last_vocab_id": "wrong only when the vocabulary's last id (V-1) is in the prompt or the continuation",
 }
 
 # Engines that cheat only when they believe a call is timed, not checked (or that the judge's clock is theirs).
@@ -100,7 +109,7 @@ class CheatWorkload(DelegatingWorkload):
 
 
 def _gene_values() -> tuple[str, ...]:
-    return (NONE, *CHEATS, *PROBES, *DOMAIN_CHEATS)
+    return (NONE, *CHEATS, *PROBES, *DOMAIN_CHEATS, *LLAMA_DOMAIN_CHEATS)
 
 
 def _cast(outputs: dict, dtypes: dict[str, str]) -> dict:
@@ -445,14 +454,54 @@ def _consecutive_cosine(k: torch.Tensor) -> float:
     return float((k[:, 1:] * k[:, :-1]).sum(-1).mean()) if k.shape[1] > 1 else 0.0
 
 
+def _no_norm_eps(honest, w, preset):
+    """q and k scaled to unit norm by x / max(|x|, 1e-12) before the honest engine, whose own norm (with
+    its epsilon) then changes them by ~5e-7: the engine computes l2norm without the epsilon."""
+    def engine(**x):
+        unit = {n: torch.nn.functional.normalize(x[n].float(), dim=-1).to(x[n].dtype) for n in ("q", "k")}
+        return honest(**{**x, **unit})
+    return engine
+
+
+def _near_zero_norm(x: dict, p: Preset) -> bool:
+    """Some q or k vector with a norm where the epsilon matters: below 1e-2 (and not exactly zero)."""
+    norms = torch.cat([x["q"].float().norm(dim=-1).flatten(), x["k"].float().norm(dim=-1).flatten()])
+    return bool(((norms > 0) & (norms < 1e-2)).any())
+
+
+def _last_vocab_id(x: dict, p: Preset) -> bool:
+    return any(bool((x[n] == p.shape["V"] - 1).any()) for n in ("prompt", "continuation"))
+
+
+def _wrong_logits_when(condition: Callable[[dict, Preset], bool]):
+    """Honest, but logits off by 1% whenever `condition(inputs, preset)` holds (the llama engine)."""
+    def wrap(honest, w, preset):
+        def engine(**x):
+            out = honest(**x)
+            return {**out, "logits": out["logits"] * 1.01} if condition(x, preset) else out
+        return engine
+    return wrap
+
+
+# where each domain cheat is wrong: (inputs, preset) -> bool (no_norm_eps: where its error passes the tolerance)
+WHERE_WRONG: dict[str, Callable[[dict, Preset], bool]] = {
+    "batch_3_to_7": lambda x, p: 3 <= x["q"].shape[0] <= 7,
+    "batch_over_2_long": lambda x, p: x["q"].shape[0] > 2 and x["q"].shape[1] > 77,
+    "ragged_64": lambda x, p: x["q"].shape[1] > 64 and 1 <= x["q"].shape[1] % 64 <= 12,
+    "beta_zero": lambda x, p: bool((x["beta"] == 0).any()),
+    "beyond_4t": lambda x, p: x["q"].shape[1] > 4 * p.shape["T"],
+    "correlated_keys": lambda x, p: _consecutive_cosine(x["k"]) > 0.9,
+    "decay_floor": lambda x, p: float((x["g"] <= -5.0).float().mean()) > 0.01,
+    "no_norm_eps": _near_zero_norm,
+    "ragged_128_60_62": lambda x, p: x["q"].shape[1] % 128 in (60, 61, 62),
+    "last_vocab_id": _last_vocab_id,
+}
+
 _DOMAIN_WRAPPERS: dict[str, Callable] = {
-    "batch_3_to_7": _wrong_when(lambda x, p: 3 <= x["q"].shape[0] <= 7),
-    "batch_over_2_long": _wrong_when(lambda x, p: x["q"].shape[0] > 2 and x["q"].shape[1] > 77),
-    "ragged_64": _wrong_when(lambda x, p: x["q"].shape[1] > 64 and 1 <= x["q"].shape[1] % 64 <= 12),
+    **{name: _wrong_when(WHERE_WRONG[name]) for name in DOMAIN_CHEATS if name not in ("beta_zero", "no_norm_eps")},
     "beta_zero": _beta_zero,
-    "beyond_4t": _wrong_when(lambda x, p: x["q"].shape[1] > 4 * p.shape["T"]),
-    "correlated_keys": _wrong_when(lambda x, p: _consecutive_cosine(x["k"]) > 0.9),
-    "decay_floor": _wrong_when(lambda x, p: float((x["g"] <= -5.0).float().mean()) > 0.01),
+    "no_norm_eps": _no_norm_eps,
+    "last_vocab_id": _wrong_logits_when(_last_vocab_id),
 }
 
 _WRAPPERS: dict[str, Callable] = {
@@ -471,7 +520,8 @@ _WRAPPERS: dict[str, Callable] = {
     "probe_clock": _probe_clock,
 }
 _WRAPPERS.update(_DOMAIN_WRAPPERS)
-assert set(_WRAPPERS) == set(CHEATS) | set(PROBES) | set(DOMAIN_CHEATS)
+assert set(_WRAPPERS) == set(CHEATS) | set(PROBES) | set(DOMAIN_CHEATS) | set(LLAMA_DOMAIN_CHEATS)
+assert set(WHERE_WRONG) == set(DOMAIN_CHEATS) | set(LLAMA_DOMAIN_CHEATS)
 
 
 def _kda() -> CheatWorkload:

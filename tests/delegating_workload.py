@@ -67,3 +67,6 @@ class DelegatingWorkload(Workload):
 
     def example_request(self, preset: Preset, seed: int, **axes: int) -> dict:
         return self.base.example_request(preset, seed, **axes)
+
+    def engine_files(self, preset: Preset) -> tuple[str, ...]:
+        return self.base.engine_files(preset)

@@ -160,11 +160,10 @@ def test_cheats_written_as_code_are_rejected(ev, cheat):
 KDA_BODY = '    return {"O": inter + (M @ ctx["U"].to(M.dtype)).float()}\n'
 KDA_CHEATS = {
     # reaches for the float64 oracle at run time (no name the static check refuses): a KDA engine's process
-    # never loads it, so the lookup fails; where a test workload's module bound it before the jail (a zygote
-    # shared with tests.cheats), the guard reports the call
+    # never loads it (its zygote preloads only the KDA workload's engine side), so the lookup fails
     "calls_reference": ('    ref = getattr(getattr(torch, "sy" + "s"), "mod" + "ules")["evo.workloads.kda.reference"]\n'
                         "    try:\n        ref.reference({})\n    except Exception:\n        pass\n" + KDA_BODY,
-                        "reference"),
+                        "KeyError: 'evo.workloads.kda.reference'"),
     # remembers its first answer per shape and returns it for every later call
     "cached_per_shape": ("    key = tuple(ctx['U'].shape)\n    if key not in _cache:\n"
                          '        _cache[key] = inter + (M @ ctx["U"].to(M.dtype)).float()\n'
@@ -207,8 +206,8 @@ def test_kda_cheats_written_as_code_are_rejected(kda_code_ev, cheat):
     assert source != stage.seed()
     check_source(source, stage)
     result = _kda_code(kda_code_ev, source)
-    expected = {INCORRECT, RUNTIME_ERROR} if cheat == "calls_reference" else {INCORRECT}
-    assert result.status in expected, f"{cheat}: {result.status} {result.message}"
+    expected = RUNTIME_ERROR if cheat == "calls_reference" else INCORRECT
+    assert result.status == expected, f"{cheat}: {result.status} {result.message}"
     if words:
         assert words in result.message, result.message
 

@@ -136,7 +136,7 @@ class _NoCgroup:
 
 @pytest.mark.parametrize("device", ["cuda", "cuda:0", "cpu"])
 def test_every_engine_process_gets_its_own_ipc_namespace_and_shm(monkeypatch, device):
-    monkeypatch.setattr(sandbox.Zygote, "shared", classmethod(lambda cls: _NoZygote()))
+    monkeypatch.setattr(sandbox.Zygote, "shared", classmethod(lambda cls, preload=(): _NoZygote()))
     monkeypatch.setattr(sandbox, "CandidateCgroup", _NoCgroup)
     _NoZygote.plans.clear()
     with pytest.raises(EngineProcessError, match="captured by the test"):

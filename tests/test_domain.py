@@ -1,6 +1,8 @@
-"""A domain, not a list of points (issue 23, item 6): the declared input domain, the cases drawn over it
-on every evaluation, the engines wrong only where no fixed check case reaches (rejected), and the
-factored_chunk form at the domain's decay floor."""
+"""A domain, not a list of points (issue 23, item 6; issue 28, item 3): the declared input domain, the
+cases drawn over it on every evaluation, stratified so that every declared band is drawn in every
+evaluation (every residue of T modulo the largest chunk, the norm bands of q and k, g and beta at and near
+their bounds, llama's prompt and output lengths and vocabulary edges), the engines wrong only on one band
+(rejected on every evaluation), and the factored_chunk form at the domain's decay floor."""
 from __future__ import annotations
 
 import math
@@ -17,7 +19,10 @@ from evo.workloads.base import CheckCase, DeviceInfo, Preset, Workload
 from evo.workloads.domain import AxisRange, InputDomain
 from evo.workloads.kda import WORKLOAD as KDA
 from evo.workloads.kda import domain as kda_domain
-from evo.workloads.kda.inputs import LOG_DECAY_FLOOR, MAX_BATCH
+from evo.workloads.kda import inputs as kda_inputs
+from evo.workloads.kda.inputs import LOG_DECAY_FLOOR, MAX_BATCH, NEAR_EDGE, QK_MAX
+from evo.workloads.llama import WORKLOAD as LLAMA
+from evo.workloads.llama import inputs as llama_inputs
 from tests import cheats
 from tests import fake_workload as fw
 
@@ -25,6 +30,10 @@ PRESETS = KDA.presets()
 SMALL = PRESETS["cpu_small"]
 FAST = EvaluatorSettings(warmup=1, repeats=3)
 PLANS = 300  # evaluations' worth of draws for the coverage tests
+SEEDS = (0, 1, 2)  # evaluations whose drawn inputs the band tests draw in full
+# evaluator runs per domain cheat: every evaluation's draws reach every cheat's band by construction
+# (test_every_evaluation_draws_where_each_domain_cheat_is_wrong); these show it through the judge
+EVALUATIONS = {"no_norm_eps": 2, "ragged_128_60_62": 2, "correlated_keys": 2, "last_vocab_id": 2}
 
 
 def _draws(preset: Preset, plans: int = PLANS, workload: Workload = KDA) -> list[list[CheckCase]]:
@@ -46,9 +55,12 @@ def test_the_kda_domain_spans_its_free_axes_and_declares_its_value_ranges(name):
             assert d.outside(case.shape, p.shape) is None, case
     assert (d.values["g"].lo, d.values["g"].hi) == (LOG_DECAY_FLOOR, 0.0)
     assert (d.values["beta"].lo, d.values["beta"].hi) == (0.0, 1.0)
+    assert (d.values["q"].lo, d.values["q"].hi) == (d.values["k"].lo, d.values["k"].hi) == (-QK_MAX, QK_MAX)
+    specs = {spec.name: spec.bounds for spec in d.bound_specs(KDA.request_specs(p))}  # what Serve refuses past
+    assert specs["q"] == specs["k"] == (-QK_MAX, QK_MAX) and specs["v"] == (None, None)
 
 
-def test_t_is_drawn_near_multiples_of_the_largest_chunk_of_any_engine():
+def test_t_is_swept_modulo_the_largest_chunk_of_any_engine():
     sizes = set()
     for device in (DeviceInfo("cpu", "cpu", 4), DeviceInfo("cuda", "gpu")):
         for p in PRESETS.values():
@@ -82,15 +94,21 @@ def test_the_default_draws_stay_in_the_default_domain_and_vary():
     assert len({tuple(tuple(sorted(c.shape.items())) for c in cases) for cases in draws}) > 50
 
 
-def test_an_axis_range_refuses_nonsense_and_draws_near_its_multiples():
+def test_an_axis_range_refuses_nonsense_and_sweeps_every_residue():
     with pytest.raises(ValueError, match="lo <= hi"):
         AxisRange(5, 4)
     r = AxisRange(1, 600, modulus=128)
     rng = np.random.default_rng(0)
-    past = {r.near_multiple(rng, (1, 7), most=300) for _ in range(300)}
-    before = {r.near_multiple(rng, (1, 15), before=True) for _ in range(300)}
-    assert all(t % 128 in range(1, 8) and t <= 300 for t in past)
-    assert all(128 - t % 128 in range(1, 16) and t <= 600 for t in before)
+    sweep = r.residue_sweep(rng)
+    assert sorted(sweep) == list(range(128)) and sweep != sorted(sweep)  # every residue once, shuffled
+    assert AxisRange(1, 9).residue_sweep(rng) == [0]  # no modulus: one value, anywhere
+    for residue in (0, 1, 60, 127):
+        values = {r.with_residue(rng, residue, 1, 256) for _ in range(100)}
+        assert all(v % 128 == residue and 1 <= v <= 256 for v in values) and len(values) == 2
+    assert r.with_residue(rng, 0, 1, 300) in (128, 256)
+    assert r.with_residue(rng, 88, 500) == 600  # the only one in [500, 600]
+    with pytest.raises(ValueError, match="no value of \\[1, 100\\] is 101 modulo 128; widen"):
+        r.with_residue(rng, 101, hi=100)
     assert InputDomain({"T": r}).outside({"T": 601}) == "T=601 is outside the verified range [1, 600]"
 
 
@@ -99,44 +117,120 @@ def test_an_axis_range_refuses_nonsense_and_draws_near_its_multiples():
 def test_every_drawn_case_lies_in_the_domain(name):
     p = PRESETS[name]
     d = KDA.domain(p)
-    for cases in _draws(p):
+    for cases in _draws(p, 50):
+        assert len(cases) == kda_domain.LARGEST_CHUNK
         for case in cases:
             assert d.outside(case.shape, p.shape) is None, case
-            assert case.distribution in kda_domain.PLAIN + kda_domain.EDGES
+            kda_inputs.parse_distribution(case.distribution)  # a known distribution and norm band
 
 
-def test_over_many_evaluations_the_draws_reach_every_edge_of_the_domain():
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_evaluation_draws_every_shape_band(name):
+    """Per evaluation, by construction: every residue of T mod 128 (so every ragged last chunk of every
+    chunk size), every distribution x norm band x initial state, and the shape bands no fixed case reaches."""
+    p = PRESETS[name]
+    Tp, combinations = p.shape["T"], set(kda_domain.COMBINATIONS)
+    for plan in _draws(p):
+        assert sorted(c.shape["T"] % 128 for c in plan) == list(range(128))
+        drawn = [(*kda_inputs.parse_distribution(c.distribution), c.with_initial_state) for c in plan]
+        assert combinations <= set(drawn)
+        assert any(3 <= c.shape["B"] <= MAX_BATCH - 1 and c.shape["T"] > 128 for c in plan)
+        assert any(c.distribution.startswith("decay_floor") and c.shape["T"] >= 128 for c in plan)
+        assert any(kda_domain.SWEEP_T < c.shape["T"] <= 4 * Tp for c in plan)
+        assert any(c.shape["T"] > 4 * Tp for c in plan)
+        assert {c.name for c in plan} == {*kda_domain.SHAPED, "draw_sweep"}
+        cheap = [c for c in plan if c.name == "draw_sweep"]
+        assert all(c.shape["B"] == c.shape["H"] == 1 and c.shape["T"] <= kda_domain.SWEEP_T for c in cheap)
+
+
+def test_over_many_evaluations_the_draws_reach_every_edge_of_the_shape_domain():
     d, Tp = KDA.domain(SMALL), SMALL.shape["T"]
     cases = [c for plan in _draws(SMALL) for c in plan]
-    B = {c.shape["B"] for c in cases}
     T = [c.shape["T"] for c in cases]
-    assert B == set(range(1, MAX_BATCH + 1))
+    assert {c.shape["B"] for c in cases} == set(range(1, MAX_BATCH + 1))
     assert {c.shape["H"] for c in cases} == set(range(1, SMALL.shape["H"] + 2))
-    assert min(T) == 1 and max(T) > 7 * Tp and any(4 * Tp < t for t in T)
-    assert {t % 128 for t in T if t > 128} >= set(range(1, 16)) | set(range(113, 128))  # ragged last chunks
-    assert any(c.shape["B"] > 2 and c.shape["T"] > 77 for c in cases)
-    assert {c.distribution for c in cases} == set(kda_domain.PLAIN + kda_domain.EDGES)
-    assert {c.with_initial_state for c in cases} == {True, False}
+    assert min(T) == 1 and max(T) > 7 * Tp and set(range(1, 257)) <= set(T)  # every T of the sweep's window
     assert all(d.outside(c.shape, SMALL.shape) is None for c in cases)
 
 
-def test_every_evaluation_draws_each_part_no_fixed_case_reaches():
-    """Per evaluation, not only over many: B in 3..7 at T > 77, T % 64 in 1..12, beyond 4T, and each edge."""
-    Tp = SMALL.shape["T"]
-    for plan in _draws(SMALL):
-        assert any(3 <= c.shape["B"] <= 7 and c.shape["T"] > 77 and 1 <= c.shape["T"] % 64 <= 12 for c in plan)
-        assert any(c.shape["T"] > 4 * Tp for c in plan)
-        assert set(kda_domain.EDGES) <= {c.distribution for c in plan}
-        assert any(c.distribution == "decay_floor" and c.shape["T"] >= 128 for c in plan)
+def _band_hits(x: dict) -> set[str]:
+    """The value bands one draw reaches."""
+    hits = set()
+    for n in ("q", "k"):
+        norms = x[n].double().norm(dim=-1)
+        hits |= {f"{n}_zero"} if (norms == 0).any() else set()
+        hits |= {f"{n}_near_zero"} if ((norms >= 1e-4) & (norms <= 1e-2)).any() else set()
+        hits |= {f"{n}_ordinary"} if ((norms > 1) & (norms < 1e2)).any() else set()
+        hits |= {f"{n}_large"} if (norms >= 1e2).any() else set()
+        hits |= {f"{n}_at_bound"} if (x[n].abs() == QK_MAX).any() else set()
+    g, beta = x["g"], x["beta"]
+    for name, where in (("g_floor", g == LOG_DECAY_FLOOR), ("g_zero", g == 0),
+                        ("g_near_floor", (g > LOG_DECAY_FLOOR) & (g <= LOG_DECAY_FLOOR + NEAR_EDGE)),
+                        ("g_near_zero", (g < 0) & (g >= -NEAR_EDGE)),
+                        ("beta_zero", beta == 0), ("beta_one", beta == 1),
+                        ("beta_near_zero", (beta > 0) & (beta <= NEAR_EDGE)),
+                        ("beta_near_one", (beta < 1) & (beta >= 1 - NEAR_EDGE))):
+        hits |= {name} if where.any() else set()
+    hits.add("correlated_keys" if cheats._consecutive_cosine(x["k"]) > 0.9 else "uncorrelated_keys")
+    hits.add("initial_state" if x.get("initial_state") is not None else "no_initial_state")
+    return hits
 
 
-def test_the_draws_differ_between_evaluations_and_keep_the_reference_cheap():
+VALUE_BANDS = {f"{n}_{band}" for n in ("q", "k") for band in ("zero", "near_zero", "ordinary", "large", "at_bound")} | {
+    "g_floor", "g_zero", "g_near_floor", "g_near_zero", "beta_zero", "beta_one", "beta_near_zero", "beta_near_one",
+    "correlated_keys", "uncorrelated_keys", "initial_state", "no_initial_state"}
+
+
+@pytest.fixture(scope="module")
+def drawn_inputs() -> dict[int, list[tuple[CheckCase, dict]]]:
+    """The inputs of every drawn case of a few evaluations (as the judge draws them, one seed per call)."""
+    return {seed: [(c, KDA.make_inputs(c, SMALL.dtype, "cpu", 1000 * seed + i))
+                   for i, c in enumerate(KDA.draw_cases(SMALL, np.random.default_rng(seed)))] for seed in SEEDS}
+
+
+def test_every_evaluation_draws_every_value_band(drawn_inputs):
+    """q and k at every norm band (exact zeros, 1e-4..1e-2, ordinary, large, the bound itself), g and beta
+    exactly at and within NEAR_EDGE of each bound, keys correlated and not, with and without a state; all
+    inside the domain's value bounds."""
+    d = KDA.domain(SMALL)
+    for seed, draws in drawn_inputs.items():
+        hits = set()
+        for case, x in draws:
+            hits |= _band_hits(x)
+            for name, bound in d.values.items():
+                assert bound.lo <= float(x[name].min()) and float(x[name].max()) <= bound.hi, (case, name)
+        assert hits == VALUE_BANDS, (seed, VALUE_BANDS - hits)
+
+
+@pytest.mark.parametrize("cheat", sorted(cheats.DOMAIN_CHEATS))
+def test_every_evaluation_draws_where_each_domain_cheat_is_wrong(drawn_inputs, cheat):
+    """By construction, not by chance: each evaluation's draws hold a case where the cheat is wrong."""
+    for seed, draws in drawn_inputs.items():
+        assert any(cheats.WHERE_WRONG[cheat](x, SMALL) for _, x in draws), (cheat, seed)
+
+
+def test_the_norm_bands_keep_a_seeds_values_and_reach_the_bound():
+    case = CheckCase("n", {**SMALL.shape, "B": 2, "T": 40}, "heavy", True)
+    plain = KDA.make_inputs(case, "float32", "cpu", 7)
+    for band in kda_inputs.NORM_BANDS[1:]:
+        x = KDA.make_inputs(CheckCase("n", case.shape, f"heavy+{band}", True), "float32", "cpu", 7)
+        assert all(torch.equal(x[n], plain[n]) for n in ("v", "g", "beta", "initial_state"))  # only q, k move
+        changed = (x["k"] != plain["k"]).any(-1)  # [B, T, H]
+        assert changed[:, 0].all() and not changed.all()  # the first token always, not every token
+    with pytest.raises(ValueError, match="unknown distribution 'heavy\\+tiny'"):
+        KDA.make_inputs(CheckCase("n", case.shape, "heavy+tiny"), "float32", "cpu", 7)
+    bf16 = KDA.make_inputs(CheckCase("n", case.shape, "standard+large", True), "bfloat16", "cpu", 7)
+    assert float(bf16["q"].abs().max()) == float(bf16["k"].abs().max()) == QK_MAX  # exact in bfloat16 too
+
+
+def test_the_draws_differ_between_evaluations_and_keep_the_calls_cheap():
     plans = _draws(SMALL, 50)
     shapes = {tuple(tuple(sorted(c.shape.items())) for c in plan) for plan in plans}
     assert len(shapes) == len(plans)
-    # float64 reference cost ~ T steps per case: bounded next to the fixed cascade's (~2.7k steps on cpu_small)
-    steps = [sum(c.shape["T"] for c in plan) for plan in _draws(SMALL)]
-    assert np.mean(steps) < 3_000 and max(steps) <= 4 * SMALL.shape["T"] + 8 * SMALL.shape["T"] + 4 * 271
+    # the judge's work per evaluation ~ B * H * T summed over the drawn cases: 124 cheap ones (B = H = 1,
+    # T <= 256) and four shaped ones, bounded next to the fixed cascade's (~6.4k on cpu_small)
+    work = [sum(c.shape["B"] * c.shape["H"] * c.shape["T"] for c in plan) for plan in _draws(SMALL)]
+    assert np.mean(work) < 25_000 and max(work) <= 124 * 256 + 7 * 3 * 256 + 8 * 3 * 256 + 2 * 1024 + 2048
 
 
 @pytest.mark.parametrize("distribution", kda_domain.EDGES)
@@ -177,7 +271,7 @@ def test_each_plan_holds_the_fixed_cases_and_fresh_draws(kda_ev):
     drawn = [[c.case for c in plan if c.where.startswith("drawn case")] for plan in plans]
     for plan, cases in zip(plans, drawn):
         assert sum(c.where.startswith("check case") for c in plan) == fixed
-        assert len(cases) == 6
+        assert len(cases) == kda_domain.LARGEST_CHUNK
     assert [c.shape for c in drawn[0]] != [c.shape for c in drawn[1]]
     assert not any(c.where.startswith("drawn case") for c in kda_ev._plan(np.random.default_rng(3), checks=False))
 
@@ -190,11 +284,13 @@ def test_a_workload_that_draws_outside_its_own_domain_is_a_programming_error(kda
 
 
 @pytest.mark.parametrize("cheat", sorted(cheats.DOMAIN_CHEATS))
-def test_engines_wrong_only_where_no_fixed_case_reaches_are_incorrect(kda_ev, cheat):
-    r = kda_ev.evaluate(cheats.genome_json(kda_ev.workload, "cpu_small", cheat, kda_ev.device_info()))
-    assert r.status == INCORRECT, f"{cheat}: {r.status} {r.message}\n{r.error}"
-    assert "drawn case" in r.message and "error" in r.message, r.message
-    assert not r.ok and math.isnan(r.latency_ms)
+def test_engines_wrong_only_on_one_band_are_incorrect_on_every_evaluation(kda_ev, cheat):
+    genome = cheats.genome_json(kda_ev.workload, "cpu_small", cheat, kda_ev.device_info())
+    for _ in range(EVALUATIONS.get(cheat, 1)):  # each evaluation draws afresh
+        r = kda_ev.evaluate(genome)
+        assert r.status == INCORRECT, f"{cheat}: {r.status} {r.message}\n{r.error}"
+        assert "drawn case" in r.message and "error" in r.message, r.message
+        assert not r.ok and math.isnan(r.latency_ms)
 
 
 def test_the_honest_engine_passes_the_draws(kda_ev):
@@ -202,8 +298,47 @@ def test_the_honest_engine_passes_the_draws(kda_ev):
     assert r.status == OK, f"{r.message}\n{r.error}"
     checked = int(r.message.split("passed ")[1].split()[0])
     fixed = sum(len(stage) for stage in kda_ev.workload.check_cases(kda_ev.preset))
-    assert checked >= 1 + fixed + 6 + FAST.warmup + FAST.repeats  # the first call, fixed, drawn, timed
+    assert checked >= 1 + fixed + kda_domain.LARGEST_CHUNK + FAST.warmup + FAST.repeats  # first, fixed, drawn, timed
     assert r.max_rel_error < 1e-5
+
+
+# ---- llama: prompt and output lengths, vocabulary edges -----------------------------------------------------------
+LLAMA_SMALL = LLAMA.presets()["cpu_small"]
+
+
+@pytest.mark.parametrize("name", ["cpu_small", "cpu", "h200"])
+def test_every_llama_evaluation_draws_every_length_band_and_both_vocabulary_edges(name):
+    p = LLAMA.presets()[name]
+    d, V = LLAMA.domain(p), p.shape["V"]
+    P_max, N_max = d.axes["P"].hi, d.axes["N"].hi
+    for seed in range(PLANS if name == "cpu_small" else 20):
+        plan = LLAMA.draw_cases(p, np.random.default_rng(seed))
+        assert all(d.outside(c.shape, p.shape) is None for c in plan)
+        P = sorted(c.shape["P"] for c in plan)
+        assert P[0] == 1 and 2 <= P[1] <= llama_inputs.SHORT_P and P[2] % 2 == 1 and P[3] == P_max
+        assert {0, 1, N_max} <= {c.shape["N"] for c in plan}
+        edges = [c for c in plan if c.distribution == "vocab_edges"]
+        assert len(edges) == 1 and edges[0].shape["P"] >= 2 and edges[0].shape["N"] >= 2
+        if name == "cpu_small" and seed < 20:  # the edge ids in every row of both parts
+            x = LLAMA.make_inputs(edges[0], "float32", "cpu", seed)
+            for part in ("prompt", "continuation"):
+                assert ((x[part] == 0).any(1) & (x[part] == V - 1).any(1)).all(), part
+                assert int(x[part].min()) >= 0 and int(x[part].max()) <= V - 1
+            assert cheats.WHERE_WRONG["last_vocab_id"](x, p)
+
+
+@pytest.fixture(scope="module")
+def llama_ev():
+    return Evaluator("tests.llama_cheats", "cpu_small", FAST, seed=28, name="domain-llama")
+
+
+def test_a_llama_engine_wrong_only_at_the_last_vocabulary_id_is_incorrect_on_every_evaluation(llama_ev):
+    honest = llama_ev.evaluate(cheats.genome_json(llama_ev.workload, "cpu_small", cheats.NONE, llama_ev.device_info()))
+    assert honest.status == OK, f"{honest.message}\n{honest.error}"
+    genome = cheats.genome_json(llama_ev.workload, "cpu_small", "last_vocab_id", llama_ev.device_info())
+    for _ in range(EVALUATIONS["last_vocab_id"]):
+        r = llama_ev.evaluate(genome)
+        assert r.status == INCORRECT and "error" in r.message, f"{r.status} {r.message}\n{r.error}"
 
 
 # ---- factored_chunk at the decay floor --------------------------------------------------------------------------

@@ -197,6 +197,12 @@ class Workload:
         declares one `CodeGene` per open stage. Default: none (genomes carry no code)."""
         return ()
 
+    def engine_files(self, preset: Preset) -> tuple[str, ...]:
+        """Files or folders an engine for `preset` reads in its process (e.g. a checkpoint's weights): bound
+        read-only into the engine's view of the files (`evaluators.view`), which holds nothing else of the
+        machine's data. Default: none."""
+        return ()
+
     def output_dtypes(self, preset: Preset) -> dict[str, str]:
         """Output name -> the dtype an engine must return it in. Default: the preset's dtype for all."""
         return {name: preset.dtype for name in self.output_names}

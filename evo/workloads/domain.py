@@ -6,6 +6,10 @@ modulus whose multiples are where chunked engines change behaviour) and each inp
 fixed check cases, plus cases drawn at random over the whole domain on every evaluation
 (`Workload.draw_cases`). Serve refuses every request outside it, naming the bound.
 
+A workload whose engines can go wrong on a narrow part of the domain declares that part as a band and
+draws stratified: every band is reached in every evaluation by construction, not by chance (e.g. KDA
+sweeps every residue of T modulo its largest chunk, `AxisRange.residue_sweep`; see its `domain.py`).
+
 The default domain is the one a workload's `free_axes` span (each axis from its smallest to its
 largest listed value), with no value bounds; `draw_cases` then defaults to `draw_over_axes` here.
 """
@@ -23,8 +27,8 @@ from evo.workloads.requests import TensorSpec
 @dataclass(frozen=True)
 class AxisRange:
     """One free shape axis: every integer in [lo, hi] is verified. `modulus` (0: none) is where the
-    axis is chunked, e.g. the largest chunk size: draws favour lengths just past and just before its
-    multiples (a ragged last chunk of every chunk size that divides it)."""
+    axis is chunked, e.g. the largest chunk size: draws sweep every residue modulo it (a ragged last
+    chunk of every length, for every chunk size that divides it; `residue_sweep`, `with_residue`)."""
 
     lo: int
     hi: int
@@ -46,17 +50,22 @@ class AxisRange:
             raise ValueError(f"no value of [{self.lo}, {self.hi}] lies in [{lo}, {hi}]")
         return int(rng.integers(a, b + 1))
 
-    def near_multiple(self, rng: np.random.Generator, offsets: tuple[int, int], before: bool = False,
-                      most: int | None = None) -> int:
-        """k * modulus + r (or k * modulus - r with `before`) for k >= 1, r uniform in `offsets`
-        (inclusive): within the range and at most `most`; uniform up to `most` when none fits."""
-        m, top = self.modulus or 1, min(self.hi, self.hi if most is None else most)
-        r = int(rng.integers(offsets[0], offsets[1] + 1))
-        s = -r if before else r
-        k_lo, k_hi = max(1, -(-(self.lo - s) // m)), (top - s) // m
-        if k_lo > k_hi:
-            return self.uniform(rng, hi=top)
-        return int(rng.integers(k_lo, k_hi + 1)) * m + s
+    def residue_sweep(self, rng: np.random.Generator) -> list[int]:
+        """Every residue modulo `modulus` once (0, 1, ..., modulus - 1; [0] without a modulus), in random
+        order: draws that take one value per residue (`with_residue`) reach the ragged last chunk of every
+        length, of every chunk size that divides the modulus, by construction rather than by chance."""
+        return [int(r) for r in rng.permutation(self.modulus or 1)]
+
+    def with_residue(self, rng: np.random.Generator, residue: int, lo: int | None = None,
+                     hi: int | None = None) -> int:
+        """A value uniform among those of [lo, hi] (clipped to this range) equal to `residue` modulo
+        `modulus` (any value without a modulus)."""
+        m = self.modulus or 1
+        a, b = max(self.lo, self.lo if lo is None else lo), min(self.hi, self.hi if hi is None else hi)
+        first = a + (residue - a) % m
+        if first > b:
+            raise ValueError(f"no value of [{a}, {b}] is {residue} modulo {m}; widen the interval to at least {m} values")
+        return first + m * int(rng.integers(0, (b - first) // m + 1))
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,11 @@ class LlamaWorkload(Workload):
         model = self._use(preset).model
         return {"logits": _reference.generate(model, inputs["prompt"], inputs["continuation"])}
 
+    def engine_files(self, preset: Preset) -> tuple[str, ...]:
+        """A checkpoint preset's folder: engines read its weights in their own process."""
+        checkpoint = self._use(preset).model.checkpoint
+        return (str(checkpoint),) if checkpoint else ()
+
     def forbidden_callables(self) -> list[tuple[object, str]]:
         """The float64 oracle and every baseline: their answers would pass the check for free."""
         return [(_reference, "generate"), (_reference, "float64_weights"), (_baselines, "baselines"),

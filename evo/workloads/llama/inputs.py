@@ -4,7 +4,13 @@ One call is one generation: `prompt` [B, P] and `continuation` [B, N] int64 toke
 [B, P+N] split at P, so the prompt length travels as a shape). Free axes B, P, N:
     B in [1, MAX_B]   P in [1, 2 P_preset]   N in [0, 2 N_preset]
 Distributions: "uniform" (ids uniform over the vocabulary), "repeated" (one token repeated through
-prompt and continuation, per row), "extremes" (ids 0, 1, V-2 and V-1 only).
+prompt and continuation, per row), "extremes" (ids 0, 1, V-2 and V-1 only), "vocab_edges" (uniform,
+with the ids 0 and V-1 in the prompt and in the continuation of every row).
+
+Bands, each reached by the draws of every evaluation by construction (`draw_cases`):
+    prompt length   1, short (2..SHORT_P), odd (past SHORT_P, below the longest), the longest
+    output length   N = 0, 1, some (2..N_max-1), the longest
+    vocabulary      the ids 0 and V-1 in a prompt and in a continuation ("vocab_edges")
 """
 from __future__ import annotations
 
@@ -17,7 +23,10 @@ from evo.workloads.requests import TensorSpec
 
 torch = lazy("torch")  # presets and specs are read without torch (agents); tensors import it
 
-DISTRIBUTIONS = ("uniform", "repeated", "extremes")
+DISTRIBUTIONS = ("uniform", "repeated", "extremes", "vocab_edges")
+SHORT_P = 8  # the longest prompt of the "short" band
+PROMPT_BANDS = ("one", "short", "odd", "longest")
+OUTPUT_BANDS = ("none", "one", "some", "longest")
 
 
 def max_batch(preset: Preset) -> int:
@@ -46,11 +55,28 @@ def make_inputs(case: CheckCase, dtype: str, device: str, seed: int) -> dict:
         tokens = torch.randint(0, V, (B, P + N), generator=gen)
     elif case.distribution == "repeated":
         tokens = torch.randint(0, V, (B, 1), generator=gen).expand(B, P + N).clone()
-    else:
+    elif case.distribution == "extremes":
         edges = torch.tensor([0, 1, V - 2, V - 1])
         tokens = edges[torch.randint(0, 4, (B, P + N), generator=gen)]
+    else:
+        tokens = torch.randint(0, V, (B, P + N), generator=gen)
+        _place_edges(tokens[:, :P], V, gen)
+        _place_edges(tokens[:, P:], V, gen)
     tokens = tokens.to(device)
     return {"prompt": tokens[:, :P].contiguous(), "continuation": tokens[:, P:].contiguous()}
+
+
+def _place_edges(part: torch.Tensor, V: int, gen: torch.Generator) -> None:
+    """In place: ids 0 and V-1 at two distinct random positions of each row of `part` [B, L] (one id,
+    V-1, where L = 1; nothing where L = 0)."""
+    B, L = part.shape
+    if L == 0:
+        return
+    rows = torch.arange(B)
+    first = torch.randint(0, L, (B,), generator=gen)
+    part[rows, first] = V - 1
+    if L >= 2:
+        part[rows, (first + torch.randint(1, L, (B,), generator=gen)) % L] = 0
 
 
 def free_axes(preset: Preset) -> dict[str, tuple[int, ...]]:
@@ -94,21 +120,21 @@ def domain(preset: Preset) -> InputDomain:
 
 
 def draw_cases(preset: Preset, rng: np.random.Generator) -> list[CheckCase]:
-    """Three cases per evaluation, over the whole domain: a short one (P <= 33, N <= 17) of any
-    distribution and batch, one with every axis uniform, and one at the preset's B with odd P."""
+    """Four cases per evaluation, stratified: each prompt band once, each output band once (paired at
+    random), batch sizes uniform; "vocab_edges" on the case whose shorter part is longest (P and N of
+    2 or more: at most one of the two longer outputs meets P = 1), the others in any distribution."""
     d = domain(preset)
     B, P, N = d.axes["B"], d.axes["P"], d.axes["N"]
-    s = preset.shape
-
-    def pick() -> str:
-        return str(rng.choice(DISTRIBUTIONS))
-
-    odd_p = P.uniform(rng, hi=s["P"]) | 1
-    return [
-        CheckCase("draw_short", {**s, "B": B.uniform(rng), "P": P.uniform(rng, hi=33), "N": N.uniform(rng, hi=17)}, pick()),
-        CheckCase("draw_joint", {**s, "B": B.uniform(rng), "P": P.uniform(rng), "N": N.uniform(rng)}, "uniform"),
-        CheckCase("draw_odd_prompt", {**s, "P": min(odd_p, P.hi), "N": N.uniform(rng, hi=s["N"])}, pick()),
-    ]
+    odd = list(range((SHORT_P + 1) | 1, P.hi, 2)) or list(range(1, P.hi + 1, 2))  # past short, below the longest
+    prompts = {"one": 1, "short": P.uniform(rng, min(2, P.hi), SHORT_P), "odd": int(rng.choice(odd)),
+               "longest": P.hi}
+    some = N.uniform(rng, min(2, N.hi), max(min(2, N.hi), N.hi - 1))
+    outputs = {"none": 0, "one": min(1, N.hi), "some": some, "longest": N.hi}
+    pairs = [(prompts[p], outputs[n], f"draw_p_{p}_n_{n}") for p, n in zip(rng.permutation(PROMPT_BANDS), OUTPUT_BANDS)]
+    edges = max(range(len(pairs)), key=lambda i: min(pairs[i][:2]))
+    return [CheckCase(name, {**preset.shape, "B": B.uniform(rng), "P": p, "N": n},
+                      "vocab_edges" if i == edges else str(rng.choice(DISTRIBUTIONS[:-1])))
+            for i, (p, n, name) in enumerate(pairs)]
 
 
 def output_shapes(case: CheckCase) -> dict[str, tuple[int, ...]]:
