@@ -87,8 +87,9 @@ def _view(hidden: tuple[str, ...], top_modules: frozenset[str], cuda: bool, trus
              *(str(PROJECT / p) for p in ENGINE_PACKAGES)]
     if cuda:
         paths += [*_nvidia_devices(), *CUDA_SYS]
-    kept = tuple(dict.fromkeys(os.path.realpath(p) for p in paths if os.path.exists(p)))
-    links = [(p, os.readlink(p)) for p in MERGED_USR_LINKS if os.path.islink(p)]
+    real = sorted({os.path.realpath(p) for p in paths if os.path.exists(p)})
+    kept = tuple(p for p in real if not any(p != q and _under(p, q) for q in real))  # one bind per subtree
+    links = [(p, os.readlink(p)) for p in (*MERGED_USR_LINKS, *SYSTEM) if os.path.islink(p)]
     links += [(p, t) for p, t in DEV_LINKS]
     links += _venv_links()
     covered = tuple(h for h in hidden if any(_under(h, r) for r in kept))
