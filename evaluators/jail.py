@@ -90,12 +90,17 @@ def namespace_flags(plan: JailPlan) -> int:
     return CLONE_NEWPID | CLONE_NEWUTS | CLONE_NEWIPC | (0 if plan.network else CLONE_NEWNET)
 
 
+view_in_force: View | None = None  # in an engine's process: the view its root was built from
+
+
 def confine(plan: JailPlan, keep_fds: tuple[int, ...], view: View) -> None:
     """In the engine's process (PID 1 of its namespace), before any engine code: see the module doc."""
+    global view_in_force
     for procs in plan.cgroup_procs:
         Path(procs).write_text("0")  # "0": the writing process itself
     _libc_check(_libc().unshare(CLONE_NEWNS), "unshare the mount namespace")
     _mounts(view)
+    view_in_force = view
     _libc_check(_libc().sethostname(b"engine", 6), "sethostname")
     _descriptors(keep_fds)
     _drop_privileges(plan)

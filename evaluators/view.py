@@ -128,12 +128,11 @@ def _site_entries(top_modules: frozenset[str], extra: tuple[str, ...]) -> list[s
     folders = [p for p in dict.fromkeys(sys.path) if p and os.path.basename(p) in ("site-packages", "dist-packages")
                and os.path.isdir(p)]
     paths = list(_distribution_entries(extra))
-    for name in top_modules:
-        module = sys.modules.get(name)
-        where = os.path.realpath(getattr(module, "__file__", None) or "")
-        for folder in folders:
-            if where.startswith(os.path.realpath(folder) + "/"):
-                paths.append(os.path.join(folder, os.path.relpath(where, os.path.realpath(folder)).split("/")[0]))
+    for name in top_modules:  # its own package folder or file only (it may live inside another package,
+        # e.g. a library vendored in ray/thirdparty_files when the judge had imported ray)
+        where = os.path.realpath(getattr(sys.modules.get(name), "__file__", None) or "")
+        if any(where.startswith(os.path.realpath(folder) + "/") for folder in folders):
+            paths.append(os.path.dirname(where) if os.path.basename(where).startswith("__init__.") else where)
     for folder in folders:
         paths += [os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".pth") or n.startswith("__editable__")]
     return paths

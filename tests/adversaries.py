@@ -233,23 +233,28 @@ def _widen_affinity(w) -> bool:
 
 
 def _outside_view(w, most: int = 40) -> list[str]:
-    """Paths that exist outside `w.view`: named ones first, then a walk of the whole tree (not into the
-    view's bound folders, /proc or /sys's bound parts), stopping after `most`."""
+    """Paths that exist outside the view the jail was built from (`evaluators.jail.view_in_force`; unconfined,
+    the judge's declaration `w.view`): named ones first (openable at all counts), then a walk of the whole
+    tree (not into the view's bound folders or /proc), stopping after `most`."""
     site = Path(torch.__file__).resolve().parents[1]
     named = [ROOT / "tests" / "__init__.py", ROOT / "docs", ROOT / "scripts", ROOT / "configs", ROOT / "README.md",
              ROOT / ".git", ROOT / "evaluators" / "evaluator.py", ROOT / "evo" / "serving" / "app.py",
              ROOT / "evo" / "workloads" / "kda" / "reference.py", ROOT.parent / "shared", Path("/root/.bashrc"),
-             Path("/home"), Path("/etc/shadow"), Path("/etc/hostname"), site / "mlflow", site / "ray"]
+             Path("/home"), Path("/etc/shadow"), Path("/etc/hostname"), site / "mlflow" / "__init__.py",
+             site / "ray" / "__init__.py"]
     found = [str(p) for p in named if _can_open(p)]
+    from evaluators import jail  # loaded before the jail; its file is not in the view
+
+    view = jail.view_in_force or w.view  # the view the jail built (strict), else the judge's declaration
     for folder, dirs, files in os.walk("/"):
         if len(found) >= most:
             break
         kept = []
         for name in sorted(dirs) + sorted(files):
             path = os.path.join(folder, name)
-            if path in ("/proc", "/sys/fs") or (name in dirs and any(path == r for r in w.view.read_only)):
+            if path in ("/proc", "/sys/fs") or (name in dirs and any(path == r for r in view.read_only)):
                 continue
-            if not w.view.allows(path):
+            if not view.allows(path):
                 found.append(path)
             elif name in dirs:
                 kept.append(name)
