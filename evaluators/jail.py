@@ -23,6 +23,7 @@ import signal
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 from evaluators import seccomp
 from evaluators.view import View
@@ -160,22 +161,17 @@ def _mounts(view: View) -> None:
     os.chdir("/")
     new = "/newroot"
     _mount("tmpfs", new, "tmpfs", MS_NOSUID, "mode=0755,size=1m")
-    for path in view.read_only:
-        _bind("/oldroot" + path, new + path)
-    for path, target in view.links:
-        _make_parents(new + path)
-        os.symlink(target, new + path)
-    for path, text in view.files:
-        _make_parents(new + path)
-        with open(new + path, "w") as f:
-            f.write(text)
-        os.chmod(new + path, 0o644)
+    # What lies under a private folder (a checkout or venv in /tmp) is placed once its tmpfs is mounted.
+    inside = lambda path: any(_under(path, p) for p in view.private)  # noqa: E731
+    _place(view, new, lambda path: not inside(path))
     for path in ("/proc", *view.private):
         os.makedirs(new + path, 0o755, exist_ok=True)
-    _read_only_tree(new, [new + p for p in view.read_only])
+    _read_only_tree(new, [new + p for p in view.read_only if not inside(p)])
     _mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     for path in view.private:
         _mount("tmpfs", new + path, "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=50%")
+    for path in _place(view, new, inside):
+        _mount(None, new + path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | _flags_of(new + path))
     empty_file, empty_dir = _empties(new + "/tmp/.evo-hidden")
     for path in view.hidden:
         if os.path.isdir(new + path):
@@ -186,6 +182,28 @@ def _mounts(view: View) -> None:
     _pivot_root(".", ".")  # the view's root on top of the scratch root, which is then detached
     _libc_check(_libc().umount2(b".", _MNT_DETACH), "detach the old root")
     os.chdir("/")
+
+
+def _place(view: View, new: str, where: Callable[[str], bool]) -> list[str]:
+    """Bind, link and write the view's entries for which `where(path)` holds under `new`; the bound paths."""
+    bound = [path for path in view.read_only if where(path)]
+    for path in bound:
+        _bind("/oldroot" + path, new + path)
+    for path, target in view.links:
+        if where(path):
+            _make_parents(new + path)
+            os.symlink(target, new + path)
+    for path, text in view.files:
+        if where(path):
+            _make_parents(new + path)
+            with open(new + path, "w") as f:
+                f.write(text)
+            os.chmod(new + path, 0o644)
+    return bound
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
 
 
 def _read_only_tree(root: str, binds: list[str]) -> None:

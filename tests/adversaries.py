@@ -45,6 +45,7 @@ ATTACKS: dict[str, str] = {
     "escape_view": "looks for files outside its declared view (the project's tests, docs, scripts, a sibling folder, "
                    "/root, /home, other site-packages) and walks the whole file tree",
     "reference_helpers": "reaches the reference module's helpers (l2norm) by import, sys.modules or the garbage collector",
+    "read_engine_file": "honest only if it can read the file its workload declares (engine_files), e.g. under /tmp",
     "reach_replica": "reads the serving replica's environment (any /proc/*/environ holding the secret), reads the "
                      "project's tests and configs and writes into the project",
 }
@@ -71,7 +72,11 @@ class AttackWorkload(DelegatingWorkload):
         self.probe_dir = probe_dir  # where a daemon writes its pid, where it can
         self.reference_file = str(ROOT / "evo" / "workloads" / "kda" / "reference.py")
         self.view = None  # what a strict engine may see (`with_view`), for the escape_view probe
+        self.engine_file = ""  # a file its engines read (engine_files), for the read_engine_file probe
         self.judge_file = str(ROOT / "evaluators" / "evaluator.py")
+
+    def engine_files(self, preset: Preset) -> tuple[str, ...]:
+        return (self.engine_file,) if self.engine_file else ()
 
     def gene_space(self, preset: Preset, device: DeviceInfo) -> GeneSpace:
         honest = self.base.gene_space(preset, device)
@@ -307,6 +312,7 @@ _PROBES = {
     "load_reference_copy": _load_reference_copy, "load_judge_module": _load_judge_module,
     "read_git_objects": _read_git_objects, "read_secret_env": _read_secret_env, "widen_affinity": _widen_affinity,
     "reference_helpers": _reference_helpers, "reach_replica": _reach_replica,
+    "read_engine_file": lambda w: not _can_open(Path(w.engine_file)),
 }
 
 

@@ -92,6 +92,18 @@ def test_a_jailed_engine_sees_only_its_declared_view(monkeypatch):
         unconfined.message
 
 
+def test_a_file_the_workload_declares_is_readable_even_under_tmp(monkeypatch, tmp_path):
+    """What lies under a private folder of the view (a checkout, a venv or a checkpoint in /tmp) is bound in
+    after that folder's tmpfs, read-only: an engine that must read its workload's file reads it."""
+    weights = tmp_path / "weights.bin"
+    weights.write_bytes(b"w" * 64)
+    workload = adversaries.AttackWorkload(fw.WORKLOAD, "attack_fake")
+    workload.engine_file = str(weights.resolve())
+    r = _evaluate(_evaluator(monkeypatch, workload, FAST), "read_engine_file")
+    assert r.status == OK, f"{r.status} {r.message}\n{r.error}"
+    assert str(weights.resolve()).startswith("/tmp/") or not str(tmp_path).startswith("/tmp/")
+
+
 def test_the_reference_helpers_are_out_of_reach(monkeypatch):
     """An engine's process never loads the reference module (nor the baselines): not importable, not in
     sys.modules, no function of it alive in memory."""
