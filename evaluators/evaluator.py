@@ -682,19 +682,22 @@ class Evaluator:
                 timeout_s: float) -> tuple[dict[str, torch.Tensor] | None, str | None]:
         """One call of a held engine on a client's inputs: (the outputs as the judge copied them, None), or
         (None, what went wrong without the reference). Raises EngineProcessError."""
-        full = {name: inputs.get(name) for name in self.workload.input_names}
+        full = self._complete(inputs)
         result, failure = self._send(process, full, self._specs(self.case_of(full)), where,
                                      time.perf_counter() + timeout_s)
         if failure is not None:
             return None, f"{failure.status}: {failure.message}"
         return result.outputs, None
 
+    def _complete(self, inputs: Mapping[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+        """A client's inputs with every input the workload names (an absent optional one as None)."""
+        return {name: inputs.get(name) for name in self.workload.input_names}
+
     def rescore(self, inputs: Mapping[str, torch.Tensor | None], outputs: Mapping[str, torch.Tensor]
                 ) -> tuple[str, float]:
         """A served call's outputs against the float64 reference of its inputs: (the problem or "", the
         norm-wise relative error)."""
-        full = {name: inputs.get(name) for name in self.workload.input_names}
-        reference = self.workload.reference_for(self.preset, full)
+        reference = self.workload.reference_for(self.preset, self._complete(inputs))
         return compare_outputs(dict(outputs), reference, self._dtypes, self._tolerance, self.settings.elementwise_factor)
 
     @property

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from evaluators import seccomp
-from evaluators.view import View
+from evaluators.view import View, under
 
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = (
     0x00020000, 0x04000000, 0x08000000, 0x20000000, 0x40000000)
@@ -162,7 +162,7 @@ def _mounts(view: View) -> None:
     new = "/newroot"
     _mount("tmpfs", new, "tmpfs", MS_NOSUID, "mode=0755,size=1m")
     # What lies under a private folder (a checkout or venv in /tmp) is placed once its tmpfs is mounted.
-    inside = lambda path: any(_under(path, p) for p in view.private)  # noqa: E731
+    inside = lambda path: any(under(path, p) for p in view.private)  # noqa: E731
     _place(view, new, lambda path: not inside(path))
     for path in ("/proc", *view.private):
         os.makedirs(new + path, 0o755, exist_ok=True)
@@ -200,10 +200,6 @@ def _place(view: View, new: str, where: Callable[[str], bool]) -> list[str]:
                 f.write(text)
             os.chmod(new + path, 0o644)
     return bound
-
-
-def _under(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
 
 
 def _read_only_tree(root: str, binds: list[str]) -> None:

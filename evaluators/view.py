@@ -63,10 +63,10 @@ class View:
         """Whether `path` (absolute, as seen inside) is in the view: under a bound or private path, a
         made link or file, /proc, or a folder on the way to one of those."""
         path = os.path.normpath(path)
-        if any(_under(path, h) and path != h for h in self.hidden):
+        if any(under(path, h) and path != h for h in self.hidden):
             return False
         roots = (*self.read_only, *self.private, *(p for p, _ in self.links), *(p for p, _ in self.files), "/proc")
-        return any(_under(path, r) or _under(r, path) for r in roots)
+        return any(under(path, r) or under(r, path) for r in roots)
 
 
 def declared_view(hidden: Iterable[str], modules: Iterable[str], cuda: bool = False, trusted: bool = False,
@@ -88,11 +88,11 @@ def _view(hidden: tuple[str, ...], top_modules: frozenset[str], cuda: bool, trus
     if cuda:
         paths += [*_nvidia_devices(), *CUDA_SYS]
     real = sorted({os.path.realpath(p) for p in paths if os.path.exists(p)})
-    kept = tuple(p for p in real if not any(p != q and _under(p, q) for q in real))  # one bind per subtree
+    kept = tuple(p for p in real if not any(p != q and under(p, q) for q in real))  # one bind per subtree
     links = [(p, os.readlink(p)) for p in (*MERGED_USR_LINKS, *SYSTEM) if os.path.islink(p)]
     links += [(p, t) for p, t in DEV_LINKS]
     links += _venv_links()
-    covered = tuple(h for h in hidden if any(_under(h, r) for r in kept))
+    covered = tuple(h for h in hidden if any(under(h, r) for r in kept))
     return View(kept, covered + _unused_site(), tuple(links), tuple(USERS.items()))
 
 
@@ -180,5 +180,6 @@ def _nvidia_devices() -> list[str]:
     return sorted(str(p) for p in Path("/dev").glob("nvidia*"))
 
 
-def _under(path: str, root: str) -> bool:
+def under(path: str, root: str) -> bool:
+    """Whether `path` is `root` or lies inside it."""
     return path == root or path.startswith(root.rstrip("/") + "/")
