@@ -165,3 +165,96 @@ def test_re_timings_are_journaled_with_their_parquet_and_trimmed_on_resume(tmp_p
     DiskEvidence(tmp_path, resumed_at=cut).close()  # a run resumed at generation `cut` times it again
     assert read_retimings(tmp_path) == [t for t in written if t.generation < cut]
     assert (tmp_path / RETIMINGS_FILE).exists()
+
+
+# -- the final race: nothing that looked faster goes unexamined -------------------------------------
+class NoisyEvaluator(SyntheticEvaluator):
+    """Single timings noisy on purpose: the synthetic latency times a log-normal factor (sigma 0.4)."""
+
+    def __init__(self, seed: int = 10) -> None:
+        import numpy as np
+
+        super().__init__()
+        self.noise = np.random.default_rng(seed)
+
+    def evaluate(self, genome_json: str):
+        from dataclasses import replace
+
+        result = super().evaluate(genome_json)
+        return replace(result, latency_ms=result.latency_ms * float(self.noise.lognormal(0.0, 0.4))) if result.ok else result
+
+
+class PairedTruthRetimer(EqualRetimer):
+    """Paired samples of the true (synthetic) latencies with 3% noise each, decided by the real rule."""
+
+    def __init__(self) -> None:
+        import numpy as np
+
+        super().__init__()
+        self.truth, self.noise = SyntheticEvaluator(), np.random.default_rng(11)
+
+    def true_ms(self, evaluated) -> float:
+        return self.truth.evaluate(evaluated.proposal.genome.to_json()).latency_ms
+
+    def retime(self, challenges: list[Challenge], settings: IntensifySettings) -> list[PairedTiming]:
+        self.challenges += challenges
+        out = []
+        for c in challenges:
+            a, b = (self.true_ms(e) * self.noise.lognormal(0.0, 0.03, settings.calls) for e in (c.challenger, c.holder))
+            out.append(paired_timing("x", "y", a, b, settings.min_effect))
+        return out
+
+
+def noisy_search(**intensify) -> tuple[Search, PairedTruthRetimer]:
+    retimer = PairedTruthRetimer()
+    search = make_search(retimer, **{"budget_share": 0.1, **intensify})  # 4 re-timings, 2 kept for the race
+    run_search(search, LocalExecutor(NoisyEvaluator()))
+    return search, retimer
+
+
+def test_candidates_that_look_faster_after_the_budget_is_spent_race_the_incumbent_before_the_run_ends():
+    search, retimer = noisy_search()
+    budget, reserve = search.settings.intensify.budget(40), search.settings.intensify.reserve(40)
+    assert (budget, reserve) == (4, 2)
+    in_search = list(search.retimings)
+    assert len(in_search) <= budget - reserve  # the search left the race its reserve
+    waiting = search.unexamined()
+    assert waiting, "nothing looked faster unexamined: the test proves nothing"
+    before = search.best()
+    race = search.final_race()
+    assert list(race.contenders) == [e.proposal.hash for e in waiting[:reserve]]  # fastest-looking first
+    assert race.before == before.proposal.hash and race.winner == search.best().proposal.hash
+    assert all(t.reason == "race" and t.a in race.contenders for t in race.timings)
+    assert len(search.retimings) == len(in_search) + len(race.timings) <= budget
+    leaders = {before.proposal.hash}  # the lead moves only by a paired win over the engine that held it
+    for t in race.timings:
+        assert t.b in leaders
+        if t.verdict == FASTER:
+            leaders.add(t.a)
+    assert race.winner in leaders
+    assert race.winner != race.before, "the race confirmed nothing: the test proves less"
+    assert retimer.true_ms(search.known[race.winner]) < retimer.true_ms(before)  # confirmed means truly faster
+    named = {u.hash for u in race.unexamined}
+    assert named == {e.proposal.hash for e in waiting[reserve:]}
+    assert all("re-timing budget (4) was spent" in u.reason for u in race.unexamined)
+    assert not (set(race.contenders) & {e.proposal.hash for e in search.unexamined()})
+
+
+def test_a_candidate_the_race_had_no_time_for_is_named_in_the_summary():
+    from evo.evidence.claims import claim_lines
+    from evo.evidence.summary import Summary, make_summary
+
+    search, _ = noisy_search(race_wall_s=0)
+    waiting = [e.proposal.hash for e in search.unexamined()]
+    assert waiting
+    race = search.final_race()
+    assert race.contenders == () and search.best().proposal.hash == race.before
+    summary = Summary.from_dict(make_summary(search, {}, None, "toy", "cpu", 1.0, race=race).to_dict())
+    assert [u["hash"] for u in summary.unexamined] == waiting
+    reserve = search.settings.intensify.reserve(40)
+    assert all("wall time ran out" in u["reason"] for u in summary.unexamined[:reserve])
+    assert all("budget" in u["reason"] for u in summary.unexamined[reserve:])
+    text = "\n".join(claim_lines(summary))
+    assert all(f"unexamined: {h}" in text for h in waiting)
+    stopped = noisy_search()[0].final_race(not_run="the run was stopped")
+    assert stopped.contenders == () and all(u.reason == "the run was stopped" for u in stopped.unexamined)

@@ -16,7 +16,7 @@ passed its evaluation and then returned a wrong answer, raised or hung) makes th
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from statistics import NormalDist
 from typing import Any, Protocol, Sequence
 
@@ -46,7 +46,8 @@ class PairedTiming:
     samples_a_ms: tuple[float, ...] = ()  # the timed calls, in call order; pair i is (samples_a_ms[i], samples_b_ms[i])
     samples_b_ms: tuple[float, ...] = ()
     message: str = ""
-    reason: str = ""  # why it ran: "parent" / "incumbent" (intensification), "baseline" (final), "ab" (the CLI)
+    reason: str = ""  # why it ran: "parent" / "incumbent" (intensification), "race" (the final race),
+    # "baseline" (final), "ab" (the CLI)
     generation: int = -1  # the search generation it decided (-1: outside a search)
     wall_s: float = math.nan  # its wall time, builds included
     evaluator: str = ""
@@ -130,6 +131,19 @@ def paired_timing(a: str, b: str, samples_a_ms: Sequence[float], samples_b_ms: S
                         tuple(float(s) for s in a_ms), tuple(float(s) for s in b_ms), **fields)
 
 
+def pooled(earlier: PairedTiming, later: PairedTiming) -> PairedTiming:
+    """One record of two re-timings of the same A against the same B: the pairs of both, decided again
+    (a failed one stays failed). Each pair saw one moment of the machine, so pairs from two sittings pool."""
+    if FAILED in (earlier.verdict, later.verdict):
+        return later if later.verdict == FAILED else earlier
+    pooled_timing = paired_timing(later.a, later.b, earlier.samples_a_ms + later.samples_a_ms,
+                                  earlier.samples_b_ms + later.samples_b_ms, later.min_effect)
+    wall = sum(w for w in (earlier.wall_s, later.wall_s) if math.isfinite(w))
+    return replace(later, verdict=pooled_timing.verdict, ratio=pooled_timing.ratio, low=pooled_timing.low,
+                   high=pooled_timing.high, samples_a_ms=pooled_timing.samples_a_ms,
+                   samples_b_ms=pooled_timing.samples_b_ms, wall_s=wall)
+
+
 def failed_timing(a: str, b: str, message: str, min_effect: float, **fields: Any) -> PairedTiming:
     return PairedTiming(a, b, FAILED, min_effect=min_effect, message=message[:500], **fields)
 
@@ -144,6 +158,10 @@ class IntensifySettings:
     budget_share: float = 0.2  # re-timings in all <= this share of search.max_evaluations
     calls: int = 16  # timed calls per engine in one re-timing (pairs); >= 8
     warmup: int = 2  # untimed calls per engine before them
+    final_race: int = 3  # at the run's end, this many fastest-looking candidates no re-timing examined race
+    # the incumbent before the winner is declared (their re-timings are reserved in the budget); 0: off
+    race_rounds: int = 3  # rounds of the final race: a contender equal within noise is timed again, up to this
+    race_wall_s: float = 300.0  # no round of the final race starts after this many seconds of it
 
     def __post_init__(self) -> None:
         problems = []
@@ -158,12 +176,23 @@ class IntensifySettings:
             problems.append(f"calls must be an integer >= 8 (paired calls per engine), got {self.calls!r}")
         if not (isinstance(self.warmup, int) and not isinstance(self.warmup, bool) and self.warmup >= 0):
             problems.append(f"warmup must be an integer >= 0, got {self.warmup!r}")
+        for name in ("final_race", "race_rounds"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= (name == "race_rounds")):
+                problems.append(f"{name} must be an integer >= {int(name == 'race_rounds')}, got {value!r}")
+        if not (isinstance(self.race_wall_s, (int, float)) and self.race_wall_s >= 0):  # refuses NaN
+            problems.append(f"race_wall_s must be a number of seconds >= 0, got {self.race_wall_s!r}")
         if problems:
             raise ValueError("; ".join(problems))
 
     def budget(self, max_evaluations: int) -> int:
         """Re-timings a search may run in all."""
         return int(math.floor(self.budget_share * max_evaluations + 1e-9)) if self.enabled else 0
+
+    def reserve(self, max_evaluations: int) -> int:
+        """Re-timings kept for the final race: its places, at most half the budget (rounded up)."""
+        budget = self.budget(max_evaluations)
+        return min(self.final_race, budget - budget // 2)
 
 
 @dataclass(frozen=True)
@@ -185,4 +214,4 @@ class Retimer(Protocol):
 
 
 __all__ = ["Challenge", "Retimer", "CONFIDENCE", "EQUAL", "FAILED", "FASTER", "IntensifySettings", "MIN_PAIRS", "PairedTiming", "SLOWER",
-           "VERDICTS", "decide", "failed_timing", "hodges_lehmann", "paired_timing"]
+           "VERDICTS", "decide", "failed_timing", "hodges_lehmann", "paired_timing", "pooled"]

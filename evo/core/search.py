@@ -22,6 +22,11 @@ whose whole 95% interval is faster by at least `min_effect` becomes the incumben
 its agent (its yield, its move statistics, "best from") and so reaches the lessons; the others are
 recorded as equal within noise (or slower, or failed). Re-timings are bounded by `budget_share` of
 `max_evaluations`, fastest-looking candidates first; a candidate left unchallenged is not credited.
+So that nothing which looked faster goes unexamined, the run ends with a final race (`final_race`,
+its re-timings reserved in that budget): the fastest-looking candidates no re-timing examined race
+the incumbent, paired, in rounds; a contender found slower drops out, one equal within noise is timed
+again while rounds are left, and the fastest confirmed faster becomes the incumbent (the others go on
+against it). Whatever still looks faster and was not raced is named, with why (`RaceResult.unexamined`).
 Without a retimer (the synthetic evaluator, tests) a single timing decides, as it always did.
 """
 from __future__ import annotations
@@ -42,7 +47,7 @@ from evo.core.lessons import Lessons
 from evo.core.population import Population, PopulationSettings
 from evo.core.proposer import Archive, Feedback, ProposalRequest, improves_on_parent
 from evo.core.records import STATUSES, EvalResult, Evaluated, Parent, Proposal
-from evo.core.retiming import FASTER, Challenge, IntensifySettings, PairedTiming, Retimer
+from evo.core.retiming import EQUAL, FASTER, Challenge, IntensifySettings, PairedTiming, Retimer, pooled
 from evo.core.seeds import derive_seed
 
 # The default team: one agent per genome domain (registered under the domain's name) and recombination.
@@ -124,6 +129,39 @@ class GenerationReport:
     @property
     def evals_per_s(self) -> float:
         return len(self.evaluated) / self.wall_s if self.wall_s > 0 else math.nan
+
+
+@dataclass(frozen=True)
+class Unexamined:
+    """A correct candidate whose single timing beats the winner's and that no paired re-timing examined."""
+
+    hash: str
+    latency_ms: float  # its single timing
+    reason: str  # why it was not raced
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"hash": self.hash, "latency_ms": self.latency_ms, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class RaceResult:
+    """The final race: who raced, its re-timings (a = a contender, b = the holder it raced), the incumbent
+    before and after, and what was left unexamined."""
+
+    contenders: tuple[str, ...] = ()
+    timings: tuple[PairedTiming, ...] = ()
+    rounds: int = 0
+    before: str | None = None  # the incumbent's hash when the race began
+    winner: str | None = None  # the incumbent's hash after it
+    unexamined: tuple[Unexamined, ...] = ()
+    wall_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        last = {t.a: t for t in self.timings}  # each contender's deciding record
+        return {"contenders": list(self.contenders), "rounds": self.rounds, "before": self.before,
+                "winner": self.winner, "wall_s": self.wall_s,
+                "verdicts": {h: {"verdict": t.verdict, "against": t.b, "ratio": t.ratio, "low": t.low, "high": t.high,
+                                 "pairs": t.pairs} for h, t in last.items()}}
 
 
 class Search:
@@ -358,8 +396,10 @@ class Search:
 
     # -- intensification --------------------------------------------------------------------------
     def _intensify(self, current: list[Evaluated]) -> list[PairedTiming]:
-        """Re-time this generation's challengers (fastest-looking first, within the budget left)."""
-        left = self.settings.intensify.budget(self.settings.max_evaluations) - len(self.retimings)
+        """Re-time this generation's challengers (fastest-looking first, within the budget left once the
+        final race's reserve is set aside)."""
+        settings, evaluations = self.settings.intensify, self.settings.max_evaluations
+        left = settings.budget(evaluations) - settings.reserve(evaluations) - len(self.retimings)
         challenges = []
         for item in sorted((e for e in current if e.result.ok), key=lambda e: (e.fitness, e.proposal.hash)):
             if len(challenges) >= left:
@@ -376,6 +416,69 @@ class Search:
                            generation=c.generation) for c, t in zip(challenges, answers)]
         self.retimings += timings
         return timings
+
+    def unexamined(self) -> list[Evaluated]:
+        """Correct candidates whose single timing beats the incumbent's and that no paired re-timing has
+        examined, fastest-looking first ([] without intensification or an incumbent)."""
+        if not self.intensifying or self.incumbent is None:
+            return []
+        examined = {t.a for t in self.retimings} | {self.incumbent.proposal.hash}
+        return sorted((e for e in self.known.values() if e.result.ok and e.fitness < self.incumbent.fitness
+                       and e.proposal.hash not in examined), key=lambda e: (e.fitness, e.proposal.hash))
+
+    def final_race(self, not_run: str | None = None) -> RaceResult:
+        """Race the fastest-looking unexamined candidates against the incumbent before the winner is declared
+        (see the module). `not_run`: the race does not run, and every such candidate is named with this reason."""
+        started, settings = time.monotonic(), self.settings.intensify
+        waiting = self.unexamined()
+        before = self.incumbent.proposal.hash if self.incumbent else None
+        if not_run is not None or not waiting:
+            return RaceResult(before=before, winner=before, unexamined=tuple(
+                Unexamined(e.proposal.hash, e.fitness, not_run or "") for e in waiting))
+        budget = settings.budget(self.settings.max_evaluations)
+        places = min(settings.final_race, max(0, budget - len(self.retimings)))
+        contenders = waiting[:places]
+        why = (f"beyond the final race's {settings.final_race} places (search.intensify.final_race)"
+               if places == settings.final_race else f"the re-timing budget ({budget}) was spent")
+        left_out = [Unexamined(e.proposal.hash, e.fitness, why) for e in waiting[places:]]
+        raced, timings, rounds = [], [], 0
+        evidence: dict[str, PairedTiming] = {}  # contender -> its pooled record against the current holder
+        while contenders and rounds < settings.race_rounds:
+            if time.monotonic() - started >= settings.race_wall_s:
+                why = f"the final race's wall time ran out (search.intensify.race_wall_s = {settings.race_wall_s:g} s)"
+                left_out = [Unexamined(c.proposal.hash, c.fitness, why) for c in contenders
+                            if c.proposal.hash not in raced] + left_out
+                break
+            contenders = contenders[:budget - len(self.retimings) - len(timings)]  # later rounds stay in budget
+            if not contenders:
+                break
+            holder = self.incumbent
+            challenges = [Challenge(c, holder, "race", self.generation) for c in contenders]
+            answers = self.retimer.retime(challenges, settings)
+            if len(answers) != len(challenges):
+                raise RuntimeError(f"the retimer answered {len(answers)} of {len(challenges)} challenges")
+            rounds += 1
+            raced += [c.proposal.hash for c in contenders if c.proposal.hash not in raced]
+            decided = []
+            for c, answer in zip(contenders, answers):
+                record = replace(answer, a=c.proposal.hash, b=holder.proposal.hash, reason="race",
+                                 generation=self.generation)
+                earlier = evidence.get(c.proposal.hash)
+                record = pooled(earlier, record) if earlier is not None and earlier.b == record.b else record
+                evidence[c.proposal.hash] = record
+                decided.append((c, record))
+            timings += [r for _, r in decided]
+            faster = [(r.ratio, c.proposal.hash, c) for c, r in decided if r.verdict == FASTER]
+            if faster:  # the fastest confirmed takes the lead; the other live contenders race it afresh
+                self.incumbent = min(faster, key=lambda f: (f[0], f[1]))[2]
+                contenders = [c for c, r in decided if r.verdict in (FASTER, EQUAL) and c is not self.incumbent]
+                evidence.clear()
+            else:
+                contenders = [c for c, r in decided if r.verdict == EQUAL]
+        self.retimings += timings
+        return RaceResult(tuple(raced), tuple(timings), rounds, before, self.incumbent.proposal.hash,
+                          tuple(sorted(left_out, key=lambda u: (u.latency_ms, u.hash))),
+                          time.monotonic() - started)
 
     def _holder(self, item: Evaluated) -> tuple[Evaluated | None, str]:
         """What `item` looks faster than and must beat paired: the incumbent, else its fastest parent."""
