@@ -49,7 +49,8 @@ from evaluators.arena import ArenaPool
 from evaluators.guard import hidden_paths
 from evaluators.sandbox import CallResult, EngineProcess, EngineProcessError, workload_modules
 from evaluators.settings import EvaluatorSettings
-from evaluators.timing import Timing, measure_rates, num_threads, summarize
+from evaluators.calibration import RUN, Calibration, machine_key, remember
+from evaluators.timing import Timing, num_threads, probe_rates, summarize
 from evaluators.zygote import Zygote
 
 _SPEC_CACHE_SIZE = 256  # output specs kept for cases of distinct shapes
@@ -128,7 +129,9 @@ class Evaluator:
         self._versions["sandbox"] = settings.sandbox  # in every result's versions
         self._preload = workload_modules(self.workload)  # what the engine's process loads before its jail
         self._timing_case = self.workload.timing_case(self.preset)  # by default a check case at the preset shape
-        self._rates: MachineRates | None = None  # measured on first need, then cached
+        self._rates: MachineRates | None = None  # the driver's (use_rates), or measured on first need; then kept
+        self._rates_source = ""  # evaluators.calibration: MEASURED, CACHED or RUN
+        self._rates_key = machine_key(self._info, self.preset.dtype)
         self._floor_ms: float | None = None
         self._spec_cache: dict[tuple, dict] = {}
         self._seen: dict[tuple, str] = {}  # fingerprints of this evaluation's outputs -> the call that returned them
@@ -195,18 +198,29 @@ class Evaluator:
         return self._evaluate(f"baseline:{baseline}", start, {"baseline": baseline, "guarded": False})
 
     def measure_rates(self, again: bool = False) -> MachineRates:
-        """The machine's ceilings for the preset's arithmetic (matmul FLOP/s per dtype, copy bandwidth),
-        measured in this process, which never runs an engine, on first need and cached. `again`
+        """The machine's ceilings for the preset's arithmetic (matmul FLOP/s per dtype, copy bandwidth):
+        the driver's run-wide rates (`use_rates`), else measured in this process, which never runs an
+        engine, on first need and kept. A measurement is the best of short probes and never below this
+        machine's cached calibration, which it raises when it beats it (evaluators.calibration). `again`
         measures once more and keeps the higher of each rate: ceilings read low when another process
         disturbs a measurement, and a low ceiling would make an honest engine look too fast."""
         if self._rates is None or again:
             Zygote.shared(self._preload).wait_ready()  # it shares these cores while it starts
-            rates = measure_rates(self.device, self.preset.dtype,
-                                  self._info.threads if self.device == "cpu" else None)
-            if self._rates is not None:
-                rates = rates.merged_max(self._rates)
-            self._rates, self._floor_ms = rates, None
+            found = remember(self._rates_key, probe_rates(self.device, self.preset.dtype,
+                                                          self._info.threads if self.device == "cpu" else None))
+            rates = found.rates if self._rates is None else found.rates.merged_max(self._rates)
+            if rates != self._rates:
+                self._rates, self._floor_ms, self._rates_source = rates, None, found.source
         return self._rates
+
+    def calibration(self) -> Calibration:
+        """The rates the floor uses and where they came from (measured now, the machine's cache, the run)."""
+        return Calibration(self.measure_rates(), self._rates_source, self._rates_key)
+
+    def use_rates(self, rates: MachineRates) -> None:
+        """Judge with the run's rates (the driver hands every evaluator the same: one floor per run, the
+        one the summary shows). A re-measurement below the floor (`_below_floor`) only raises them."""
+        self._rates, self._floor_ms, self._rates_source = rates, None, RUN
 
     def roofline_floor_ms(self) -> float:
         """The preset's roofline floor on this machine (nan if the workload cannot say), cached."""
@@ -231,7 +245,7 @@ class Evaluator:
                     process.launch(preload=self._preload)
                     result = self._judge(process, genome_hash, start, engine)
                 except EngineProcessError as exc:
-                    result = self._failed(genome_hash, start, exc, "sandbox", self._limit(build=True))
+                    result = self._failed(genome_hash, start, exc, "sandbox", self._limit(genome_hash, build=True))
                 finally:
                     process.close()
             if process.survivors:  # the PID namespace and the cgroup make this impossible: say so loudly
@@ -253,14 +267,14 @@ class Evaluator:
                 null_ms = 1e3 * process.calibrate(self._draw(self._timing_case), self._specs(self._timing_case),
                                                   repeats=_CALIBRATION_CALLS)
         except EngineProcessError as exc:
-            return self._failed(genome_hash, start, exc, "calibration", self._limit(build=True))
+            return self._failed(genome_hash, start, exc, "calibration", self._limit(genome_hash, build=True))
         launched = time.perf_counter()  # the build's clock starts once the engine's process is ready
-        build_deadline = launched + settings.build_timeout_s
-        deadline = launched + settings.eval_timeout_s
+        (_, build_limit_s), (_, whole_s) = settings.budgets(baseline=engine.get("baseline") is not None)
+        build_deadline, deadline = launched + build_limit_s, launched + whole_s
         try:
             built = process.build(timeout_s=build_deadline - time.perf_counter())
         except EngineProcessError as exc:
-            return self._failed(genome_hash, start, exc, "build", self._limit(build=True),
+            return self._failed(genome_hash, start, exc, "build", self._limit(genome_hash, build=True),
                                 build_s=time.perf_counter() - launched)
         if built["forbidden_calls"] or built.get("forbidden"):
             calls = ", ".join(sorted(set(built["forbidden_calls"]))) or built.get("message", "")
@@ -275,7 +289,7 @@ class Evaluator:
             first = self._checked(process, _Call(self._timing_case, False, "first call at the preset shape"),
                                   min(build_deadline, deadline), first=True)
         except EngineProcessError as exc:
-            return self._failed(genome_hash, start, exc, "build + first call", self._limit(build=True),
+            return self._failed(genome_hash, start, exc, "build + first call", self._limit(genome_hash, build=True),
                                 build_s=time.perf_counter() - launched, **stamp)
         build_s = time.perf_counter() - launched
         stamp["build_s"] = build_s
@@ -289,7 +303,7 @@ class Evaluator:
         try:
             verdicts, timing = self._run_plan(process, plan, deadline, null_ms)
         except EngineProcessError as exc:
-            return self._failed(genome_hash, start, exc, "evaluation", self._limit(), **stamp)
+            return self._failed(genome_hash, start, exc, "evaluation", self._limit(genome_hash), **stamp)
         for verdict in verdicts:
             worst = worse(worst, verdict.rel_error)
         stamp["max_rel_error"] = worst
@@ -491,12 +505,11 @@ class Evaluator:
         self.measure_rates(again=True)
         return latency_ms < self.roofline_floor_ms() * self.settings.roofline_margin
 
-    def _limit(self, build: bool = False) -> tuple[str, float]:
-        """The deadline that applies: eval_timeout_s, or during the build the sooner of both."""
-        s = self.settings
-        if build and s.build_timeout_s <= s.eval_timeout_s:
-            return "build_timeout_s", s.build_timeout_s
-        return "eval_timeout_s", s.eval_timeout_s
+    def _limit(self, genome_hash: str, build: bool = False) -> tuple[str, float]:
+        """The deadline that applies: the whole evaluation's, or during the build the sooner of both (a
+        baseline's, `baseline:NAME`, are its own: `EvaluatorSettings.budgets`)."""
+        build_limit, whole = self.settings.budgets(baseline=genome_hash.startswith("baseline:"))
+        return build_limit if build and build_limit[1] <= whole[1] else whole
 
     def _failed(self, genome_hash: str, start: float, exc: EngineProcessError, what: str,
                 limit: tuple[str, float], **stamp: object) -> EvalResult:
@@ -529,7 +542,7 @@ class Evaluator:
         try:
             again, timing = self._run_plan(process, self._plan(rng, checks=False), deadline, null_ms)
         except EngineProcessError as exc:
-            return None, self._failed(genome_hash, start, exc, what, self._limit(), **stamp)
+            return None, self._failed(genome_hash, start, exc, what, self._limit(genome_hash), **stamp)
         failed = next((v for v in again if v.status is not None), None)
         if failed is not None:
             return None, self._result(genome_hash, failed.status, start, message=f"{what}: {failed.message}",
@@ -617,7 +630,8 @@ class Evaluator:
             if self.settings.subtract_call_overhead:
                 null_ms = 1e3 * process.calibrate(self._draw(self._timing_case), self._specs(self._timing_case),
                                                   repeats=_CALIBRATION_CALLS)
-            built = process.build(timeout_s=min(self.settings.build_timeout_s, deadline - time.perf_counter()))
+            (_, build_limit_s), _ = self.settings.budgets(baseline=engine.get("baseline") is not None)
+            built = process.build(timeout_s=min(build_limit_s, deadline - time.perf_counter()))
             if built["forbidden_calls"] or built.get("forbidden"):
                 return f"build called {', '.join(sorted(set(built['forbidden_calls'])))}: {_FORBIDDEN_ADVICE}", null_ms
             if built.get("op") != "built":

@@ -64,7 +64,8 @@ def retime(judge: Judge, engines: Sequence[str], rng: np.random.Generator, *, ca
     except ValueError as exc:
         return failed(str(exc))
     labels = [label for label, _ in resolved]
-    deadline = time.perf_counter() + judge.settings.eval_timeout_s * len(engines)
+    deadline = time.perf_counter() + sum(judge.settings.budgets(baseline=engine.get("baseline") is not None)[1][1]
+                                         for _, engine in resolved)  # a baseline's build has its own limit
     with judge.holding() as stack:
         held = []
         for label, engine in resolved:

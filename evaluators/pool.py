@@ -24,12 +24,13 @@ import socket
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from evaluators.calibration import Calibration
 from evaluators.evaluator import Evaluator
 from evaluators.placement import NodeView, PlacementError, SlotPlan, initial_plan, placement_kind, plan_slots
 from evaluators.settings import EvaluatorSettings, PoolSettings
@@ -130,6 +131,7 @@ class EvaluatorPool:
         self._next_index = 0
         self._failed_starts: collections.Counter[str] = collections.Counter()
         self._last_watch = time.monotonic()
+        self._rates: MachineRates | None = None  # the run's rates (use_rates), handed to every actor
         plans, self.accelerator = initial_plan(self._nodes(), self.kind, pool.threads, pool.count,
                                                pool.accelerator_type, preset.name)
         for plan in plans:
@@ -153,6 +155,8 @@ class EvaluatorPool:
         slot.actor = ray.remote(PlacedEvaluator).options(**options).remote(
             self.workload, self.preset.name, self.settings, seed, slot.name, positions)
         slot.starting = slot.actor.describe.remote()
+        if self._rates is not None:  # an actor's calls run in order: it has the run's floor before any work
+            slot.actor.use_rates.remote(self._rates)
         self.slots.append(slot)
         return slot
 
@@ -240,6 +244,33 @@ class EvaluatorPool:
     def measure_rates(self) -> MachineRates:
         return self._ask_one("measure_rates")
 
+    def calibrate(self) -> Calibration:
+        """The machine's rates, measured on one evaluator (best of short probes, never below the
+        machine's cached calibration), with where they came from."""
+        return self._ask_one("calibration")
+
+    def use_rates(self, rates: MachineRates) -> None:
+        """Every evaluator, and every one started later, judges with `rates`: one floor for the run."""
+        self._rates = rates
+        for slot in self.slots:
+            slot.actor.use_rates.remote(rates)
+
+    def best_rates(self) -> MachineRates:
+        """The rates re-measured on one evaluator, merged (the higher of each) with what every ready
+        evaluator holds (one that re-measured below the floor holds higher ones); no evaluation runs."""
+        slots = self.ready_slots()
+        refs = [slots[0].actor.measure_rates.remote(True)] + [s.actor.measure_rates.remote() for s in slots[1:]]
+        best = None
+        for ref in refs:
+            try:
+                rates = ray.get(ref, timeout=self.settings.eval_timeout_s)
+            except (GetTimeoutError, RayActorError):
+                continue
+            best = rates if best is None else best.merged_max(rates)
+        if best is None:
+            raise RuntimeError("no evaluator could re-measure the machine's rates")
+        return best
+
     def _ask_one(self, method: str):
         slot = self.ready_slots()[0]
         return ray.get(getattr(slot.actor, method).remote(), timeout=self.settings.eval_timeout_s)
@@ -250,7 +281,7 @@ class EvaluatorPool:
         """Each baseline's result, in the order they finish; `on_result` hears of each as it does (progress)."""
         jobs = [_Job(name, "evaluate_baseline", (name,), {}, _eval_failure(f"baseline:{name}")) for name in names]
         results = {}
-        for key, result in self._dispatch(jobs):
+        for key, result in self._dispatch(jobs, timeout_factor=self._budget_factor(("baseline:",))):
             results[key] = result
             on_result(key, result)
         return results
@@ -271,8 +302,14 @@ class EvaluatorPool:
                  for i, job in enumerate(jobs)]
         if not jobs:
             return []
-        answers = dict(self._dispatch(calls, timeout_factor=max(len(job.engines) for job in jobs)))
+        answers = dict(self._dispatch(calls, timeout_factor=max(self._budget_factor(job.engines) for job in jobs)))
         return [answers.get(i) or job.failed("not timed: the run was stopped", "") for i, job in enumerate(jobs)]
+
+    def _budget_factor(self, engines: Sequence[str]) -> float:
+        """The evaluators' budget for these engines ("baseline:NAME" or genome JSON), in eval_timeout_s: a
+        baseline's build has its own limit (`EvaluatorSettings.budgets`)."""
+        s = self.settings
+        return sum(s.budgets(baseline=e.startswith("baseline:"))[1][1] for e in engines) / s.eval_timeout_s
 
     def _dispatch(self, jobs: list[_Job], timeout_factor: float = 1) -> Iterator[tuple[Any, Any]]:
         queue = collections.deque(jobs)
@@ -326,7 +363,8 @@ class EvaluatorPool:
                 if time.monotonic() - started > timeout:
                     running.pop(ref)
                     self._replace(slot)
-                    yield job.key, job.failed(TIMEOUT, f"evaluation exceeded eval_timeout_s + {_GRACE_S:g} s = "
+                    budget = "eval_timeout_s" if timeout_factor == 1 else f"its budget {timeout - _GRACE_S:g} s"
+                    yield job.key, job.failed(TIMEOUT, f"evaluation exceeded {budget} + {_GRACE_S:g} s = "
                                                        f"{timeout:g} s; evaluator killed and replaced", "", slot.name)
 
     def _collect(self, ref, job: _Job, slot: _Slot) -> Any:

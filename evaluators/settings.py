@@ -73,6 +73,14 @@ class EvaluatorSettings:
     eval_timeout_s: float = _option(
         300.0, "whole evaluation budget; the pool kills an evaluator that exceeds it (hangs)", _positive
     )
+    baseline_build_timeout_s: float = _option(
+        600.0,
+        "a baseline's build plus first (compiling) call longer than this gives it status 'timeout' (shown as"
+        " a row of the summary, never silently dropped); a baseline's whole budget is eval_timeout_s plus the"
+        " extra build time (this minus build_timeout_s, if more). Baselines such as torch.compile can take"
+        " minutes to compile on a loaded CPU; candidates keep build_timeout_s",
+        _positive,
+    )
     roofline_margin: float = _option(
         1.0, "a median latency below margin x the roofline floor gives status 'suspect' (never ok)", _positive
     )
@@ -166,6 +174,17 @@ class EvaluatorSettings:
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def budgets(self, baseline: bool = False) -> tuple[tuple[str, float], tuple[str, float]]:
+        """((name, seconds) of the build deadline, (name, seconds) of the whole evaluation's) for a
+        candidate's engine, or with `baseline` for a baseline's: its own build limit, and eval_timeout_s
+        lengthened by what that limit adds to build_timeout_s."""
+        if not baseline:
+            return ("build_timeout_s", self.build_timeout_s), ("eval_timeout_s", self.eval_timeout_s)
+        extra = max(0.0, self.baseline_build_timeout_s - self.build_timeout_s)
+        whole = ("eval_timeout_s", self.eval_timeout_s) if not extra else (
+            f"eval_timeout_s + {extra:g} s of baseline build time", self.eval_timeout_s + extra)
+        return ("baseline_build_timeout_s", self.baseline_build_timeout_s), whole
 
     @classmethod
     def describe(cls) -> list[dict[str, Any]]:

@@ -56,7 +56,8 @@ ARITHMETIC: dict[str, tuple[str, ...]] = {"float32": ("float32",), "bfloat16": (
 def measure_rates(device: str, preset_dtype: str = "float32", threads: int | None = None,
                   repeats: int = 7) -> MachineRates:
     """Matmul FLOP/s (square gemm) for each arithmetic the preset allows (tf32 on CUDA only) and copy
-    bandwidth (bytes read + written per second), each the median of `repeats` after a warm-up."""
+    bandwidth (bytes read + written per second), each from the fastest of `repeats` after a warm-up: a
+    ceiling is what the machine can do, and load from other processes only ever slows a repeat down."""
     cuda = torch.device(device).type == "cuda"
     allowed = ARITHMETIC.get(preset_dtype, ("float32",))
     rates: dict[str, float] = {}
@@ -68,10 +69,21 @@ def measure_rates(device: str, preset_dtype: str = "float32", threads: int | Non
         numel = (1 << 28) if cuda else (1 << 24)  # copy: 1 GiB on GPU, 64 MiB on CPU (beyond caches)
         src = torch.ones(numel, device=device)
         dst = torch.empty_like(src)
-        copy_s = _median_seconds(lambda: dst.copy_(src), device, repeats)
+        copy_s = _best_seconds(lambda: dst.copy_(src), device, repeats)
         nbytes = src.numel() * src.element_size()
         del src, dst
     return MachineRates(flops_per_s=max(rates.values()), bytes_per_s=2.0 * nbytes / copy_s, matmul_flops=rates)
+
+
+def probe_rates(device: str, preset_dtype: str = "float32", threads: int | None = None, probes: int = 3,
+                repeats: int = 3, pause_s: float = 0.05) -> MachineRates:
+    """The best of `probes` short `measure_rates` probes, a pause apart so one burst of load from other
+    processes does not spoil them all (each rate its maximum)."""
+    best = measure_rates(device, preset_dtype, threads, repeats)
+    for _ in range(probes - 1):
+        time.sleep(pause_s)
+        best = best.merged_max(measure_rates(device, preset_dtype, threads, repeats))
+    return best
 
 
 def floor_rates(preset_dtype: str, matmul_flops: dict[str, float], bytes_per_s: float) -> MachineRates:
@@ -94,7 +106,7 @@ def _matmul_rate(device: str, arithmetic: str, repeats: int) -> float:
         a = torch.randn(n, n, device=device, dtype=dtype)
         b = torch.randn(n, n, device=device, dtype=dtype)
         out = torch.empty(n, n, device=device, dtype=dtype)
-        seconds = _median_seconds(lambda: torch.mm(a, b, out=out), device, repeats)
+        seconds = _best_seconds(lambda: torch.mm(a, b, out=out), device, repeats)
     return 2.0 * n**3 / seconds
 
 
@@ -121,7 +133,7 @@ def matmul_tf32(enabled: bool) -> Iterator[None]:
         matmul.allow_tf32 = previous_flag
 
 
-def _median_seconds(fn, device: str, repeats: int) -> float:
+def _best_seconds(fn, device: str, repeats: int) -> float:
     fn()
     sync(device)
     samples = []
@@ -130,4 +142,4 @@ def _median_seconds(fn, device: str, repeats: int) -> float:
         fn()
         sync(device)
         samples.append(time.perf_counter() - start)
-    return float(np.median(samples))
+    return float(min(samples))

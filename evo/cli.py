@@ -57,8 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cmd.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     serve_cmd.add_argument("--port", type=int, default=8000, help="HTTP port; it must be free")
     serve_cmd.add_argument("--name", default="engine", help="Serve application name")
-    serve_cmd.add_argument("--max-batch-size", type=int, default=8,
-                           help="most requests a replica runs as one batched call")
+    serve_cmd.add_argument("--max-batch-size", type=int, default=None,
+                           help="most batch rows a replica merges into one engine call (default: the largest batch"
+                                " the engine's workload verifies engines at; a larger one is refused)")
     serve_cmd.add_argument("--tracking-uri", default=None, help="MLflow store for models:/ and runs:/ sources "
                                                                 "(default: $MLFLOW_TRACKING_URI, else ./mlflow.db)")
     serve_cmd.add_argument("--sandbox", choices=("strict", "none"), default="strict",
@@ -67,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="share of engine calls re-scored against the float64 reference, off the request path")
     genes_cmd = add("genes", help="print a workload preset's gene space")
     genes_cmd.add_argument("config", help="YAML experiment config: its workload, preset and genes restriction")
+    genes_cmd.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                           help="override a config value, e.g. --set preset=cpu_batch (repeatable)")
     bench_cmd = add("bench", help="evaluate genomes and every baseline in this process (no Ray, no MLflow needed)")
     bench_cmd.add_argument("config", help="YAML experiment config (the files under configs/)")
     bench_cmd.add_argument("--genomes", default=None, metavar="FILE",
@@ -169,6 +172,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
     if args.command == "genes":
+        from evo.driver.rundir import check_config
+
+        try:  # an unknown workload or preset is one line naming the available ones
+            check_config(config)
+        except ConfigError as exc:
+            print(f"error: {_one_line(exc)}", file=sys.stderr)
+            return 2
         return _print_genes(config)
     if args.command == "bench":
         return _bench(config, args)

@@ -40,7 +40,7 @@ def main() -> int:
         return 1
     workload = get_workload(summary["workload"])
     preset = workload.presets()[summary["preset"]]
-    settings = EvaluatorSettings(warmup=3, repeats=args.repeats, build_timeout_s=900)
+    settings = EvaluatorSettings(warmup=3, repeats=args.repeats, build_timeout_s=900, baseline_build_timeout_s=900)
     cores = tuple(sorted(os.sched_getaffinity(0))[: args.threads])
     evaluator = Evaluator(summary["workload"], summary["preset"], settings, args.seed, "benchmark", cores)
 

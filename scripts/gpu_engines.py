@@ -108,8 +108,9 @@ def engines(args: argparse.Namespace) -> int:
                       " the rest is not reached", flush=True)
                 break
             limit = min(config.evaluator.eval_timeout_s, left - MIN_CANDIDATE_S / 2)
-            ev.settings = replace(config.evaluator, eval_timeout_s=limit,
-                                  build_timeout_s=min(config.evaluator.build_timeout_s, limit))
+            build_s = min(config.evaluator.build_timeout_s, limit)  # baselines too: the device's budget is firm
+            ev.settings = replace(config.evaluator, eval_timeout_s=limit, build_timeout_s=build_s,
+                                  baseline_build_timeout_s=build_s)
             result = ev.evaluate_baseline(item) if kind == "baseline" else ev.evaluate(item.to_json())
             if kind == "baseline" and item == reference and result.ok:
                 ref_ms = result.latency_ms

@@ -1,11 +1,14 @@
 import os
 import secrets
+import tempfile
 
 # Every Ray the tests start listens on 127.0.0.1 only (evo.driver.local_ray) and checks a token: one per test
 # session, handed to the Ray processes and CLIs the tests start through the environment (no file).
 os.environ.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token"})
 os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".inductor_cache"))
+# The machine's calibrated rates (evaluators.calibration): one fresh cache per session, not the user's.
+os.environ.setdefault("EVO_RATES_CACHE", tempfile.mkdtemp(prefix="evo-rates-"))
 
 import pytest
 

@@ -170,3 +170,89 @@ def test_report_names_the_runs_mlflow_url_from_its_run_directory(tmp_path):
     (tmp_path / OUTBOX_FILE).write_text('{"op": "run"}\n{"op": "batch"}\n')
     (line,) = _run_dir_url(tmp_path)
     assert "2 operations pending" in line and f"mlflow-sync {tmp_path}" in line
+
+
+def test_genes_takes_set_overrides_and_refuses_bad_ones_in_one_line(capsys):
+    config = str(ROOT / "configs" / "llama_cpu.yaml")
+    assert main(["genes", config]) == 0
+    cpu = capsys.readouterr().out
+    assert main(["genes", config, "--set", "preset=h200"]) == 0  # the CUDA preset's genes: a CUDA-graph step
+    h200 = capsys.readouterr().out
+    assert "cuda_graph" in _gene_values(h200, "decode_step") and "cuda_graph" not in _gene_values(cpu, "decode_step")
+    for override, words in (("presett=cpu", ["'presett'", "allowed:", "'preset'", "'workload'"]),
+                            ("preset=nope", ["'nope'", "available:", "cpu_batch"])):
+        assert main(["genes", config, "--set", override]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and all(w in err for w in words), err
+
+
+def _gene_values(table: str, gene: str) -> list[str]:
+    """The values cell of `gene`'s row in a printed gene table."""
+    header, *rows = table.splitlines()
+    cell = next(row for row in rows if row.startswith(gene + " "))[header.index("values"):header.index("default")]
+    return [value.strip() for value in cell.split(",")]
+
+
+def test_serve_defaults_max_batch_size_to_the_verified_batch_and_refuses_more_before_ray(capsys):
+    from evo.serving.serve_cli import batch_size
+    from evo.serving.source import resolve
+
+    record = resolve("default:llama/cpu_small")
+    assert batch_size(record, None) == 4 and batch_size(record, 3) == 3  # llama cpu_small: verified up to B=4
+    assert batch_size(resolve("default:kda/cpu_small"), None) == 8
+    ray_before = _ray_up()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    assert main(["serve", "default:llama/cpu_small", "--port", str(port), "--max-batch-size", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--max-batch-size 8" in err and "B=4" in err and "1..4" in err, err
+    assert ray_before or not _ray_up()
+
+
+def test_a_failed_deployment_is_its_replicas_last_exception_in_one_line():
+    from types import SimpleNamespace
+
+    from evo.serving.serve_cli import deployment_error
+
+    # serve.status() after a replica failed its verification three times (Ray 2.60's message, abridged)
+    message = ("The deployment failed to start 3 times in a row. This may be due to a problem with its constructor "
+               "or initial health check failing. See controller logs for details. Error:\n"
+               "\x1b[36mray::ServeReplica:engine:EngineServer.initialize_and_get_metadata()\x1b[39m (pid=1, ip=127.0.0.1)\n"
+               '  File "ray/serve/_private/replica.py", line 1928, in initialize\n'
+               "RuntimeError: Traceback (most recent call last):\n"
+               '  File "evaluators/served.py", line 59, in _start\n'
+               "evaluators.served.ServedEngineError: engine f11 failed its verification in the sandbox: incorrect\n"
+               "\nThe above exception was the direct cause of the following exception:\n\n"
+               '  File "evo/serving/app.py", line 325, in reconfigure\n'
+               "evo.serving.app.EngineRejected: engine f11 from /runs/x: engine f11 failed its verification\n"
+               "  in the sandbox: incorrect: output 'o' has 4928 non-finite values\n")
+    deployment = SimpleNamespace(status="DEPLOY_FAILED", message=message)
+    status = SimpleNamespace(applications={"engine": SimpleNamespace(
+        status="DEPLOY_FAILED", message="Deploying app 'engine' failed", deployments={"EngineServer": deployment})})
+    line = deployment_error(status, "engine", RuntimeError("Deploying application engine failed: ..."))
+    assert line == ("application 'engine' failed to deploy: EngineRejected: engine f11 from /runs/x: engine f11 failed "
+                    "its verification in the sandbox: incorrect: output 'o' has 4928 non-finite values")
+    gone = deployment_error(None, "engine", RuntimeError("Deploying application engine failed:\n no status"))
+    assert gone == "application 'engine' failed to deploy: Deploying application engine failed: no status"
+
+
+def test_the_claim_is_the_paired_speedup_over_the_reference_baseline_else_the_modest_one():
+    from evo.evidence.engine_record import EngineRecord
+    from evo.serving.source import resolve
+
+    record = resolve("default:llama/cpu_small")
+    paired = EngineRecord(record.workload, record.preset, record.genome, "x", latency_ms=3.0,
+                          speedups={"hf_sdpa": 2.5, "eager_ours": 1.2},
+                          speedup_paired={"hf_sdpa": 2.04, "eager_ours": 1.1}, speedup_ci={"hf_sdpa": [1.9, 2.4],
+                                                                                           "eager_ours": [1.0, 1.2]})
+    assert paired.claim()["vs"] == "hf_sdpa" and paired.claim()["paired"] is True  # llama's reference baseline
+    assert EngineRecord.from_dict(paired.to_dict(), "y").claim() == paired.claim()  # engine.json keeps it
+    kda = resolve("default:kda/cpu_small")  # its reference (fla_chunk_kda) was not timed: the smallest claim
+    other = EngineRecord(kda.workload, kda.preset, kda.genome, "x", speedup_paired={"a": 3.0, "b": 1.5},
+                         speedup_ci={"a": [2.5, 3.5], "b": [1.2, 1.8]})
+    assert other.claim() == {"speedup": 1.5, "low": 1.2, "high": 1.8, "vs": "b", "paired": True,
+                             "text": "1.50x [1.20, 1.80] vs b (paired re-timing, 95% interval)"}
+    single = EngineRecord(kda.workload, kda.preset, kda.genome, "x", speedups={"a": 4.0})
+    assert single.claim()["paired"] is False and single.claim()["low"] is None and "single timing" in single.claim()["text"]
+    assert kda.claim() is None  # nothing measured

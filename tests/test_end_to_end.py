@@ -54,7 +54,7 @@ def test_summary_reports_best_baselines_and_roofline(outcome):
     assert summary["intensification"]["retimings"] <= summary["intensification"]["budget"]
     final = [json.loads(line) for line in (result.run_dir / "retimings.jsonl").read_text().splitlines()]
     assert {r["b"] for r in final if r["reason"] == "baseline"} == {f"baseline:{n}" for n in config.baselines}
-    assert "paired:" in log and "re-timings" in log
+    assert "faster than" in log and "(paired, 95% [" in log and "re-timings" in log
     # one line per finished candidate, and the whole log in the run directory
     assert sum(line.startswith("cand gen ") for line in log.splitlines()) == summary["evaluations"], log[-3000:]
     assert "best engine" in (result.run_dir / "run.log").read_text()
@@ -89,12 +89,13 @@ def test_mlflow_holds_parent_and_generation_runs(outcome):
     history = client.get_metric_history(parent.info.run_id, "best_latency_ms")
     assert [m.step for m in history] == list(range(config.search.generations))
     assert all(b.value <= a.value for a, b in zip(history, history[1:]))
-    assert parent.data.metrics["speedup_vs_best_baseline"] == pytest.approx(result.summary.speedup_vs_best_baseline,
+    assert parent.data.metrics["single_timing_speedup_vs_best_baseline"] == pytest.approx(result.summary.speedup_vs_best_baseline,
                                                                           rel=1e-5)
     assert all(float(f"{v:.6g}") == v for v in parent.data.metrics.values())  # as the UI shows them: 6 digits
     assert "fraction_of_roofline" in parent.data.metrics
     for name in config.baselines:
-        assert parent.data.metrics[f"speedup_ci_low_vs_{name}"] <= parent.data.metrics[f"speedup_ci_high_vs_{name}"]
+        claim = f"a_paired_speedup_vs_{name}"  # the paired claims, named to sort first
+        assert parent.data.metrics[f"{claim}.low95"] <= parent.data.metrics[claim] <= parent.data.metrics[f"{claim}.high95"]
     assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {"summary.json", "best_genome.json"}
     children = client.search_runs([experiment.experiment_id],
                                   filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")

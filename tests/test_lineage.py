@@ -129,6 +129,8 @@ def test_mlflow_runs_carry_the_lineage(searched, tmp_path):
         "lineage/lineage.html", "lineage/lineage.png", "lineage/best_so_far.png"}
     page = Path(client.download_artifacts(parent.info.run_id, "lineage/lineage.html", str(tmp_path))).read_text()
     assert f'<code id="best-hash">{outcome.summary.best_hash}</code>' in page  # the final version
+    claim = re.search(r'<b id="claim">(.*?)</b>', page).group(1)  # the winner by its paired claim, first
+    assert "(paired, 95% [" in claim and f'<code id="best-hash">{outcome.summary.best_hash}</code>' in claim
     children = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
     rows = [json.loads(line) for line in (outcome.run_dir / "evidence.jsonl").read_text().splitlines()]
     assert len(children) == outcome.summary.generations
@@ -154,7 +156,9 @@ def test_report_from_run_dir_and_from_mlflow_run_id(searched, capsys, tmp_path):
     ancestry = [step["hash"] for step in reversed(outcome.summary.lineage)]
     assert cli_main(["report", str(outcome.run_dir)]) == 0
     local = capsys.readouterr().out
-    printed = [line.split()[1] for line in local.splitlines()[2:2 + len(ancestry)]]
+    lines = local.splitlines()  # the claim first (evo.evidence.claims), then the ancestry under its header
+    head = next(i for i, line in enumerate(lines) if line.split()[:2] == ["gen", "hash"])
+    printed = [line.split()[1] for line in lines[head + 1:head + 1 + len(ancestry)]]
     assert printed == ancestry
     moved = outcome.run_dir.with_name("moved-away")  # only MLflow has the evidence now
     outcome.run_dir.rename(moved)
@@ -163,7 +167,7 @@ def test_report_from_run_dir_and_from_mlflow_run_id(searched, capsys, tmp_path):
     finally:
         moved.rename(outcome.run_dir)
     remote = capsys.readouterr().out
-    assert remote.splitlines()[:2 + len(ancestry)] == local.splitlines()[:2 + len(ancestry)]
+    assert remote.splitlines()[:head + 1 + len(ancestry)] == lines[:head + 1 + len(ancestry)]
     assert (tmp_path / "lineage.html").exists()
 
 
@@ -213,7 +217,7 @@ def test_the_lineage_sink_redraws_at_most_once_per_interval_and_always_at_the_en
     from evo.evidence.lineage_view import LineageSink
 
     drawn = []
-    monkeypatch.setattr(LineageSink, "write", lambda self: drawn.append(self.min_interval_s))
+    monkeypatch.setattr(LineageSink, "write", lambda self, final=False: drawn.append(self.min_interval_s))
     every, rarely = LineageSink(tmp_path, min_interval_s=0.0), LineageSink(tmp_path, min_interval_s=3600.0)
     for _ in range(3):
         every.on_generation(None, None)
@@ -221,3 +225,57 @@ def test_the_lineage_sink_redraws_at_most_once_per_interval_and_always_at_the_en
     assert drawn == [0.0, 0.0, 0.0]  # the rare one has not drawn during the search ...
     rarely.close()
     assert drawn[-1] == 3600.0  # ... but does at the end
+
+
+def test_the_page_marks_re_timed_candidates_and_says_why_a_faster_looking_one_is_not_the_winner(family):
+    """A winner confirmed by paired re-timing (a1, 8 ms) and a candidate that timed faster once (best, 5 ms)
+    but was equal within noise to it: the page leads with the claim and says why the bigger node lost."""
+    from evo.core.retiming import PairedTiming
+    from evo.evidence.journal import append_retimings
+    from evo.evidence.summary import Summary
+
+    run_dir, items = family
+    winner, looked = items["a1"].proposal.hash, items["best"].proposal.hash
+    summary = Summary(workload="toy", preset="p", best_hash=winner, best_genome=items["a1"].proposal.genome.to_dict(),
+                      best_latency_ms=8.0, best_baseline="eager", speedups={"eager": 2.5},
+                      speedup_paired={"eager": 2.4}, speedup_ci={"eager": [2.2, 2.6]})
+    write_json(run_dir / "summary.json", summary.to_dict())
+    append_retimings(run_dir, [
+        PairedTiming(looked, winner, "equal", 0.99, 0.95, 1.03, reason="incumbent", generation=2),
+        PairedTiming(winner, "baseline:eager", "faster", 1 / 2.4, 1 / 2.6, 1 / 2.2, reason="baseline")])
+    lineage = load_lineage(run_dir)
+    assert lineage.best == winner and set(lineage.retimed()) == {winner, looked}
+    assert lineage.not_the_winner() == {looked: f"re-timed: equal within noise to {winner} "
+                                                "(latency ratio 0.990, 95% [0.950, 1.030])"}
+    page = write_lineage(run_dir, lineage=lineage).html.read_text()
+    assert f'<b id="claim"><code id="best-hash">{winner}</code> is 2.40x faster than eager (paired, 95% [2.20, 2.60]).</b>' \
+        in page
+    assert "Single timing (one evaluation's median, not a claim): 8.000 ms" in page
+    assert 'id="not-the-winner"' in page and "re-timed: equal within noise to" in page
+    data = json.loads(re.search(r"const LINEAGE = (.*?);</script>", page, re.S).group(1).replace("<\\/", "</"))
+    assert data["nodes"][looked]["why_not_winner"].startswith("re-timed: equal within noise")
+    assert data["nodes"][winner]["retimings"] and data["nodes"][items["b"].proposal.hash]["retimings"] == []
+
+    # never re-timed: the summary's reason (evo.core.search.Unexamined), else the budget
+    (run_dir / "retimings.jsonl").unlink()
+    unexamined = [{"hash": looked, "latency_ms": 5.0, "reason": "the re-timing budget (4) was spent"}]
+    write_json(run_dir / "summary.json", {**summary.to_dict(), "unexamined": unexamined})
+    assert load_lineage(run_dir).not_the_winner() == {looked: "not re-timed: the re-timing budget (4) was spent"}
+
+
+def test_the_lineage_page_goes_to_mlflow_once_at_the_end(tmp_path, family):
+    """The pictures follow the search; the page (~5 MB) is queued once, when the run ends."""
+    from evo.evidence.lineage_view import LineageSink
+
+    run_dir, _ = family
+    queued = []
+
+    class Recorder:
+        def log_lineage(self, paths):
+            queued.append(sorted(Path(p).name for p in paths))
+
+    sink = LineageSink(run_dir, Recorder(), min_interval_s=0.0)
+    sink.on_generation(None, None)
+    sink.on_generation(None, None)
+    sink.close()
+    assert queued == [["best_so_far.png", "lineage.png"]] * 2 + [["best_so_far.png", "lineage.html", "lineage.png"]]

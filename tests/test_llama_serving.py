@@ -1,22 +1,28 @@
-"""A llama engine served by the real Serve app (a `ray start` head, `serve deploy`, real HTTP; one start
-for the module): token ids in, logits equal to the float64 reference or greedy tokens out, requests
-outside the verified domain refused naming the field, N=0, and requests merged along B up to the
-largest verified B."""
+"""A llama run's engine served as `docs/llama.md` shows it: `python -m evo serve RUN_DIR` with no flags
+(its own local Ray, real HTTP; one start for the module): token ids in, logits equal to the float64
+reference or greedy tokens out, requests outside the verified domain refused naming the field, N=0,
+requests merged along B up to the largest verified B (the default max_batch_size), the claim first in
+/v1/engine, Ctrl-C without Ray's warnings; and a deployment that fails prints its cause in one line."""
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from evo.serving.codec import decode_tensor, encode_tensor
 from evo.workloads import get_workload
-from evo.workloads.base import CheckCase
-from tests.test_serving import SERVER_NOT_READY, Server, get, post
+from evo.workloads.base import CheckCase, DeviceInfo
+from tests.test_serving import ENV, ROOT, SERVER_NOT_READY, free_port, get, post, write_run
 from tests.waiting import wait_for
 
-pytestmark = pytest.mark.slow  # a `ray start` head and a Serve deploy (~85 s at load 13, most of it startup)
+pytestmark = pytest.mark.slow  # `evo serve` twice, each with its own local Ray and Serve (~1-2 min each at load 5)
 
 W = get_workload("llama")
 PRESET = W.presets()["cpu_small"]
@@ -25,13 +31,56 @@ DOMAIN = W.domain(PRESET)
 B_MAX, P_MAX, N_MAX = (DOMAIN.axes[a].hi for a in ("B", "P", "N"))
 
 
+PAIRED = {"hf_sdpa": 2.04, "eager_ours": 1.66}  # what the run's final paired re-timing found
+CI = {"hf_sdpa": [1.92, 2.40], "eager_ours": [1.52, 1.92]}
+
+
+def write_llama_run(path: Path) -> Path:
+    """A run directory of a `llama` search (cpu_small) as `evo run` leaves it: summary.json with the best
+    genome, single timings and the paired re-timing's speedups with their intervals."""
+    genome = W.gene_space(PRESET, DeviceInfo("cpu", "cpu", 1)).default()
+    path.mkdir(parents=True)
+    (path / "summary.json").write_text(json.dumps({
+        "workload": "llama", "preset": PRESET.name, "best_genome": genome.to_dict(), "best_latency_ms": 3.5,
+        "speedups": {"hf_sdpa": 2.3, "eager_ours": 1.7}, "speedup_paired": PAIRED, "speedup_ci": CI,
+        "device": "cpu:test", "mlflow_run_id": None}))
+    return path
+
+
+class EvoServe:
+    """`python -m evo serve SOURCE --port PORT` as a user types it (no other flag): its own local Ray."""
+
+    def __init__(self, tmp: Path, source: str | Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp / f"evo-serve-{self.port}.log"
+        with self.log.open("w") as out:
+            self.process = subprocess.Popen([sys.executable, "-m", "evo", "serve", str(source), "--port", str(self.port)],
+                                            cwd=ROOT, env=ENV, stdout=out, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def interrupt(self, timeout: float = 120) -> int:
+        """Ctrl-C, as a terminal sends it; the exit status."""
+        os.kill(self.process.pid, signal.SIGINT)
+        return self.process.wait(timeout)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:  # the process group this test started, and nothing else
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    server = Server(tmp_path_factory.mktemp("serve-llama"))
-    try:  # batches of the largest verified B (a larger max_batch_size is refused)
-        server.deploy("default:llama/cpu_small", "llama", max_batch_size=B_MAX)
-        wait_for(lambda: get(server, "/healthz")[0] == 200, 300, "the llama engine to be verified and ready",
-                 SERVER_NOT_READY)
+    tmp = tmp_path_factory.mktemp("serve-llama")
+    server = EvoServe(tmp, write_llama_run(tmp / "llama-cpu_small-20261202-000000"))
+    try:
+        wait_for(lambda: server.process.poll() is not None or get(server, "/healthz")[0] == 200, 400,
+                 "the llama engine to be verified and ready", SERVER_NOT_READY)
+        assert server.process.poll() is None, server.output()[-3000:]
         yield server
     finally:
         server.stop()
@@ -120,3 +169,38 @@ def test_concurrent_requests_are_merged_along_B_up_to_the_verified_batch(server)
     assert after["requests"] - before["requests"] == 8
     calls = after["engine_calls"] - before["engine_calls"]
     assert 3 <= calls < 8, f"{calls} engine calls for 8 requests of 12 rows (B <= {B_MAX} a call)"
+
+
+def test_engine_states_the_paired_claim_first_and_labels_single_timings(server):
+    info = get(server, "/v1/engine")[1]
+    assert next(iter(info)) == "claim", list(info)[:3]
+    assert info["claim"] == {"speedup": 2.04, "low": 1.92, "high": 2.4, "vs": "hf_sdpa", "paired": True,
+                             "text": "2.04x [1.92, 2.40] vs hf_sdpa (paired re-timing, 95% interval)"}
+    assert info["latency_ms_single_timing"] == 3.5 and "latency_ms" not in info
+    assert info["speedups_single_timing"]["hf_sdpa"] == 2.3 and info["speedup_ci"] == CI
+    assert info["batching"]["max_batch_size"] == B_MAX  # no --max-batch-size: the largest verified B
+    assert "2.04x [1.92, 2.40] vs hf_sdpa" in server.output()  # the terminal leads with the claim too
+
+
+def test_ctrl_c_stops_evo_serve_without_rays_warnings(server):  # last: it stops the module's server
+    before = server.output()
+    assert "serving engine" in before and "try it:" in before
+    assert server.interrupt() == 0, server.output()[-3000:]
+    after = server.output()[len(before):]  # what Ctrl-C printed
+    for noise in ("retries remaining", "(raylet)", "Traceback", "WARNING", "ERROR"):
+        assert noise not in after, after[-3000:]
+
+
+def test_a_deployment_that_fails_prints_its_cause_in_one_line(tmp_path):
+    # Factored exponents over a whole 128-token chunk overflow under strong decay: it fails verification in
+    # the replica (after the command line accepted it), three times, and Serve gives up on the application.
+    broken = write_run(tmp_path / "run-broken", chunk_size=128, exponent_form="factored_chunk", sub_chunk_size=16)
+    process = EvoServe(tmp_path, broken)
+    try:
+        code = process.process.wait(400)
+    finally:
+        process.stop()
+    errors = [line for line in process.output().splitlines() if line.startswith("error:")]
+    assert code == 1 and len(errors) == 1, process.output()[-3000:]
+    assert "failed to deploy: EngineRejected: engine" in errors[0] and "failed its verification" in errors[0], errors
+    assert "non-finite" in errors[0] and "Deploying application" not in process.output()

@@ -3,10 +3,13 @@ printed (its description: best engine, speedups, lineage link; on the runs view,
 and the registered model version with its signature and tags, its alias, and `models:/NAME@champion`."""
 from __future__ import annotations
 
+import json
 import re
+import time
 
 import pytest
 
+from evo.evidence.mlflow.describe import claim_sentence
 from evo.evidence.mlflow.links import EXPERIMENT_KIND, KIND_TAG, model_version_url
 from evo.evidence.mlflow.registry import CHAMPION
 from evo.workloads import get_workload
@@ -50,10 +53,15 @@ def test_the_printed_url_opens_the_run_on_its_description(finished, browser, tmp
     experiment_id = parent.info.experiment_id
     assert url == f"{server.uri}/#/experiments/{experiment_id}/runs/{outcome.mlflow_run_id}?workflowType=machine_learning"
     baseline = summary.best_baseline
-    paired = f"paired {summary.speedup_paired[baseline]:.2f}x"  # the speedup as the description states it
-    text = _page_text(browser, url, summary.best_hash, paired, "Description")
+    claim = claim_sentence(summary).replace("`", "")  # the paired claim, as the description's first line states it
+    assert f"(paired, 95% [" in claim, claim
+    text = _page_text(browser, url, summary.best_hash, claim, "Description")
     browser.screenshot(tmp_path / "run.png")
-    assert f"{summary.speedups[baseline]:.2f}x" in text and "of the roofline floor" in text and "Child runs" in text
+    assert f"single timing {summary.speedups[baseline]:.2f}x" in text and "of the roofline floor" in text
+    assert "Child runs" in text
+    # without a click: in the first screen, and above the fold where the UI cuts a long description ("Show more")
+    seen = _in_first_screen(browser, claim)
+    assert seen is True, f"the claim {claim!r} on the run page: {seen}"
     lineage = browser.evaluate("[...document.querySelectorAll('a')].filter(a => a.textContent === 'the lineage page')"
                                ".map(a => a.href)")
     assert lineage == [f"{server.uri}/#/experiments/{experiment_id}/runs/{outcome.mlflow_run_id}"
@@ -75,8 +83,12 @@ def test_the_model_version_shows_its_signature_and_tags_and_serves_as_champion(f
     name, version = summary.registered_model.removeprefix("models:/").split("/")
     assert name == MODEL and f"registered {summary.registered_model}: alias @{CHAMPION}" in printed
     assert str(client.get_model_version_by_alias(name, CHAMPION).version) == version
+    claim = claim_sentence(summary).replace("`", "")
     text = _page_text(browser, model_version_url(server.uri, name, version), summary.best_hash, "Inputs (6)", "Outputs (2)",
-                      "speedup_ci.chunk_pairwise_c64")
+                      "speedup_ci.chunk_pairwise_c64", claim)
+    seen = _in_first_screen(browser, claim)
+    browser.screenshot(tmp_path / "model-version-first-screen.png")
+    assert seen is True, f"the claim {claim!r} on the model version page: {seen}"
     tags = client.get_model_version(name, version).tags
     for key in ("latency", "device", "preset", "run_id", f"speedup.{summary.best_baseline}"):
         assert key in text and tags[key] in text, key
@@ -88,3 +100,33 @@ def test_the_model_version_shows_its_signature_and_tags_and_serves_as_champion(f
     browser.screenshot(tmp_path / "model-version.png")
     assert "q (required)" in schema and f"Tensor (dtype: float32, shape: [{shape}])" in schema
     assert resolve(f"models:/{name}@{CHAMPION}", server.uri).genome.hash == summary.best_hash
+
+
+# Whether the innermost element that says CLAIM is seen without scrolling or a click: inside the window, and
+# inside every ancestor that clips its content (the description's fold); null while no element says it.
+_SHOWN = """(() => {
+  const claim = CLAIM;
+  const holders = [...document.querySelectorAll('body *')].filter(e => e.textContent.includes(claim));
+  const el = holders.find(e => ![...e.children].some(c => c.textContent.includes(claim)));
+  if (!el) return null;
+  const r = el.getBoundingClientRect();
+  if (r.height === 0 || r.top < 0 || r.bottom > window.innerHeight) return `outside the first screen: ${r.top}..${r.bottom}`;
+  for (let a = el.parentElement; a; a = a.parentElement) {
+    const s = getComputedStyle(a), b = a.getBoundingClientRect();
+    if (s.overflowY !== 'visible' && (r.top < b.top - 1 || r.bottom > b.bottom + 1)) return `folded: ${r.bottom} > ${b.bottom}`;
+  }
+  return true;
+})()"""
+
+
+def _in_first_screen(browser: Browser, text: str, timeout: float = 30) -> bool | str | None:
+    """True once `text` is seen without scrolling or a click (`_SHOWN`), else what was seen last."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            seen = browser.evaluate(_SHOWN.replace("CLAIM", json.dumps(text)))
+        except RuntimeError as exc:  # the page is still being replaced
+            seen = str(exc)
+        if seen is True or time.monotonic() > deadline:
+            return seen
+        time.sleep(0.5)

@@ -35,9 +35,10 @@ def test_the_verified_batch_comes_from_the_workloads_free_axes():
 
 def test_a_max_batch_size_beyond_the_verified_batch_is_refused():
     loaded = _loaded(lambda q: {"o": q}, 8)
-    check_batch({"max_batch_size": 8}, loaded)
+    assert check_batch({"max_batch_size": 8}, loaded) == {"max_batch_size": 8}
     with pytest.raises(ValueError, match="verified at \\(B=8\\)"):
         check_batch({"max_batch_size": 9}, loaded)
+    assert check_batch({"max_batch_size": None}, loaded) == {"max_batch_size": 8}  # unset: the verified B
 
 
 def test_an_engine_found_wrong_with_no_engine_to_fall_back_on_fails_readiness():

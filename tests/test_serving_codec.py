@@ -299,3 +299,30 @@ def test_example_request_of_an_integer_schema_decodes_and_argmax_reduces_the_las
     logits = torch.tensor([[[0.0, 3.0, 1.0], [5.0, 0.0, 1.0]]])
     assert REDUCTIONS["argmax"]({"logits": logits})["logits"].tolist() == [[1, 0]]
     assert REDUCTIONS["none"]({"logits": logits})["logits"] is logits
+
+
+def test_the_registered_pyfunc_checks_inputs_by_serves_rules(monkeypatch):
+    """A token id past the vocabulary through the registered model is one line naming the input and the
+    allowed range (Serve's rule, `check_tensors`), not an IndexError from the engine."""
+    import numpy as np
+
+    from evo.evidence.mlflow import pyfunc_engine
+    from evo.serving.source import resolve
+    from evo.workloads import get_workload
+
+    calls = []
+    monkeypatch.setattr(pyfunc_engine, "confined_engine", lambda record: lambda **inputs: calls.append(inputs) or
+                        {"logits": torch.zeros(1, inputs["continuation"].shape[1] + 1, 256)})
+    model = pyfunc_engine.EngineModel(resolve("default:llama/cpu_small"))
+    V = get_workload("llama").presets()["cpu_small"].shape["V"]
+    prompt, continuation = np.zeros((1, 5), np.int64), np.ones((1, 2), np.int64)
+    assert model.predict({"prompt": prompt, "continuation": continuation})["logits"].shape == (1, 3, 256)
+    prompt[0, 3] = V
+    for inputs, field, words in (({"prompt": prompt, "continuation": continuation}, "prompt", f"[0, {V - 1}]"),
+                                 ({"prompt": np.zeros((5, 5), np.int64), "continuation": continuation},
+                                  "prompt.shape", "B must lie in [1, 4]"),
+                                 ({"prompt": np.zeros((1, 5), np.int64)}, "continuation", "missing")):
+        with pytest.raises(RequestError) as caught:
+            model.predict(inputs)
+        assert caught.value.field == field and words in str(caught.value) and "\n" not in str(caught.value)
+    assert len(calls) == 1  # only the valid request reached the engine

@@ -9,6 +9,7 @@ from __future__ import annotations
 from evaluators.pool import EvaluatorPool, RetimeJob
 from evo.core.records import EvalResult, Evaluated
 from evo.core.retiming import Challenge, IntensifySettings, PairedTiming
+from evo.evidence.engine_record import EngineRecord
 
 
 class PoolRetimer:
@@ -35,3 +36,17 @@ def final_retiming(pool: EvaluatorPool, best: Evaluated, baselines: dict[str, Ev
     job = RetimeJob((best.proposal.genome.to_json(), *(f"baseline:{n}" for n in names)),
                     pool.sources_of(best.proposal), settings.calls, settings.warmup, settings.min_effect, "baseline")
     return pool.retime([job])[0]
+
+
+def champion_race(pool: EvaluatorPool, settings: IntensifySettings):
+    """The registry's race (`evo.evidence.mlflow.registry.Race`): a new engine against the registered champion,
+    both built from their records, paired in one evaluator of the run's pool; None when re-timing is off."""
+
+    def race(new: EngineRecord, champion: EngineRecord) -> PairedTiming | None:
+        if not settings.enabled:
+            return None
+        job = RetimeJob((new.genome.to_json(), champion.genome.to_json()), {**champion.sources, **new.sources},
+                        settings.calls, settings.warmup, settings.min_effect, "champion")
+        return pool.retime([job])[0][0]
+
+    return race

@@ -23,23 +23,27 @@ from evo.core.lessons import FILE as LESSONS_FILE, Lessons, from_search as lesso
 from evo.core.lessons import write as write_lessons
 from evo.core.loop import run_search
 from evo.core.records import EvalResult
-from evo.core.search import GenerationReport, Search
+from evo.core.retiming import PairedTiming
+from evo.core.search import GenerationReport, RaceResult, Search
 from evo.driver.assemble import RunParts, Say, assemble, evidence_sinks, open_run_dir, start_ray
 from evo.driver.config import RunConfig
 from evo.driver.progress import NORMAL, SUMMARY, CandidateLines, RunLog, SearchProgress, log
 from evo.driver.resume import ReplayExecutor, SavedRun, restore
-from evo.driver.retime import PoolRetimer, final_retiming
+from evo.driver.retime import PoolRetimer, champion_race, final_retiming
 from evo.driver.rundir import check_config
 from evo.driver.stop import STOP, install_handlers
+from evo.evidence.engine_record import EngineRecord
+from evo.evidence.claims import claim_lines
 from evo.evidence.journal import append_retimings, write_baselines, write_json
 from evo.evidence.mlflow.links import mlflow_lines
-from evo.evidence.mlflow.registry import register_best as register_best_engine
+from evo.evidence.mlflow.registry import Race, register_best as register_best_engine
 from evo.evidence.mlflow.outbox import tracking_uri
 from evo.evidence.mlflow.sink import MlflowSink
 from evo.evidence.mlflow.warm import warm as warm_mlflow
 from evo.evidence.sink import FINISHED, KILLED, Sink, SinkList
 from evo.evidence.summary import SUMMARY_FILE, Summary, best_baseline, make_summary, with_final_retimings
-from evo.workloads.base import Roofline
+from evaluators.calibration import CACHED
+from evo.evidence.floor import RunFloor, floor_text
 
 CODE_LESSONS_FILE = "code_lessons.md"  # the code agent's lessons file as it stood at the end of the run
 
@@ -87,7 +91,9 @@ def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout
         with run_log.phase("search", config.search.max_evaluations, "evaluations", search.evaluations) as phase:
             searching.phase = phase
             stopped = search_until_done(search, executor, sinks, run_dir, say)
-        summary = summarize(parts, search, baselines, roofline, stopped, time.monotonic() - started)
+        with run_log.phase("final race"):
+            race = final_race(parts, search, stopped, say)
+        summary = summarize(parts, search, baselines, roofline, stopped, time.monotonic() - started, race)
         with run_log.phase("final paired re-timing"):
             summary = retime_best(parts, search, baselines, summary, stopped, say)
         summary = replace(summary, registered_model=register_best(parts, summary, stopped, say))
@@ -115,14 +121,23 @@ class Progress(Sink):
         log.info(f"gen {report.generation:3d} | best {report.best_latency_ms:8.2f} ms"
                  f" | {speedup:5.2f}x vs best baseline | valid {report.status_counts.get('ok', 0)}/{len(report.evaluated)}"
                  f" | {report.evals_per_s:5.2f} evals/s | evals {report.evaluations}/{self.budget}"
-                 f" | best from {best.proposal.agent if best else '-'}{retimed}")
+                 f" | best from {best.proposal.agent if best else '-'}{retimed}{_waiting(search)}")
+
+
+def _waiting(search: Search) -> str:
+    """' | 3 look faster, not re-timed yet (the final race takes them)' once the in-search budget is spent."""
+    settings, evaluations = search.settings.intensify, search.settings.max_evaluations
+    if not search.intensifying or len(search.retimings) < settings.budget(evaluations) - settings.reserve(evaluations):
+        return ""
+    waiting = len(search.unexamined())
+    return f" | {waiting} look faster, not re-timed yet (the final race takes them)" if waiting else ""
 
 
 def time_baselines(parts: RunParts, resume: SavedRun | None, say: Say,
-                   run_log: RunLog | None = None) -> tuple[Roofline, dict[str, EvalResult]]:
-    """The preset's roofline on these evaluators and the baselines' results (a resumed run keeps its own);
-    with `run_log`, a progress phase over the baselines as they finish."""
-    roofline = parts.workload.roofline(parts.preset, parts.pool.measure_rates())
+                   run_log: RunLog | None = None) -> tuple[RunFloor, dict[str, EvalResult]]:
+    """The run's one roofline floor and the baselines' results (a resumed run keeps its own); with
+    `run_log`, a progress phase over the baselines as they finish."""
+    roofline = measure_floor(parts)
     path = parts.run_dir / "baselines.json"
     if resume and path.exists():
         baselines = {name: EvalResult.from_dict(r) for name, r in json.loads(path.read_text()).items()}
@@ -136,8 +151,29 @@ def time_baselines(parts: RunParts, resume: SavedRun | None, say: Say,
         write_baselines(parts.run_dir, baselines)
     for name, result in baselines.items():
         say(f"  baseline {name:32s} {result.status:10s} {result.latency_ms:9.2f} ms  {result.message[:80]}")
-    say(f"roofline floor: {roofline.floor_ms:.3f} ms")
+    rates, source = roofline.roofline.rates, "the machine's cache" if roofline.source == CACHED else "measured now"
+    say(f"roofline floor: {roofline.floor_ms:.3f} ms ({rates.bytes_per_s / 1e9:.3g} GB/s,"
+        f" {rates.flops_per_s / 1e9:.3g} GFLOP/s; {source}), one floor for every evaluator")
     return roofline, baselines
+
+
+def measure_floor(parts: RunParts) -> RunFloor:
+    """The machine's rates measured once (best of short probes, never below the machine's cached
+    calibration), handed to every evaluator: their `suspect` check and the summary use one floor."""
+    calibration = parts.pool.calibrate()
+    parts.pool.use_rates(calibration.rates)
+    return RunFloor(parts.workload.roofline(parts.preset, calibration.rates), calibration.source)
+
+
+def settle_floor(parts: RunParts, search: Search, floor: RunFloor) -> RunFloor:
+    """The run's floor, re-measured and revised if the best engine (checked, re-verified below the floor)
+    timed below it; see RunFloor.settled."""
+    best = search.best()
+    if best is None:
+        return floor
+    return floor.settled(best.result.latency_ms,
+                         lambda: parts.workload.roofline(parts.preset, parts.pool.best_rates()),
+                         f"the best engine {best.proposal.hash}")
 
 
 def modelled_ms(parts: RunParts):
@@ -177,13 +213,33 @@ def search_until_done(search: Search, executor, sinks: SinkList, run_dir: Path, 
     return stopped
 
 
-def summarize(parts: RunParts, search: Search, baselines: dict[str, EvalResult], roofline: Roofline,
-              stopped: bool, wall_s: float) -> Summary:
+def final_race(parts: RunParts, search: Search, stopped: bool, say: Say) -> RaceResult:
+    """Race the candidates that look faster than the incumbent and were never re-timed (with
+    `search.intensify`; see `Search.final_race`) before the winner is declared; its re-timings join the
+    run's evidence (retimings.jsonl). A stopped run races nothing and names them."""
+    race = search.final_race(not_run="the run was stopped before its final race (resume continues it)"
+                             if stopped else None)
+    append_retimings(parts.run_dir, list(race.timings))
+    if race.contenders:
+        say(f"final race: {len(race.contenders)} candidate(s) that looked faster than {race.before} and were never "
+            f"re-timed, raced against it paired in {race.rounds} round(s)")
+        for timing in race.timings:
+            say(f"  {timing.describe()}")
+        say(f"  winner: {race.winner}" + (" (unchanged)" if race.winner == race.before else f" (was {race.before})"))
+    for item in race.unexamined:
+        say(f"unexamined: {item.hash} looked faster ({item.latency_ms:.3f} ms, single timing) and was not"
+            f" re-timed: {item.reason}")
+    return race
+
+
+def summarize(parts: RunParts, search: Search, baselines: dict[str, EvalResult], roofline: RunFloor,
+              stopped: bool, wall_s: float, race: RaceResult | None = None) -> Summary:
     """The run's summary, after writing its lessons (and the code agent's, once it is idle)."""
     config, lessons = parts.config, parts.lessons
+    roofline = settle_floor(parts, search, roofline)
     summary = make_summary(search, baselines, roofline, config.workload, config.preset, wall_s,
                            mlflow_run_id=parts.mlflow.run_id if parts.mlflow else None, stopped=stopped,
-                           warm_start=lessons.describe() if lessons else None)
+                           warm_start=lessons.describe() if lessons else None, race=race)
     write_lessons(parts.run_dir / LESSONS_FILE, lessons_from_search(search, config.workload, config.preset,
                                                                      parts.device_name, parts.run_dir.name,
                                                                      parts.store))
@@ -221,12 +277,27 @@ def register_best(parts: RunParts, summary: Summary, stopped: bool, say: Say) ->
             f"serve the run directory {run_dir} instead")
         return None
     try:
-        registration = register_best_engine(summary, run_dir, sink.run_id, name, sink.uri, sink.experiment_id)
+        race = _logged(champion_race(parts.pool, config.search.intensify), parts, say)
+        registration = register_best_engine(summary, run_dir, sink.run_id, name, sink.uri, sink.experiment_id, race)
     except Exception as exc:  # the evidence is on disk; a failed registration must not lose the summary
         say(f"warning: registering {name!r} in MLflow failed: {type(exc).__name__}: {exc}")
         return None
     say(f"registered {registration.uri}: {registration.describe()}")
     return registration.uri
+
+
+def _logged(race: Race, parts: RunParts, say: Say) -> Race:
+    """`race`, its timing said and kept with the run's re-timings (retimings.jsonl, generation -1)."""
+
+    def logged(new: EngineRecord, champion: EngineRecord) -> PairedTiming | None:
+        say(f"paired race for @champion: {new.genome.hash} against {champion.genome.hash} ({champion.source})")
+        timing = race(new, champion)
+        if timing is not None:
+            append_retimings(parts.run_dir, [timing])
+            say(f"  {timing.describe()}")
+        return timing
+
+    return logged
 
 
 def _printer() -> Say:
@@ -253,24 +324,13 @@ def _best_sources(summary: Summary, store: CodeStore, gene_space) -> dict[str, s
 
 def _print_summary(summary: Summary, run_dir: Path, mlflow: MlflowSink | None = None) -> None:
     """The final summary, shown at every verbosity (and in run.log)."""
-    lines: list[str] = []
-    lines.append(f"\nbest engine {summary.best_hash}")
+    lines: list[str] = ["", *claim_lines(summary)]  # the claim first, single timings labelled after it
     if summary.best_genome:
         for domain in DOMAINS:
             genes = ", ".join(f"{k}={v}" for k, v in summary.best_genome[domain].items())
             lines.append(f"  {domain:10s} {genes}")
-    lines.append(f"  latency    {summary.best_latency_ms:.3f} ms (IQR {summary.best_latency_spread_ms:.3f}),"
-                 f" max rel error {summary.best_max_rel_error:.2e}")
-    for name, value in sorted(summary.speedups.items(), key=lambda kv: kv[1]):
-        paired = ""
-        if name in summary.speedup_ci:
-            low, high = summary.speedup_ci[name]
-            paired = f"  (paired: {summary.speedup_paired[name]:.2f}x, 95% [{low:.2f}, {high:.2f}])"
-        lines.append(f"  {value:7.2f}x faster than {name}{paired}")
-    lines.append(f"  {summary.speedup_vs_best_baseline:7.2f}x faster than the best baseline ({summary.best_baseline})")
-    if summary.roofline:
-        lines.append(f"  {100 * summary.roofline['fraction_of_floor']:.1f}% of the roofline floor"
-                     f" ({summary.roofline['floor_ms']:.3f} ms)")
+    if roof := floor_text(summary.roofline):  # never above 100%: an engine below the floor is named suspect
+        lines.append(f"  {roof}")
     lines.append(f"  evaluations {summary.evaluations} {summary.status_counts}")
     if summary.intensification:
         i = summary.intensification

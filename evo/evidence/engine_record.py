@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from evo.core.genome import Genome
+from evo.evidence.claims import pick_baseline
 from evo.evidence.summary import Summary
 
 ENGINE_FILE = "engine.json"  # the model artifact: workload, preset, genome and the search's figures
@@ -28,6 +29,10 @@ class EngineRecord:
     device: str = ""
     mlflow_run_id: str | None = None
     sources: dict[str, str] = field(default_factory=dict)  # code hash -> source of the genome's code genes
+    # The run's final paired re-timing of this engine against each baseline (the `speedups` above and
+    # `latency_ms` are single timings): baseline -> the paired estimate, and its 95% interval [low, high].
+    speedup_paired: dict[str, float] = field(default_factory=dict)
+    speedup_ci: dict[str, list[float]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         from evo.workloads import get_workload
@@ -37,14 +42,36 @@ class EngineRecord:
                 "preset_spec": {"shape": dict(preset.shape), "dtype": preset.dtype, "device": preset.device},
                 "hash": self.genome.hash, "source": self.source, "latency_ms": self.latency_ms,
                 "speedups": self.speedups, "device": self.device, "mlflow_run_id": self.mlflow_run_id,
-                "sources": dict(self.sources)}
+                "sources": dict(self.sources), "speedup_paired": dict(self.speedup_paired),
+                "speedup_ci": {name: list(ci) for name, ci in self.speedup_ci.items()}}
+
+    def claim(self) -> dict[str, Any] | None:
+        """The headline of what the search measured, to be shown before any single number: the paired
+        speedup with its 95% interval over the workload's reference baseline where the run re-timed it,
+        else over the baseline whose paired speedup is smallest (the fastest baseline: the modest claim).
+        Without a paired re-timing, the single timing's ratio with `paired: False` and no interval;
+        None when nothing was measured against a baseline."""
+        picked = pick_baseline(self.workload, self.speedup_paired, self.speedup_ci, self.speedups)
+        if picked is None:
+            return None
+        vs, paired = picked
+        if paired:
+            estimate, (low, high) = self.speedup_paired[vs], self.speedup_ci[vs]
+            return {"speedup": round(estimate, 2), "low": round(low, 2), "high": round(high, 2), "vs": vs,
+                    "paired": True, "text": f"{estimate:.2f}x [{low:.2f}, {high:.2f}] vs {vs} "
+                                            f"(paired re-timing, 95% interval)"}
+        single = self.speedups[vs]
+        return {"speedup": round(single, 2), "low": None, "high": None, "vs": vs, "paired": False,
+                "text": f"{single:.2f}x vs {vs} (a single timing: no paired re-timing, no interval)"}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str) -> EngineRecord:
         return cls(workload=data["workload"], preset=data["preset"], genome=Genome.from_dict(data["genome"]),
                    source=source, latency_ms=data.get("latency_ms"), speedups=data.get("speedups") or {},
                    device=data.get("device", ""), mlflow_run_id=data.get("mlflow_run_id"),
-                   sources=dict(data.get("sources") or {}))
+                   sources=dict(data.get("sources") or {}), speedup_paired=dict(data.get("speedup_paired") or {}),
+                   speedup_ci=dict(data.get("speedup_ci") or {}))
+
 
 
 def record_from_summary(summary: Summary, source: str) -> EngineRecord:
@@ -56,4 +83,5 @@ def record_from_summary(summary: Summary, source: str) -> EngineRecord:
                         latency_ms=summary.best_latency_ms if math.isfinite(summary.best_latency_ms) else None,
                         speedups=dict(summary.speedups),
                         device=summary.device, mlflow_run_id=summary.mlflow_run_id,
-                        sources=dict(summary.best_sources))
+                        sources=dict(summary.best_sources), speedup_paired=dict(summary.speedup_paired),
+                        speedup_ci=dict(summary.speedup_ci))

@@ -9,7 +9,8 @@ Run directory layout:
   best_genome.json            the best genome so far
   summary.json                best genome, latencies, speedups (with their paired intervals), evaluations, count per status
   retimings.jsonl             one line per paired re-timing (intensification, the final one against the
-                              baselines), appended and fsynced; retimings/gen_0000.parquet per generation
+                              baselines, the race against the registered @champion), appended and fsynced;
+                              retimings/gen_0000.parquet per generation
   code/<hash>.py              engine sources named by genomes' code genes (evo.core.code.CodeStore)
 """
 from __future__ import annotations

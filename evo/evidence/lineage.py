@@ -1,7 +1,9 @@
 """A search's family tree: every evaluated candidate, its parents, and how the best engine came to be.
 
 Read from a run directory (the journal `evidence.jsonl`, else the Parquet generations, plus
-`summary.json` and `baselines.json`); no Ray, no MLflow, no plotting here. `evo.evidence.lineage_view` draws it;
+`summary.json`, `baselines.json` and the paired re-timings `retimings.jsonl`); no Ray, no MLflow, no
+plotting here. A single timing ranks candidates; a paired re-timing decides the winner, so a candidate
+can look faster than the winner and not be it: `Lineage.not_the_winner` says why for each. `evo.evidence.lineage_view` draws it;
 `python -m evo report` prints `ancestry_lines`.
 """
 from __future__ import annotations
@@ -13,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from evo.core.jsonl import read_jsonl
-from evo.evidence.journal import JOURNAL_FILE, read_generations
+from evo.core.retiming import EQUAL, FAILED, FASTER, SLOWER, PairedTiming
+from evo.evidence.journal import JOURNAL_FILE, read_generations, read_retimings
 from evo.evidence.summary import SUMMARY_FILE, Summary
 from evo.core.records import OK, Evaluated
 
@@ -76,6 +79,28 @@ class Lineage:
     best: str | None
     baseline: tuple[str, float] | None = None  # fastest correct baseline: (name, latency ms)
     summary: Summary | None = None  # None while the run has no summary.json (still going, or stopped early)
+    retimings: tuple[PairedTiming, ...] = ()  # the run's paired re-timings, in the order they ran
+
+    def retimed(self) -> dict[str, list[PairedTiming]]:
+        """Each candidate re-timed paired as the challenger (`a`: against a parent, the incumbent, in the final
+        race, or the winner against the baselines), with its re-timings in order."""
+        out: dict[str, list[PairedTiming]] = {}
+        for timing in self.retimings:
+            if timing.a in self.nodes:
+                out.setdefault(timing.a, []).append(timing)
+        return out
+
+    def not_the_winner(self) -> dict[str, str]:
+        """Why each correct candidate whose single timing beats the winner's is not the winner: hash -> reason,
+        fastest-looking first ({} without a winner)."""
+        best = self.nodes.get(self.best)
+        if best is None or not best.ok:
+            return {}
+        retimed = self.retimed()
+        unexamined = {u.get("hash"): u.get("reason", "") for u in getattr(self.summary, "unexamined", None) or []}
+        faster = sorted((n for n in self.nodes.values() if n.ok and n.latency_ms < best.latency_ms and n.hash != best.hash),
+                        key=lambda n: (n.latency_ms, n.hash))
+        return {n.hash: _why_not(retimed.get(n.hash), unexamined.get(n.hash), bool(self.retimings)) for n in faster}
 
     def children(self) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {h: [] for h in self.nodes}
@@ -152,7 +177,31 @@ def load_lineage(run_dir: Path) -> Lineage:
     baselines = _read_json(run_dir / "baselines.json")
     timed = [(name, r["latency_ms"]) for name, r in baselines.items()
              if r.get("status") == OK and r.get("latency_ms") is not None]
-    return Lineage(run_dir.name, nodes, best, min(timed, key=lambda t: t[1]) if timed else None, summary)
+    return Lineage(run_dir.name, nodes, best, min(timed, key=lambda t: t[1]) if timed else None, summary,
+                   tuple(read_retimings(run_dir)))
+
+
+def _why_not(timings: list[PairedTiming] | None, unexamined: str | None, retimed_any: bool) -> str:
+    """Why a faster-looking candidate is not the winner, from its last paired re-timing (or its absence)."""
+    if not timings:
+        if unexamined is not None:
+            return f"not re-timed: {unexamined or 'left unexamined'}"
+        return ("not re-timed: the re-timing budget was spent" if retimed_any
+                else "not re-timed: paired re-timing was off or did not run; a single timing ranks it")
+    t = timings[-1]
+    against = t.b[:16]
+    interval = f"latency ratio {t.ratio:.3f}, 95% [{t.low:.3f}, {t.high:.3f}]"
+    if t.verdict == EQUAL:
+        return f"re-timed: equal within noise to {against} ({interval})"
+    if t.verdict == SLOWER:
+        return f"re-timed: slower than {against} ({interval})"
+    if t.verdict == FAILED:
+        return f"re-timed: failed against {against} ({t.message[:160] or 'no message'})"
+    if t.verdict == FASTER and t.reason == "parent":
+        return (f"re-timed against its parent only: faster than {against} ({interval}); its single timing did not"
+                " beat the incumbent's then, so it never raced the incumbent")
+    return (f"re-timed: faster than {against} ({interval}), but another challenger was confirmed faster still"
+            " and it was not re-timed against that one")
 
 
 def ancestry_lines(lineage: Lineage) -> list[str]:

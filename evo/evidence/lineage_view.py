@@ -1,6 +1,8 @@
 """Draw a run's lineage: a self-contained interactive HTML page (Plotly, its JS inlined: nothing is fetched
 when the page opens), a static PNG of the tree and a best-so-far plot (Matplotlib), written to
-`RUN_DIR/lineage/` after every generation and at the end, and queued for the MLflow parent run.
+`RUN_DIR/lineage/` after every generation and at the end, and queued for the MLflow parent run (the
+page once, at the end). The page leads with the winner's paired claim; re-timed candidates are ringed,
+and one that timed faster than the winner but is not it says why (`Lineage.not_the_winner`).
 
 The tree: one node per evaluated candidate, one column per generation (parents left, children right),
 colour and marker by status, size by latency (faster is bigger), the best engine a star and its whole
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from evo.evidence.lineage import Lineage, Node, gene_diff, load_lineage
+from evo.evidence.claims import claim_sentence
 from evo.evidence.sink import FINISHED, Sink
 
 log = logging.getLogger("evo.evidence.lineage")
@@ -37,6 +40,7 @@ STATUS_STYLE: dict[str, tuple[str, str, str]] = {
     "suspect": ("#8c564b", "hexagon", "h"),
 }
 GOLD, EDGE_GREY = "#e0a100", "#c9cdd2"
+RETIMED = "#1f4e79"  # the ring around a candidate a paired re-timing examined
 
 
 @dataclass(frozen=True)
@@ -64,9 +68,10 @@ def write_lineage(run_dir: Path, out_dir: Path | None = None, lineage: Lineage |
 class LineageSink(Sink):
     """Search sink: rewrites the lineage files after a generation when `min_interval_s` have passed since
     the last drawing (the plots take ~1 s of the driver's CPU each time) and always when the run ends
-    (`close`), and queues them for the MLflow parent run (so it closes before MLflow's sink). Drawing
-    never stops a search: a failure is logged, and `python -m evo report RUN_DIR` draws the files again
-    from the evidence on disk."""
+    (`close`), and queues them for the MLflow parent run (so it closes before MLflow's sink): the two
+    pictures after each drawing, the page (~5 MB: Plotly inlined) once, at the end, so a run stores it
+    once. Drawing never stops a search: a failure is logged, and `python -m evo report RUN_DIR` draws the
+    files again from the evidence on disk."""
 
     def __init__(self, run_dir: Path, mlflow_sink=None, min_interval_s: float = 30.0) -> None:
         self.run_dir, self.mlflow_sink = Path(run_dir), mlflow_sink
@@ -78,9 +83,10 @@ class LineageSink(Sink):
             self.write()
 
     def close(self, summary=None, status: str = FINISHED) -> None:
-        self.write()
+        self.write(final=True)
 
-    def write(self) -> LineageFiles | None:
+    def write(self, final: bool = False) -> LineageFiles | None:
+        """Draw the files; queue the pictures for MLflow, and the page too when `final`."""
         self._drawn_at = time.monotonic()
         try:
             files = write_lineage(self.run_dir)
@@ -89,7 +95,7 @@ class LineageSink(Sink):
                         self.run_dir, type(exc).__name__, exc, self.run_dir)
             return None
         if self.mlflow_sink is not None:
-            self.mlflow_sink.log_lineage(files.all())
+            self.mlflow_sink.log_lineage(files.all() if final else [files.png, files.best_so_far_png])
         return files
 
 
@@ -155,11 +161,31 @@ def _headline(lineage: Lineage) -> str:
     if lineage.best is None:
         return f"<p>No correct engine yet among {len(lineage.nodes)} candidates. {tally}</p>"
     best = lineage.nodes[lineage.best]
-    vs = (f", {lineage.baseline[1] / best.latency_ms:.2f}x faster than the best baseline "
+    code = f'<code id="best-hash">{best.hash}</code>'
+    if lineage.summary is not None and lineage.summary.found:  # the winner by its confirmed claim, first
+        claim = html.escape(claim_sentence(lineage.summary)).replace(f"`{best.hash}`", code)
+    else:
+        claim = f"Best engine so far {code} (a single timing: the run has no summary yet, nothing is claimed)"
+    vs = (f", {lineage.baseline[1] / best.latency_ms:.2f}x the best baseline "
           f"{html.escape(lineage.baseline[0])} ({lineage.baseline[1]:.3f} ms)") if lineage.baseline else ""
-    return (f'<p id="best-line">Best engine <code id="best-hash">{best.hash}</code>: {best.latency_ms:.3f} ms{vs}; '
-            f"found in generation {best.generation} by {html.escape(best.agent)}, "
-            f"{len(lineage.chain()) - 1} step(s) from its seed.</p><p>{len(lineage.nodes)} candidates: {tally}</p>")
+    return (f'<p id="best-line"><b id="claim">{claim}.</b><br>Single timing (one evaluation\'s median, not a claim): '
+            f"{best.latency_ms:.3f} ms{vs}; found in generation {best.generation} by {html.escape(best.agent)}, "
+            f"{len(lineage.chain()) - 1} step(s) from its seed.</p><p>{len(lineage.nodes)} candidates: {tally}"
+            f" · {len(lineage.retimed())} re-timed paired</p>" + _not_the_winner_table(lineage))
+
+
+def _not_the_winner_table(lineage: Lineage) -> str:
+    """The candidates whose single timing beats the winner's, and why each is not the winner."""
+    why = lineage.not_the_winner()
+    if not why:
+        return ""
+    rows = "".join(f'<tr data-hash="{h}"><td>{lineage.nodes[h].generation}</td><td><code>{h}</code></td>'
+                   f"<td>{lineage.nodes[h].latency_ms:.3f}</td><td>{html.escape(reason)}</td></tr>"
+                   for h, reason in why.items())
+    return ('<h2>Looked faster, not the winner</h2><p class="hint">A single timing ranks the candidates (and sizes the '
+            "nodes below); only a paired re-timing makes a winner. These timed faster once than the winner:</p>"
+            '<table id="not-the-winner"><thead><tr><th>gen</th><th>hash</th><th>single timing ms</th><th>why not the '
+            f"winner</th></tr></thead><tbody>{rows}</tbody></table>")
 
 
 def _ancestry_table(lineage: Lineage) -> str:
@@ -179,7 +205,7 @@ def _ancestry_table(lineage: Lineage) -> str:
 
 
 def _page_data(lineage: Lineage) -> dict[str, Any]:
-    nodes = {}
+    nodes, retimed, why_not = {}, lineage.retimed(), lineage.not_the_winner()
     for node in lineage.nodes.values():
         diffs = []
         for parent in node.parents:
@@ -190,7 +216,9 @@ def _page_data(lineage: Lineage) -> dict[str, Any]:
         nodes[node.hash] = {"generation": node.generation, "index": node.index, "agent": node.agent, "move": node.move,
                             "status": node.status, "message": node.message, "error": node.error[-4000:],
                             "latency_ms": node.latency_ms if node.ok else None, "evaluator": node.evaluator,
-                            "genes": [[g, _js(v)] for g, v in node.genes().items()], "diffs": diffs}
+                            "genes": [[g, _js(v)] for g, v in node.genes().items()], "diffs": diffs,
+                            "retimings": [t.describe() for t in retimed.get(node.hash, [])],
+                            "why_not_winner": why_not.get(node.hash)}
     return {"best": lineage.best, "ancestry": sorted(lineage.ancestors(lineage.best)), "nodes": nodes}
 
 
@@ -245,6 +273,24 @@ def _tree_figure(lineage: Lineage):
             marker={"color": colour, "symbol": symbol, "size": [_size(n, fastest) for n in nodes],
                     "line": {"color": [GOLD if n.hash in ancestry else "white" for n in nodes],
                              "width": [3 if n.hash in ancestry else 1 for n in nodes]}}))
+    retimed, why_not = lineage.retimed(), lineage.not_the_winner()
+    if retimed:  # a ring around each candidate a paired re-timing examined
+        ring = [lineage.nodes[h] for h in retimed]
+        fig.add_trace(go.Scatter(
+            x=[pos[n.hash][0] for n in ring], y=[pos[n.hash][1] for n in ring], mode="markers",
+            name="re-timed (paired)", customdata=[n.hash for n in ring], hoverinfo="text",
+            hovertext=[f"<b>{n.hash}</b> re-timed paired:<br>" + "<br>".join(html.escape(t.describe()[:160])
+                                                                           for t in retimed[n.hash]) for n in ring],
+            marker={"symbol": "circle-open", "color": RETIMED, "size": [_size(n, fastest) + 9 for n in ring],
+                    "line": {"width": 2}}))
+    if why_not:  # looked faster than the winner by a single timing: say why it is not the winner
+        looked = [lineage.nodes[h] for h in why_not]
+        fig.add_trace(go.Scatter(
+            x=[pos[n.hash][0] for n in looked], y=[pos[n.hash][1] for n in looked], mode="markers",
+            name="looked faster, not the winner", customdata=[n.hash for n in looked], hoverinfo="text",
+            hovertext=[f"<b>{n.hash}</b> {n.latency_ms:.3f} ms (single timing)<br>not the winner: "
+                       f"{html.escape(why_not[n.hash])}" for n in looked],
+            marker={"symbol": "x-thin-open", "color": "#b00020", "size": 9, "line": {"width": 1.5}}))
     if lineage.best:
         best = lineage.nodes[lineage.best]
         fig.add_trace(go.Scatter(x=[pos[best.hash][0]], y=[pos[best.hash][1]], mode="markers", name="best engine",
@@ -351,6 +397,14 @@ def render_tree_png(lineage: Lineage, path: Path) -> None:
                        s=[_size(n, fastest) ** 2 * 0.9 for n in nodes], zorder=3,
                        edgecolors=[GOLD if n.hash in ancestry else "white" for n in nodes],
                        linewidths=[2.5 if n.hash in ancestry else 0.8 for n in nodes], label=status)
+    retimed, why_not = lineage.retimed(), lineage.not_the_winner()
+    if retimed:
+        ax.scatter([pos[h][0] for h in retimed], [pos[h][1] for h in retimed], marker="o", facecolors="none",
+                   edgecolors=RETIMED, linewidths=1.8, zorder=3.5, label="re-timed (paired)",
+                   s=[(_size(lineage.nodes[h], fastest) + 9) ** 2 * 0.9 for h in retimed])
+    if why_not:
+        ax.scatter([pos[h][0] for h in why_not], [pos[h][1] for h in why_not], marker="x", c="#b00020", s=40,
+                   linewidths=1.5, zorder=3.6, label="looked faster, not the winner")
     for node in lineage.nodes.values():
         x, y = pos[node.hash]
         offset = (_size(node, fastest) / 2 + 4, 0)
@@ -437,7 +491,8 @@ code { font: 12.5px ui-monospace, Menlo, Consolas, monospace; background: #f2f4f
 #tree-box { min-width: 0; border: 1px solid #e3e6ea; border-radius: 6px; }
 #details { border: 1px solid #e3e6ea; border-radius: 6px; padding: 8px 12px; max-height: 85vh; overflow: auto; }
 table { border-collapse: collapse; font-size: 13px; } td { overflow-wrap: anywhere; } td, th { border-bottom: 1px solid #e8eaed; padding: 3px 8px; text-align: left; vertical-align: top; }
-#ancestry tbody tr { cursor: pointer; } #ancestry tbody tr:hover { background: #fff6d6; }
+#ancestry tbody tr, #not-the-winner tbody tr { cursor: pointer; } #ancestry tbody tr:hover, #not-the-winner tbody tr:hover { background: #fff6d6; }
+.why-not { color: #b00020; }
 .badge { display: inline-block; padding: 0 6px; border-radius: 8px; color: white; font-size: 12px; }
 .s-ok { background: #2e9d4f; } .s-incorrect { background: #f28e2b; } .s-build_error { background: #d62728; }
 .s-runtime_error { background: #9467bd; } .s-timeout { background: #7f7f7f; } .s-suspect { background: #8c564b; }
@@ -457,7 +512,9 @@ _PAGE = """<!DOCTYPE html>
 {headline}
 <div id="layout">
 <div id="tree-box">{tree}<p class="hint">&nbsp;One node per evaluated candidate; colour and marker: status; size: latency
-(faster is bigger). Gold: the best engine (star) and its ancestry. Hover an edge for agent, move and latency change;
+by one single timing (faster is bigger). Blue ring: re-timed paired; red cross: timed faster once than the winner
+but not the winner (why: hover it, or the table above). A paired re-timing, not size, decides the winner.
+Gold: the best engine (star) and its ancestry. Hover an edge for agent, move and latency change;
 click a node for its genome and its genes changed against each parent.</p></div>
 <div id="details"><p class="hint">Click a node to see its genome, the genes it changed against each parent, its
 status message and the evaluator that measured it.</p></div>
@@ -488,6 +545,8 @@ function show(hash) {
     el('dl', {}, el('dt', {}, 'generation'), el('dd', {}, n.generation + ' (#' + n.index + ')'),
       el('dt', {}, 'agent'), el('dd', {}, n.agent), el('dt', {}, 'move'), el('dd', {}, n.move),
       el('dt', {}, 'evaluator'), el('dd', {}, n.evaluator || '-'), el('dt', {}, 'message'), el('dd', {}, n.message || '-'))];
+  if (n.why_not_winner) parts.push(el('p', {class: 'why-not'}, 'Looked faster than the winner (single timing), not the winner: ' + n.why_not_winner));
+  if (n.retimings.length) parts.push(el('h3', {}, 'Paired re-timings'), ...n.retimings.map(t => el('p', {class: 'hint'}, t)));
   if (n.error) parts.push(el('h3', {}, 'Error'), el('pre', {}, n.error));
   if (!n.diffs.length) parts.push(el('h3', {}, 'No parents: a seed'));
   for (const d of n.diffs) {
@@ -506,7 +565,7 @@ function lineageClick(event) {
   if (hash) show(hash);
 }
 document.addEventListener('DOMContentLoaded', () => {
-  for (const row of document.querySelectorAll('#ancestry tbody tr')) row.addEventListener('click', () => show(row.dataset.hash));
+  for (const row of document.querySelectorAll('#ancestry tbody tr, #not-the-winner tbody tr')) row.addEventListener('click', () => show(row.dataset.hash));
   if (LINEAGE.best) show(LINEAGE.best);
   // Plotly sized the plots while the page was still being parsed: fit them to the finished layout.
   for (const id of ['lineage-tree', 'best-so-far']) if (window.Plotly && document.getElementById(id)) Plotly.Plots.resize(id);

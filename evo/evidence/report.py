@@ -29,12 +29,23 @@ def report(target: str, out_dir: str | None = None, uri: str | None = None, out:
     run_dir, default_out, url = _locate(target, uri)
     lineage = load_lineage(run_dir)
     files = write_lineage(run_dir, Path(out_dir) if out_dir else default_out, lineage)
+    for line in _claim(run_dir):  # what the run proved first; the ancestry's single timings after it
+        print(line, file=out)
     for line in ancestry_lines(lineage):
         print(line, file=out)
     print(f"lineage page: {files.html}\n  tree: {files.png}\n  best so far: {files.best_so_far_png}", file=out, flush=True)
     for line in url:
         print(line, file=out, flush=True)
     return files.html
+
+
+def _claim(run_dir: Path) -> list[str]:
+    """The run's claim (`evo.evidence.claims`) from its summary.json; [] for a run still searching."""
+    from evo.evidence.claims import claim_lines
+    from evo.evidence.summary import SUMMARY_FILE, Summary
+
+    path = run_dir / SUMMARY_FILE
+    return [*claim_lines(Summary.read(path)), ""] if path.exists() else []
 
 
 def _run_dir_url(run_dir: Path) -> list[str]:

@@ -15,7 +15,8 @@ from typing import Any
 
 from evo.core.records import STATUSES, SUSPECT, EvalResult, nan_for_null
 from evo.core.retiming import FAILED, VERDICTS, PairedTiming
-from evo.core.search import Search
+from evo.core.search import RaceResult, Search
+from evo.evidence.floor import RunFloor
 from evo.workloads.base import Roofline
 
 SUMMARY_FILE = "summary.json"
@@ -25,6 +26,27 @@ def best_baseline(baselines: dict[str, EvalResult]) -> tuple[str, EvalResult] | 
     """The fastest baseline that passed the correctness check."""
     ok = [(name, r) for name, r in baselines.items() if r.ok]
     return min(ok, key=lambda item: item[1].latency_ms) if ok else None
+
+
+def baseline_not_compared(name: str, baseline: dict[str, Any]) -> str | None:
+    """'torch_compile: timeout — build + first call took longer than ...; not compared' for a baseline
+    (a `Summary.baselines` entry) that failed or timed out, None for one that was measured: one line
+    for the terminal, the MLflow description and the report alike."""
+    status = baseline.get("status")
+    if status == "ok":
+        return None
+    message = " ".join(str(baseline.get("message") or "no message").split())
+    return f"{name}: {status} — {message[:300]}; not compared"
+
+
+def baselines_measured(summary: Summary) -> str:
+    """Which baselines "faster than the best baseline" covers: 'of those measured: a, b' (all of them, or
+    'of those measured: a; not compared: b, c'), or 'no baseline was measured'."""
+    compared = summary.baselines_compared or sorted(n for n, b in summary.baselines.items() if b.get("status") == "ok")
+    others = sorted(set(summary.baselines) - set(compared))
+    if not compared:
+        return "no baseline was measured"
+    return f"of those measured: {', '.join(compared)}" + (f"; not compared: {', '.join(others)}" if others else "")
 
 
 def speedups(latency_ms: float, baselines: dict[str, EvalResult]) -> dict[str, float]:
@@ -68,10 +90,13 @@ class Summary:
     threads: int = 0
     baselines: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> status, latency, spread, error, message
     best_baseline: str | None = None  # the fastest correct baseline
+    baselines_compared: list[str] = field(default_factory=list)  # the measured (ok) baselines: what "faster than
+    # the best baseline" covers; the others (failed, timed out) are in `baselines` with their status and message
     best_baseline_latency_ms: float = math.nan
     speedup_vs_best_baseline: float = math.nan
     speedups: dict[str, float] = field(default_factory=dict)  # baseline name -> its latency / the best's
-    roofline: dict[str, float] | None = None  # floor_ms, flops, bytes, flops_per_s, bytes_per_s, fraction_of_floor
+    roofline: dict[str, Any] | None = None  # floor_ms, flops, bytes, flops_per_s, bytes_per_s, fraction_of_floor
+    # (never above 1: below_floor), source, revisions, revised_from_ms (evo.evidence.floor.RunFloor.entry)
     lineage: list[dict[str, Any]] = field(default_factory=list)  # the best's ancestry, newest first
     evaluations: int = 0
     generations: int = 0
@@ -88,6 +113,10 @@ class Summary:
     # latency / the best's (the `speedups` above are single timings; these are paired)
     speedup_paired: dict[str, float] = field(default_factory=dict)  # baseline -> the paired estimate
     intensification: dict[str, Any] = field(default_factory=dict)  # re-timings: how many, by verdict, seconds
+    final_race: dict[str, Any] = field(default_factory=dict)  # the race of never re-timed, faster-looking
+    # candidates against the incumbent before the winner was declared (evo.core.search.RaceResult.to_dict)
+    unexamined: list[dict[str, Any]] = field(default_factory=list)  # hash, latency_ms, reason: candidates that
+    # looked faster than the winner (single timing) and were never re-timed, with why
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -111,9 +140,10 @@ class Summary:
         return bool(self.best_genome)
 
 
-def make_summary(search: Search, baselines: dict[str, EvalResult], roofline: Roofline | None,
-                 workload: str, preset: str, wall_s: float, **run: Any) -> Summary:
-    """The summary of `search`; `run` sets what only the driver knows (mlflow_run_id, stopped, warm_start, ...)."""
+def make_summary(search: Search, baselines: dict[str, EvalResult], roofline: RunFloor | Roofline | None,
+                 workload: str, preset: str, wall_s: float, race: RaceResult | None = None, **run: Any) -> Summary:
+    """The summary of `search`; `race`: its final race, if it ran one; `run` sets what only the driver
+    knows (mlflow_run_id, stopped, warm_start, ...)."""
     best = search.best()
     latency = best.result.latency_ms if best else math.nan
     top = best_baseline(baselines)
@@ -133,14 +163,12 @@ def make_summary(search: Search, baselines: dict[str, EvalResult], roofline: Roo
         baselines={name: {"status": r.status, "latency_ms": r.latency_ms, "latency_spread_ms": r.latency_spread_ms,
                              "max_rel_error": r.max_rel_error, "message": r.message} for name, r in baselines.items()},
         best_baseline=top[0] if top else None,
+        baselines_compared=sorted(name for name, r in baselines.items() if r.ok),
         best_baseline_latency_ms=top[1].latency_ms if top else math.nan,
         speedup_vs_best_baseline=(top[1].latency_ms / latency) if top and best else math.nan,
         speedups=speedups(latency, baselines),
-        roofline=None if roofline is None else {
-            "floor_ms": roofline.floor_ms, "flops": roofline.flops, "bytes": roofline.bytes,
-            "flops_per_s": roofline.rates.flops_per_s, "bytes_per_s": roofline.rates.bytes_per_s,
-            "fraction_of_floor": roofline.floor_ms / latency if best else math.nan,
-        },
+        roofline=None if roofline is None else (
+            roofline if isinstance(roofline, RunFloor) else RunFloor(roofline)).entry(latency),
         lineage=lineage(search, best.proposal.hash) if best else [],
         evaluations=search.evaluations,
         generations=search.generation,
@@ -148,6 +176,8 @@ def make_summary(search: Search, baselines: dict[str, EvalResult], roofline: Roo
         suspects=suspects(search),
         wall_s=wall_s,
         intensification=intensification(search),
+        final_race=race.to_dict() if race is not None and race.contenders else {},
+        unexamined=[u.to_dict() for u in race.unexamined] if race is not None else [],
         **run,
     )
 

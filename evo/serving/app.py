@@ -2,7 +2,8 @@
 
     POST /v1/infer   {"inputs": {name: tensor}, "encoding": "data"|"b64", "reduce": "none"|"argmax"}
                      -> {"outputs": {name: tensor}}   ("argmax": each output's int64 argmax over its last dim)
-    GET  /v1/engine  workload, preset, genome, hash, measured latency, speedups, device, MLflow run id
+    GET  /v1/engine  the claim first (paired speedup, 95% interval, vs which baseline), then workload, preset,
+                     genome, hash, single timings (labelled so), device, MLflow run id
     GET  /healthz    200 when an engine is loaded and verified
 
 The engine is named by `user_config.engine` (any source `evo.serving.source.resolve` accepts). The
@@ -52,13 +53,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from evaluators.sandbox import SANDBOXES
 from evaluators.served import ServedEngine, ServedEngineError
 from evaluators.settings import EvaluatorSettings
-from evo.serving.codec import ENCODINGS, RequestError, decode_request, encode_outputs, parse_body
+from evo.serving.codec import ENCODINGS, RequestError, decode_request, encode_outputs, parse_body, request_schema
 from evo.serving.example import example_body
 from evo.serving.rescoring import Rescorer
 from evo.serving.source import EngineRecord, resolve
 from evo.workloads import get_workload
 from evo.workloads.base import DeviceInfo, Preset, Workload
-from evo.workloads.requests import TensorSpec
 
 logger = logging.getLogger("ray.serve")
 
@@ -68,7 +68,7 @@ USER_CONFIG_DEFAULTS: dict[str, Any] = {
     "max_request_bytes": 64 * 1024 * 1024,  # larger bodies get 413 (on Content-Length, before reading)
     "max_inflight_bytes": 128 * 1024 * 1024,  # request bytes a replica holds at once; beyond, a request waits
     "max_queue_wait_s": 0.0,  # how long a request may wait for room (unread) before its 503 + Retry-After
-    "max_batch_size": 8,  # requests merged into one engine call
+    "max_batch_size": None,  # batch rows merged into one engine call; None: the largest verified B (Workload.verified_batch)
     "batch_wait_timeout_s": 0.005,  # how long a batch waits to fill
     "rescore_fraction": 0.05,  # share of engine calls re-scored against the float64 reference, off the request path
     "sandbox": "strict",  # the engine process's confinement, as the evaluator's; "none" only for trusted engines
@@ -91,6 +91,8 @@ def check_user_config(user_config: Any) -> dict[str, Any]:
     if config["tracking_uri"] is not None and not isinstance(config["tracking_uri"], str):
         raise ValueError(f"user_config 'tracking_uri' must be a string or null, got {config['tracking_uri']!r}")
     for key, low in (("max_request_bytes", 1), ("max_inflight_bytes", 1), ("max_batch_size", 1)):
+        if key == "max_batch_size" and config[key] is None:
+            continue  # the engine's largest verified B, filled in once the engine is known (check_batch)
         if type(config[key]) is not int or config[key] < low:
             raise ValueError(f"user_config {key!r} must be an integer >= {low}, got {config[key]!r}")
     fraction = config["rescore_fraction"]
@@ -149,23 +151,19 @@ class LoadedEngine:
 
 def verified_batch(workload: Workload, preset: Preset) -> int:
     """The largest B the workload's domain verifies every engine at, else the preset's."""
-    batch = workload.domain(preset).axes.get("B")
-    return batch.hi if batch is not None else int(preset.shape.get("B", 1))
+    return workload.verified_batch(preset)
 
 
-def request_schema(workload: Workload, preset: Preset) -> tuple[tuple[TensorSpec, ...], dict[str, tuple[int, int]]]:
-    """What a request must hold: the workload's `request_specs` with value bounds narrowed to its
-    verified domain (e.g. a log decay's floor), and the verified (lo, hi) of each free dim. Serve
-    accepts exactly the domain the evaluator verified engines over (`Workload.domain`)."""
-    domain = workload.domain(preset)
-    return domain.bound_specs(workload.request_specs(preset)), domain.axis_bounds()
-
-
-def check_batch(config: dict[str, Any], loaded: LoadedEngine) -> None:
-    """Refuse a max_batch_size that would merge requests into batches no engine was verified at."""
+def check_batch(config: dict[str, Any], loaded: LoadedEngine) -> dict[str, Any]:
+    """`config` with max_batch_size filled in (unset: the largest verified B); refuse one that would merge
+    requests into batches no engine was verified at."""
+    if config["max_batch_size"] is None:
+        return {**config, "max_batch_size": loaded.max_batch}
     if config["max_batch_size"] > loaded.max_batch:
         raise ValueError(f"user_config 'max_batch_size' {config['max_batch_size']} is larger than the largest batch "
-                         f"engines of this workload are verified at (B={loaded.max_batch}); use at most {loaded.max_batch}")
+                         f"engines of this workload are verified at (B={loaded.max_batch}); use at most "
+                         f"{loaded.max_batch}, or leave it unset for that")
+    return config
 
 
 def load_engine(source: str, tracking_uri: str | None = None, sandbox: str = "strict") -> LoadedEngine:
@@ -242,6 +240,15 @@ async def _read_capped(request: Request, limit: int) -> bytearray:
     return body
 
 
+def engine_summary(record: EngineRecord) -> dict[str, Any]:
+    """What `/v1/engine` says of the engine, claim first: `claim` (the paired speedup with its 95% interval,
+    `EngineRecord.claim`), then the record, its single timings labelled as such (`latency_ms_single_timing`,
+    `speedups_single_timing`: one median of one run each, no interval)."""
+    info = record.to_dict()
+    single = {"latency_ms_single_timing": info.pop("latency_ms"), "speedups_single_timing": info.pop("speedups")}
+    return {"claim": record.claim(), **info, **single}
+
+
 def _plain(value: Any) -> Any:
     """A user_config as JSON can show it (what was refused, for last_swap)."""
     if isinstance(value, dict):
@@ -294,8 +301,7 @@ class EngineServer:
         if engine is not None:  # plain `serve.run(EngineServer.bind(engine=...))` without user_config
             config = check_user_config({**options, "engine": engine})
             self.loaded = load_engine(engine, config["tracking_uri"], config["sandbox"])
-            check_batch(config, self.loaded)
-            self._apply_options(config)
+            self._apply_options(check_batch(config, self.loaded))
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Check the whole config, build and verify its engine, then swap both in. Once an engine serves,
@@ -309,7 +315,7 @@ class EngineServer:
             else:  # build and verify off the event loop: requests keep being served meanwhile
                 candidate = await asyncio.to_thread(load_engine, config["engine"], config["tracking_uri"],
                                                     config["sandbox"])
-            check_batch(config, candidate)
+            config = check_batch(config, candidate)
         except Exception as exc:
             if self.loaded is None:
                 raise  # nothing to fall back on: the replica must not become ready
@@ -374,9 +380,8 @@ class EngineServer:
     async def engine_info(self) -> JSONResponse:
         if self.loaded is None:
             return error_response("engine", "no engine loaded", 503)
-        record = self.loaded.record
         return JSONResponse({
-            **record.to_dict(),
+            **engine_summary(self.loaded.record),
             "serving_device": self.loaded.device,
             "verification": {"message": self.loaded.check_message, "max_rel_error": self.loaded.max_rel_error},
             "loaded_at": self.loaded.loaded_at,

@@ -26,7 +26,10 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 import torch
 
-from evo.workloads.requests import TensorSpec  # the schema a workload declares (request_specs)
+# The schema a workload declares (request_specs) and the rules a request's tensors are checked by, which
+# the registered pyfunc applies too: they live with the schema, below serving and evidence.
+from evo.workloads.requests import (RequestError, TensorSpec, _check_names, _check_shape, _check_values,  # noqa: F401
+                                    _dtype_name, check_tensors, request_schema)
 
 # dtype name -> (torch dtype, little-endian numpy dtype of the raw b64 bytes)
 DTYPES: dict[str, tuple[torch.dtype, str]] = {
@@ -39,19 +42,6 @@ INTEGER_DTYPES = frozenset({"int64"})
 ENCODINGS = ("data", "b64")
 _TENSOR_KEYS = ("shape", "dtype", "data", "b64")
 _NUMBER_TYPES = frozenset({int, float})  # bool is excluded on purpose: type(True) is bool
-
-
-class RequestError(ValueError):
-    """A bad request: `field` names the offending field; message says what was received and what is allowed."""
-
-    def __init__(self, field: str, message: str, status: int = 422) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-        self.status = status
-
-    def to_dict(self) -> dict:
-        return {"error": {"field": self.field, "message": self.message, "status": self.status}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,69 +122,6 @@ def decode_request(body: bytes | str | dict, specs: Iterable[TensorSpec], *, max
         _check_values(t, spec, f"{field}.{payload}")
         out[spec.name] = t
     return out
-
-
-def _check_names(inputs: dict, specs: tuple[TensorSpec, ...]) -> None:
-    names = [s.name for s in specs]
-    for key in inputs:
-        if key not in names:
-            raise RequestError(f"inputs.{key}", f"unknown tensor {key!r}; allowed: {names}")
-    missing = [s.name for s in specs if s.required and inputs.get(s.name) is None]
-    if missing:
-        raise RequestError(f"inputs.{missing[0]}", f"required tensor(s) {missing} missing or null; received "
-                                                   f"{list(inputs)}; required: {[s.name for s in specs if s.required]}")
-
-
-def _check_shape(shape: tuple[int, ...], spec: TensorSpec, field: str,
-                 bindings: dict[str, tuple[int, str]], axes: Mapping[str, tuple[int, int]]) -> None:
-    f = f"{field}.shape"
-    if len(shape) != len(spec.shape):
-        raise RequestError(f, f"received {list(shape)} (rank {len(shape)}); expected rank {len(spec.shape)} "
-                              f"{spec.describe()}")
-    for i, (got, want) in enumerate(zip(shape, spec.shape)):
-        label = spec.dim_names[i] if i < len(spec.dim_names) else str(want)
-        if isinstance(want, int):
-            if got != want:
-                raise RequestError(f, f"received {list(shape)}; dim {i} ({label}) must be {want} (fixed: the "
-                                      f"engine is built for it); expected {spec.describe()}")
-        elif want in bindings and bindings[want][0] != got:
-            value, where = bindings[want]
-            raise RequestError(f, f"received {list(shape)}; dim {i} ({want}) is {got} but {want} = {value} in "
-                                  f"{where}; every tensor must agree on {want}")
-        else:
-            if got == 0 and not (want in axes and axes[want][0] == 0):
-                raise RequestError(f, f"received {list(shape)}; dim {i} ({want}) is 0: an empty dim is allowed only "
-                                      f"where the verified domain of {want} starts at 0 (e.g. no decode steps)")
-            if want in axes and not axes[want][0] <= got <= axes[want][1]:
-                lo, hi = axes[want]
-                side = f"above the largest {want} ({hi})" if got > hi else f"below the smallest {want} ({lo})"
-                raise RequestError(f, f"received {list(shape)}; dim {i} ({want}) is {got}, {side} engines of this "
-                                      f"workload are verified for: {want} must lie in [{lo}, {hi}]; split the "
-                                      f"request along {want}")
-            bindings.setdefault(want, (got, f))
-
-
-def _check_values(t: torch.Tensor, spec: TensorSpec, field: str) -> None:
-    if not spec.allow_nonfinite:
-        bad = ~torch.isfinite(t)
-        if bad.any():
-            idx = _first(bad)
-            raise RequestError(field, f"non-finite value {t[idx].item()} at index {list(idx)} (NaN, Infinity or "
-                                      f"overflow of {_dtype_name(t.dtype)}); only finite values are allowed")
-    lo, hi = spec.bounds
-    for limit, mask, word in ((lo, lambda: t < lo, "below the minimum"), (hi, lambda: t > hi, "above the maximum")):
-        if limit is not None and (bad := mask()).any():
-            idx = _first(bad)
-            raise RequestError(field, f"value {t[idx].item()} at index {list(idx)} is {word} {limit:g}; "
-                                      f"{spec.name} must lie in [{_fmt(lo, '-inf')}, {_fmt(hi, 'inf')}]")
-
-
-def _first(mask: torch.Tensor) -> tuple[int, ...]:
-    return tuple(int(i) for i in mask.nonzero()[0])
-
-
-def _fmt(x: float | None, unbounded: str) -> str:
-    return unbounded if x is None else f"{x:g}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,10 +293,6 @@ def _check_numbers(row: list, field: str, prefix=lambda: "") -> None:
 
 def _index(i: int, dims: tuple[int, ...]) -> str:
     return "".join(f"[{int(k)}]" for k in np.unravel_index(i, dims)) if dims else ""
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _json_type(x: Any) -> str:

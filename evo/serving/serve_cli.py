@@ -1,15 +1,21 @@
-"""`python -m evo serve RUN`: check the port, start or join Ray, deploy the engine app, print how to call
-it, serve until interrupted. Ray is imported only once the port is known to be free."""
+"""`python -m evo serve RUN`: check the port and the batch size, start or join Ray, deploy the engine app,
+print how to call it (or, when the deployment fails, its cause in one line), serve until interrupted.
+Ray is imported only once the port and the engine are known to be good."""
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import re
 import signal
 import socket
 import sys
 import threading
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Iterator
 
+from evo.evidence.engine_record import EngineRecord
 from evo.serving.source import SourceError, resolve
 
 
@@ -34,7 +40,23 @@ def port_problem(host: str, port: int) -> str | None:
     return None
 
 
-def serve_forever(engine: str, host: str, port: int, name: str, max_batch_size: int,
+def batch_size(record: EngineRecord, requested: int | None) -> int:
+    """`--max-batch-size`: by default the largest batch (B) engines of the record's workload and preset are
+    verified at; ValueError naming that bound for one outside 1..bound."""
+    from evo.workloads import get_workload
+
+    workload = get_workload(record.workload)
+    bound = workload.verified_batch(workload.presets()[record.preset])
+    if requested is None:
+        return bound
+    if not 1 <= requested <= bound:
+        where = f"above B={bound}, the largest batch" if requested > bound else "below 1, the smallest batch"
+        raise ValueError(f"--max-batch-size {requested} is {where} engines of {record.workload}/{record.preset} are "
+                         f"verified at; give 1..{bound}, or leave it out (default: {bound})")
+    return requested
+
+
+def serve_forever(engine: str, host: str, port: int, name: str, max_batch_size: int | None,
                   tracking_uri: str | None, sandbox: str = "strict", rescore_fraction: float = 0.05) -> int:
     problem = port_problem(host, port)  # before Ray starts: a busy port is one line, not a traceback
     if problem:
@@ -45,8 +67,9 @@ def serve_forever(engine: str, host: str, port: int, name: str, max_batch_size: 
         engine = str(Path(engine).expanduser().resolve())
     try:
         record = resolve(engine, tracking_uri)
-    except SourceError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        max_batch_size = batch_size(record, max_batch_size)
+    except (SourceError, ValueError) as exc:
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
     import ray
     from ray import serve
@@ -68,17 +91,111 @@ def serve_forever(engine: str, host: str, port: int, name: str, max_batch_size: 
         serve.start(http_options={"host": host, "port": port})
         app = build_app({"engine": engine, "max_batch_size": max_batch_size, "tracking_uri": tracking_uri,
                          "sandbox": sandbox, "rescore_fraction": rescore_fraction})
-        serve.run(app, name=name, route_prefix="/")
-        url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
-        print(f"serving engine {record.genome.hash} ({record.workload}/{record.preset}) at {url}"
-              f"  (POST /v1/infer, GET /v1/engine, GET /healthz); Ctrl-C stops", flush=True)
-        print(f"try it:\n  {curl_for(record.workload, record.preset, url)}", flush=True)
-        stop.wait()
+        failure = _deploy(app, name, stop)  # building and verifying the engine takes a while: Ctrl-C still stops
+        if failure is not None:
+            print(f"error: {failure}", file=sys.stderr, flush=True)
+            return 1
+        if not stop.is_set():
+            url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
+            claim = record.claim()  # the claim before the numbers: the paired speedup with its interval
+            print(f"serving engine {record.genome.hash} ({record.workload}/{record.preset}"
+                  f"{'; ' + claim['text'] if claim else ''}) at {url}  (POST /v1/infer, GET /v1/engine, GET /healthz;"
+                  f" max_batch_size {max_batch_size}); Ctrl-C stops", flush=True)
+            print(f"try it:\n  {curl_for(record.workload, record.preset, url)}", flush=True)
+            stop.wait()
     finally:
-        serve.shutdown()
-        if own_ray:
-            ray.shutdown()
+        _stop_serving(name, disconnect=own_ray)
     return 0
+
+
+def _deploy(app: Any, name: str, stop: threading.Event) -> str | None:
+    """Deploy `app` as `name` and wait until it runs, or fails, or `stop` is set. None, or the deployment's
+    cause in one line (Serve's own exception says only "Deploying application ... failed")."""
+    from ray import serve
+
+    done, failed = threading.Event(), []
+
+    def run() -> None:
+        try:  # Serve's INFO lines here ("New http_options ... will not be applied") are not the user's business
+            with _quiet("ray.serve"):
+                serve.run(app, name=name, route_prefix="/")
+        except Exception as exc:  # DEPLOY_FAILED (RuntimeError), a lost controller: reported below
+            failed.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="evo-serve-deploy", daemon=True).start()
+    while not (done.is_set() or stop.is_set()):
+        done.wait(0.25)
+    if not failed:
+        return None
+    try:
+        status = serve.status()
+    except Exception:  # the controller itself is gone: Serve's exception is all there is
+        status = None
+    return deployment_error(status, name, failed[0])
+
+
+def deployment_error(status: Any, name: str, exc: BaseException) -> str:
+    """Why application `name` failed to deploy, as one line: the last exception of the replica's error
+    (the deployment's message in `serve.status()`; Serve keeps its traceback there), else the application's
+    message, else `exc`."""
+    app = getattr(status, "applications", {}).get(name)
+    messages = [d.message for d in getattr(app, "deployments", {}).values() if getattr(d, "message", "")]
+    messages += [app.message] if app is not None and app.message else []
+    for message in messages:
+        cause = _last_exception(message)
+        if cause:
+            return f"application {name!r} failed to deploy: {cause}"
+    return f"application {name!r} failed to deploy: {_one_line(exc)}"
+
+
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*([A-Z]\w*): (.*)$")  # "evo.serving.app.EngineRejected: ..."
+
+
+def _last_exception(message: str) -> str | None:
+    """'EngineRejected: engine ... failed its verification ...' from a traceback: its last exception line (module
+    path dropped) with the lines that continue it, in one line; None when the text holds no exception line."""
+    lines = message.splitlines()
+    starts = [i for i, line in enumerate(lines) if _EXCEPTION_LINE.match(line)]
+    if not starts:
+        return None
+    kind, text = _EXCEPTION_LINE.match(lines[starts[-1]]).groups()
+    return _one_line(f"{kind}: {' '.join([text, *lines[starts[-1] + 1:]])}")[:1000]
+
+
+def _stop_serving(name: str, disconnect: bool) -> None:
+    """Delete the application, then leave Ray. Not `serve.shutdown()`: the controller kills itself at the
+    end of its graceful shutdown, and Ray then prints a warning that it will retry that call (once per
+    Ctrl-C); and on a joined cluster it would take down every other application too. A local Ray ends
+    with this process anyway, its controller and proxy with it."""
+    import ray
+    from ray import serve
+
+    try:
+        if ray.is_initialized():
+            with _quiet("ray.serve"):
+                serve.delete(name)
+    except Exception:  # never deployed, or Ray already going down: nothing to delete
+        pass
+    if disconnect:
+        ray.shutdown()
+
+
+@contextmanager
+def _quiet(logger_name: str) -> Iterator[None]:
+    """Warnings only from `logger_name` meanwhile (Serve logs each step of a deletion at INFO)."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _one_line(exc: BaseException | str) -> str:
+    return " ".join(str(exc).split())
 
 
 def curl_for(workload_name: str, preset_name: str, url: str) -> str:

@@ -6,8 +6,8 @@ and what the search measured (latency, speedups, device, MLflow lineage run id).
 Accepted forms:
   runs/<name>-20261130-094905      a run directory (holds summary.json and best_genome.json)
   models:/<name>-engine/3          a registered MLflow model version (or models:/NAME/latest)
-  models:/<name>-engine@champion   the version an alias points at (`champion`: the fastest registered,
-                                   see evo.evidence.mlflow.registry)
+  models:/<name>-engine@champion   the version an alias points at (`champion`: the last to win a paired
+                                   race against the one before, see evo.evidence.mlflow.registry)
   runs:/<run_id>  or  <run_id>     an MLflow run whose artifacts hold the engine (the search's parent run)
   default:WORKLOAD/PRESET          the workload's default genome for that preset (no search needed)
 """

@@ -177,6 +177,13 @@ class Workload:
         (smallest to largest listed value), no value bounds."""
         return InputDomain.from_free_axes(self.free_axes(preset))
 
+    def verified_batch(self, preset: Preset) -> int:
+        """The largest batch (B) engines for `preset` are verified at: the most requests' rows Serve may
+        merge into one engine call (its `max_batch_size` default and bound). Default: the top of the
+        domain's B axis, else the preset's B, else 1."""
+        batch = self.domain(preset).axes.get("B")
+        return batch.hi if batch is not None else int(preset.shape.get("B", 1))
+
     def draw_cases(self, preset: Preset, rng: np.random.Generator) -> list[CheckCase]:
         """Random cases over the whole domain, drawn afresh for each evaluation from the judge's `rng`
         and checked besides the fixed `check_cases`; each must lie in `domain(preset)`. Default: per

@@ -17,13 +17,11 @@ class EnginePyfunc(mlflow.pyfunc.PythonModel):
     """predict({input name: array}) -> {output name: float32 array} with the engine on CPU."""
 
     def load_context(self, context) -> None:
-        from evo.evidence.mlflow.pyfunc_engine import confined_engine
+        from evo.evidence.mlflow.pyfunc_engine import confined_engine, input_check
 
         record = EngineRecord.from_dict(json.loads(Path(context.artifacts["engine"]).read_text()), "pyfunc")
+        self.check = input_check(record)  # Serve's request rules: a bad input is one line naming it
         self.engine = confined_engine(record)  # in its own engine process, as Serve runs it
 
     def predict(self, context, model_input, params=None):  # untyped, as those versions were logged
-        import torch
-
-        inputs = {name: torch.as_tensor(value) for name, value in model_input.items() if value is not None}
-        return {name: tensor.float().numpy() for name, tensor in self.engine(**inputs).items()}
+        return {name: tensor.float().numpy() for name, tensor in self.engine(**self.check(model_input)).items()}

@@ -6,13 +6,16 @@ engine runs where the judge judged it, never in the caller's process: `evaluator
 builds and verifies it in a confined engine process (the strict sandbox where this machine can build it;
 elsewhere a genome without code genes, the project's own engines, runs in an unconfined process of its
 own, and one with code genes is refused). MLflow checks the inputs against the model's signature (the
-workload's request schema, `evo.evidence.mlflow.registry.engine_signature`) before `predict` sees them.
+workload's request schema, `evo.evidence.mlflow.registry.engine_signature`) before `predict` sees them;
+`predict` then checks them by Serve's rules (`evo.workloads.requests.check_tensors`: shapes within the verified
+domain, values within their bounds, e.g. token ids in [0, V-1]): a bad input is one `RequestError` line
+naming the input and what is allowed, never an engine's IndexError.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -24,13 +27,33 @@ class EngineModel:
 
     def __init__(self, record: EngineRecord) -> None:
         self.record = record
+        self.check = input_check(record)
         self.engine = confined_engine(record)
 
     def predict(self, model_input: dict[str, np.ndarray], params: dict[str, Any] | None = None) -> dict[str, np.ndarray]:
-        import torch
-
-        inputs = {name: torch.as_tensor(value) for name, value in model_input.items() if value is not None}
+        inputs = self.check(model_input)
         return {name: tensor.float().numpy() for name, tensor in self.engine(**inputs).items()}
+
+
+def input_check(record: EngineRecord) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
+    """{name: array} -> {name: tensor}, checked as Serve checks a request for this record's engine (the
+    workload's request schema bounded by its verified domain); RequestError (a ValueError) names the input."""
+    import torch
+
+    from evo.workloads.requests import check_tensors, request_schema
+    from evo.workloads import get_workload
+
+    workload = get_workload(record.workload)
+    try:
+        specs, axes = request_schema(workload, workload.presets()[record.preset])
+    except NotImplementedError:  # a workload without a request schema: its engine sees the arrays as given
+        specs = None
+
+    def check(model_input: Mapping[str, Any]) -> dict[str, Any]:
+        inputs = {name: torch.as_tensor(value) for name, value in model_input.items() if value is not None}
+        return inputs if specs is None else check_tensors(inputs, specs, axes, prefix="")
+
+    return check
 
 
 def confined_engine(record: EngineRecord) -> Any:

@@ -8,9 +8,15 @@ A version is logged under the search's parent run as a pyfunc model whose loader
   - tags: genome hash, latency and its spread, speedup over each baseline with its paired 95%
     interval, device, workload, preset, the run (`evo.evidence.mlflow.describe.version_tags`);
   - a description in Markdown.
-The alias `champion` moves to a new version only when it is faster: its `latency_ms` tag is lower than
-the current champion's (a champion without that tag, registered by an older version, is replaced).
-Both latencies are single medians from separate runs; `python -m evo ab` compares two engines paired.
+The alias `champion` moves to a new version only on a paired win (`promote`): the new engine and the
+current champion, both built from their registered records (`engine.json`), are timed interleaved in one
+evaluator (the `race`, with the run's `search.intensify` settings), and the alias moves only when the
+verdict is `faster` (the whole 95% interval of the latency ratio below 1 - min_effect). Two single medians
+from separate runs never move it: they differ by more than the engines do (the same genome measured
+18.75 ms in one run and 6.98 ms in another). The first version takes the alias; a version with the
+champion's genome never does (no race needed); a champion that cannot be raced (another workload or
+preset, or a version registered before `engine.json`) keeps it, and the text says how to move it by hand.
+The race's verdict, ratio and interval are tags on the new version (`champion_race_*`).
 
 `mlflow.pyfunc.load_model("models:/NAME@champion")` rebuilds the engine on CPU; the Serve app reads
 `engine.json` from the model and builds and verifies the engine itself.
@@ -19,15 +25,16 @@ from __future__ import annotations
 
 import json
 import logging
-import math
+import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from evo.evidence.engine_record import ENGINE_FILE, EngineRecord, record_from_summary
+from evo.core.retiming import FAILED, FASTER, SLOWER, PairedTiming
+from evo.evidence.engine_record import ENGINE_FILE, EngineRecord, SourceError, record_from_summary
 from evo.evidence.mlflow.describe import version_description, version_tags
 from evo.evidence.summary import Summary
 from evo.workloads.base import CheckCase, Preset, Workload
@@ -37,25 +44,32 @@ LATENCY_TAG = "latency_ms"
 log = logging.getLogger("evo.mlflow")
 
 
+Race = Callable[[EngineRecord, EngineRecord], PairedTiming | None]  # (new, champion) -> their paired timing
+RACE_TAG = "champion_race"  # prefix of the race's tags on the new version: _verdict, _ratio, _low, _high, _against
+NOT_RACED = "not raced"  # the verdict tag when no race decided (same genome, a champion that cannot be raced)
+
+
 @dataclass(frozen=True)
 class Registration:
-    """A registered version and what became of the alias."""
+    """A registered version and what became of the alias: `reason` says why it moved or stayed, `race` is
+    the paired timing of this version (a) against the champion before (b), when one ran."""
 
     uri: str  # models:/NAME/VERSION
     name: str
     version: str
     champion: bool  # whether the alias now points at this version
-    previous: tuple[str, float] | None  # the champion before (version, latency in ms), if any
+    previous: str | None  # the champion's version before, if there was one
+    reason: str
+    race: PairedTiming | None = None
 
     def describe(self) -> str:
         if self.champion and self.previous:
-            return (f"alias @{CHAMPION} moved to version {self.version} (faster than version {self.previous[0]}: "
-                    f"{self.previous[1]:.3f} ms)")
+            return f"alias @{CHAMPION} moved to version {self.version}: {self.reason}"
         if self.champion:
-            return f"alias @{CHAMPION} set to version {self.version} (the first champion)"
+            return f"alias @{CHAMPION} set to version {self.version} ({self.reason})"
         if self.previous is None:
-            return f"alias @{CHAMPION} not set: this version has no measured latency"
-        return f"alias @{CHAMPION} stays on version {self.previous[0]} ({self.previous[1]:.3f} ms: this one is not faster)"
+            return f"alias @{CHAMPION} not set: {self.reason}"
+        return f"alias @{CHAMPION} stays on version {self.previous}: {self.reason}"
 
 
 def _numpy_dtype(name: str) -> np.dtype:
@@ -146,39 +160,126 @@ def register_engine(record: EngineRecord, run_id: str, model_name: str, tracking
     return version
 
 
-def promote(client, name: str, version: str, latency_ms: float) -> Registration:
-    """Point `champion` at `version` if there is no champion yet or this version is faster (see the module)."""
+def registered_record(tracking_uri: str, name: str, version: str) -> EngineRecord:
+    """The record a registered version holds (`engine.json` among its model artifacts); SourceError when the
+    store cannot give it or the version has none (registered before the file existed, or by something else).
+    `evo.serving.source` reads `models:/...` sources the same way."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    source = f"models:/{name}/{version}"
+    quiet = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"  # no progress bar on the run's output
+    saved, os.environ[quiet] = os.environ.get(quiet), "false"
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+            local = Path(mlflow.artifacts.download_artifacts(
+                artifact_uri=client.get_model_version_download_uri(name, str(version)), dst_path=tmp,
+                tracking_uri=tracking_uri, registry_uri=tracking_uri))
+            found = sorted(local.rglob(ENGINE_FILE)) if local.is_dir() else [local]
+            if not found:
+                raise SourceError(f"{source} has no {ENGINE_FILE}: registered before it existed, or not by this "
+                                  f"project")
+            return EngineRecord.from_dict(json.loads(found[0].read_text()), source)
+    except SourceError:
+        raise
+    except (MlflowException, OSError, KeyError, ValueError) as exc:  # a store that fails, a malformed engine.json
+        said = " ".join(str(exc).split())[:300]  # one line: it ends up in Registration.describe()
+        raise SourceError(f"could not load {source} from MLflow at {tracking_uri}: "
+                          f"{type(exc).__name__}: {said}") from exc
+    finally:
+        if saved is None:
+            os.environ.pop(quiet, None)
+        else:
+            os.environ[quiet] = saved
+
+
+def promote(client, name: str, version: str, record: EngineRecord, race: Race | None,
+            tracking_uri: str) -> Registration:
+    """Point `champion` at `version` (whose engine is `record`) when there is no champion yet, or when `race`
+    (the new engine against the champion's, paired) says it is faster by the minimum effect; tag the version
+    with the race. Conservative everywhere else: the same genome, a champion that cannot be raced (no
+    loadable record, another workload or preset), no race (`race` None or it returned None), or a verdict of
+    slower, equal or failed leave the alias where it is. A single timing never moves it (see the module)."""
     from mlflow.exceptions import MlflowException
 
-    version, previous = str(version), None
+    version = str(version)
+    uri = f"models:/{name}/{version}"
     try:
         current = client.get_model_version_by_alias(name, CHAMPION)
-        recorded = float(current.tags.get(LATENCY_TAG, "nan"))
-        previous = (str(current.version), recorded)
-    except MlflowException:  # no champion yet
-        pass
-    faster = previous is None or not math.isfinite(previous[1]) or latency_ms < previous[1]
-    if faster and math.isfinite(latency_ms):
+    except MlflowException:  # no champion yet: the first measured version takes it
+        if record.latency_ms is None:
+            return Registration(uri, name, version, False, None, "this version has no measured latency")
         client.set_registered_model_alias(name, CHAMPION, version)
-    return Registration(f"models:/{name}/{version}", name, version, faster and math.isfinite(latency_ms), previous)
+        return Registration(uri, name, version, True, None, "the first champion")
+    against = str(current.version)
+    moved, reason, timing = _contest(record, against, current.tags.get("genome_hash"), race,
+                                     lambda: registered_record(tracking_uri, name, against))
+    tags = {f"{RACE_TAG}_against": against, f"{RACE_TAG}_verdict": timing.verdict if timing else NOT_RACED,
+            f"{RACE_TAG}_note": reason[:5000]}
+    if timing and timing.verdict != FAILED:
+        tags.update({f"{RACE_TAG}_{key}": f"{getattr(timing, key):.4f}" for key in ("ratio", "low", "high")})
+        tags[f"{RACE_TAG}_pairs"] = str(timing.pairs)
+    for key, value in tags.items():
+        client.set_model_version_tag(name, version, key, value)
+    if moved:
+        client.set_registered_model_alias(name, CHAMPION, version)
+    return Registration(uri, name, version, moved, against, reason, timing)
+
+
+def _contest(record: EngineRecord, against: str, champion_hash: str | None, race: Race | None,
+             load_champion: Callable[[], EngineRecord]) -> tuple[bool, str, PairedTiming | None]:
+    """(whether the alias moves, why, the race's timing) for `record` against champion version `against`."""
+    if champion_hash == record.genome.hash:
+        return False, f"same genome ({record.genome.hash}), no race needed", None
+    keep = (f"a single timing does not move the alias; to replace the champion anyway, set it by hand "
+            f"(MlflowClient().set_registered_model_alias(NAME, {CHAMPION!r}, VERSION))")
+    try:
+        champion = load_champion()
+    except SourceError as exc:
+        return False, f"the champion cannot be raced, its record does not load ({exc}); {keep}", None
+    if champion.genome.hash == record.genome.hash:
+        return False, f"same genome ({record.genome.hash}), no race needed", None
+    if (champion.workload, champion.preset) != (record.workload, record.preset):
+        return False, (f"the champion is an engine for {champion.workload}/{champion.preset}, this one for "
+                       f"{record.workload}/{record.preset}: they cannot be raced (register under another model "
+                       f"name); {keep}"), None
+    timing = race(record, champion) if race else None
+    if timing is None:
+        return False, f"no paired race was run (paired re-timing is off); {keep}", None
+    if timing.verdict == FAILED:
+        return False, f"the paired race failed ({timing.message}); the alias moves only on a paired win", timing
+    interval = (f"paired {timing.ratio:.2f}x the latency of version {against} [95% {timing.low:.2f}, "
+                f"{timing.high:.2f}] over {timing.pairs} calls")
+    if timing.verdict == FASTER:
+        return True, interval, timing
+    if timing.verdict == SLOWER:
+        return False, f"slower, {interval}", timing
+    need = f"a win needs the whole interval below {1 - timing.min_effect:g}"
+    return False, f"equal within noise, {interval} ({need})", timing
 
 
 def register_best(summary: Summary, run_dir: Path, run_id: str, model_name: str, tracking_uri: str,
-                  experiment_id: str | None = None) -> Registration:
+                  experiment_id: str | None = None, race: Race | None = None) -> Registration:
     """Register the best engine of `summary` (a version with signature, tags and description, under run
-    `run_id`) and move the alias when it is the fastest."""
+    `run_id`) and move the alias when it wins a paired race against the champion: `race(new, champion)` times
+    the two engines paired (the driver's runs them in the run's evaluator pool) and returns their PairedTiming,
+    or None when it cannot; without `race` the alias moves only to a first champion (see `promote`)."""
     from mlflow.tracking import MlflowClient
 
     tags = version_tags(summary, run_id, run_dir)
     description = version_description(summary, Path(run_dir).name, experiment_id, run_id)
-    version = register_engine(record_from_summary(summary, str(run_dir)), run_id, model_name, tracking_uri, tags,
-                              description)
+    record = record_from_summary(summary, str(run_dir))
+    version = register_engine(record, run_id, model_name, tracking_uri, tags, description)
     client = MlflowClient(tracking_uri=tracking_uri)
     client.update_registered_model(model_name, description=(
         f"Engines for {summary.workload} at preset `{summary.preset}`, one version per search that registered its best. "
-        f"`@{CHAMPION}` is the fastest by recorded latency (moved only when a new version is faster); "
-        f"serve it with `python -m evo serve models:/{model_name}@{CHAMPION}`."))
-    return promote(client, model_name, version, summary.best_latency_ms)
+        f"`@{CHAMPION}` moves to a new version only when it wins a paired race against the current champion "
+        f"(both timed interleaved in one evaluator; the whole 95% interval of the latency ratio below 1 minus the "
+        f"minimum effect): the version's `{RACE_TAG}_*` tags hold the verdict, ratio and interval. "
+        f"Serve it with `python -m evo serve models:/{model_name}@{CHAMPION}`."))
+    return promote(client, model_name, version, record, race, tracking_uri)
 
 
 def __getattr__(name: str):
