@@ -77,6 +77,21 @@ def test_the_claim_says_equal_or_single_timing_only_when_that_is_all_there_is():
     assert described.startswith("**`43fa7490741d11d7` is 2.63x faster than chunk_pairwise_c64 (paired")
 
 
+def test_a_candidate_left_unexamined_is_named_by_the_description_and_the_terminal():
+    import dataclasses
+
+    from evo.evidence.claims import claim_lines
+
+    why = "the final race's wall time ran out (search.intensify.race_wall_s = 0 s)"
+    left = dataclasses.replace(SUMMARY, unexamined=[{"hash": "9d0c1e5a77aa01b2", "latency_ms": 1.25, "reason": why}])
+    head = run_description(left, "/r").splitlines()[:3]  # before MLflow's fold
+    assert any("`9d0c1e5a77aa01b2` (1.250 ms): " + why in line for line in head), head
+    lines = claim_lines(left)
+    assert lines[0] == "43fa7490741d11d7 is 2.63x faster than chunk_pairwise_c64 (paired, 95% [2.28, 2.87])"
+    assert f"  unexamined: 9d0c1e5a77aa01b2 looked faster (1.250 ms, one single timing) and was never re-timed: {why}" in lines
+    assert lines[-1].startswith("  single timing 4.817 ms") and "not a claim" in lines[-1]
+
+
 def test_the_signature_is_the_workloads_request_schema_and_the_example_fits_it():
     workload = get_workload("kda")
     preset = workload.presets()["cpu_small"]

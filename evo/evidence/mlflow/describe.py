@@ -58,10 +58,10 @@ def run_description(summary: Summary, run_dir: Path | str, status: str = "FINISH
         lines.append(run + (" (no summary: the run failed before it made one)." if not summary.workload else "."))
     else:
         lines.append(f"{run}. {single_timing_text(summary)}, max relative error {summary.best_max_rel_error:.1e}.")
-        unexamined = getattr(summary, "unexamined", None) or []
-        if unexamined:
-            lines.append(f"{len(unexamined)} candidate(s) looked faster by a single timing and were never re-timed"
-                         " paired (the lineage page says why).")
+        if summary.unexamined:  # by name: a faster-looking candidate nobody examined is part of the result
+            lines.append(f"{len(summary.unexamined)} candidate(s) looked faster by a single timing and were never"
+                         " re-timed paired: " + "; ".join(f"`{u['hash']}` ({ms(u['latency_ms'])}): {u['reason']}"
+                                                          for u in summary.unexamined) + ".")
         lines += ["", "| baseline | latency (single timing) | speedup: paired, 95% interval; single timing |",
                   "| --- | ---: | --- |"]
         paired_first = lambda kv: (kv[0] not in summary.speedup_ci,  # noqa: E731 - then by speedup, largest first
