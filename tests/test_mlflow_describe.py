@@ -86,6 +86,9 @@ def test_a_candidate_left_unexamined_is_named_by_the_description_and_the_termina
     left = dataclasses.replace(SUMMARY, unexamined=[{"hash": "9d0c1e5a77aa01b2", "latency_ms": 1.25, "reason": why}])
     head = run_description(left, "/r").splitlines()[:3]  # before MLflow's fold
     assert any("`9d0c1e5a77aa01b2` (1.250 ms): " + why in line for line in head), head
+    from evo.evidence.claims import short_claim
+
+    assert short_claim(left) == "2.63x vs chunk_pairwise_c64 [2.28, 2.87] paired"
     lines = claim_lines(left)
     assert lines[0] == "43fa7490741d11d7 is 2.63x faster than chunk_pairwise_c64 (paired, 95% [2.28, 2.87])"
     assert f"  unexamined: 9d0c1e5a77aa01b2 looked faster (1.250 ms, one single timing) and was never re-timed: {why}" in lines

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from evo.evidence.claims import short_claim
 from evo.evidence.mlflow.describe import claim_sentence
 from evo.evidence.mlflow.links import EXPERIMENT_KIND, KIND_TAG, model_version_url
 from evo.evidence.mlflow.registry import CHAMPION
@@ -59,6 +60,7 @@ def test_the_printed_url_opens_the_run_on_its_description(finished, browser, tmp
     browser.screenshot(tmp_path / "run.png")
     assert f"single timing {summary.speedups[baseline]:.2f}x" in text and "of the roofline floor" in text
     assert "Child runs" in text
+    assert parent.info.run_name == f"run · {short_claim(summary)}" and "paired" in parent.info.run_name  # the title
     # without a click: in the first screen, and above the fold where the UI cuts a long description ("Show more")
     seen = _in_first_screen(browser, claim)
     assert seen is True, f"the claim {claim!r} on the run page: {seen}"

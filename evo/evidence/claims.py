@@ -83,6 +83,19 @@ def speedup_claim(summary: Summary, baseline: str) -> str:
     return baseline_not_compared(baseline, summary.baselines.get(baseline, {})) or f"{baseline}: not measured"
 
 
+def short_claim(summary: Summary) -> str:
+    """The claim in a few words, for a title: '6.06x vs NAME [5.39, 6.53] paired' ('' when there is none)."""
+    vs = claimed_baseline(summary) if summary.found else None
+    if vs is None:
+        return ""
+    verdict = paired_verdict(summary, vs)
+    if verdict is None:
+        return f"{summary.speedups[vs]:.2f}x vs {vs}, single timing only"
+    (low, high), estimate = summary.speedup_ci[vs], summary.speedup_paired[vs]
+    return (f"{estimate:.2f}x vs {vs} [{low:.2f}, {high:.2f}] paired"
+            + {"faster": "", "equal": ": equal within noise", "slower": ": slower"}[verdict])
+
+
 def claim_lines(summary: Summary) -> list[str]:
     """The summary's claim, first thing a reader sees: the engine, its paired speedups, what is not covered."""
     if not summary.found:

@@ -24,6 +24,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
+from evo.evidence.claims import short_claim
 from evo.evidence.lineage import CANDIDATES_FILE, candidate_table, candidate_tags, write_candidate_table
 from evo.evidence.mlflow.describe import run_description
 from evo.evidence.mlflow.links import run_url
@@ -42,6 +43,7 @@ log = logging.getLogger("evo.mlflow")
 # single timings labelled `single_timing_...`.
 CLAIM = "a_paired_speedup_vs_"
 SINGLE_TIMING = "single_timing_"
+RUN_NAME_TAG = "mlflow.runName"  # set at the end: the run's name followed by its claim
 
 
 def claim_metrics(baseline: str, estimate: float | None, low: float, high: float) -> dict[str, float | None]:
@@ -69,7 +71,7 @@ class MlflowSink:
 
     def __init__(self, uri: str, experiment: str, run_name: str, config: dict, tags: dict[str, str],
                  run_dir: Path | None = None, finish_wait_s: float = 30.0, request_timeout_s: float = 5.0) -> None:
-        self.uri = uri
+        self.uri, self.run_name = uri, run_name
         run_dir = run_dir or tags.get("run_dir")
         self.run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="mlflow-outbox-"))
         self.outbox = Outbox(self.run_dir, uri, experiment, request_timeout_s)
@@ -192,7 +194,10 @@ class MlflowSink:
             if key in summary.intensification:
                 final[f"intensify_{key}"] = summary.intensification[key]
         metrics = [(k, float(v), now, 0) for k, v in final.items() if v is not None and math.isfinite(v)]
-        self._batch(self.parent, metrics=metrics, tags={"best_hash": str(summary.best_hash), "run_dir": str(run_dir)})
+        tags = {"best_hash": str(summary.best_hash), "run_dir": str(run_dir)}
+        if short_claim(summary):  # the page's title and the runs table's name column lead with the claim
+            tags[RUN_NAME_TAG] = f"{self.run_name} · {short_claim(summary)}"[:250]
+        self._batch(self.parent, metrics=metrics, tags=tags)
         self.outbox.add({"op": "note", "run": self.parent, "text": run_description(summary, run_dir, status)})
         for name in ("summary.json", "best_genome.json", "baselines.json", "config.yaml", "lessons.yaml",
                      "code_lessons.md", "agent/log.jsonl", "retimings.jsonl"):
