@@ -17,6 +17,7 @@ from typing import TextIO
 
 import ray
 
+from evaluators.calibration import CACHED
 from evo.core.code import CodeStore
 from evo.core.genome import DOMAINS
 from evo.core.lessons import FILE as LESSONS_FILE, Lessons, from_search as lessons_from_search
@@ -32,8 +33,9 @@ from evo.driver.resume import ReplayExecutor, SavedRun, restore
 from evo.driver.retime import PoolRetimer, champion_race, final_retiming
 from evo.driver.rundir import check_config
 from evo.driver.stop import STOP, install_handlers
-from evo.evidence.engine_record import EngineRecord
 from evo.evidence.claims import claim_lines
+from evo.evidence.engine_record import EngineRecord
+from evo.evidence.floor import RunFloor, floor_text
 from evo.evidence.journal import append_retimings, write_baselines, write_json
 from evo.evidence.mlflow.links import mlflow_lines
 from evo.evidence.mlflow.registry import Race, register_best as register_best_engine
@@ -42,8 +44,6 @@ from evo.evidence.mlflow.sink import MlflowSink
 from evo.evidence.mlflow.warm import warm as warm_mlflow
 from evo.evidence.sink import FINISHED, KILLED, Sink, SinkList
 from evo.evidence.summary import SUMMARY_FILE, Summary, best_baseline, make_summary, with_final_retimings
-from evaluators.calibration import CACHED
-from evo.evidence.floor import RunFloor, floor_text
 
 CODE_LESSONS_FILE = "code_lessons.md"  # the code agent's lessons file as it stood at the end of the run
 
