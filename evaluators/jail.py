@@ -26,14 +26,13 @@ from pathlib import Path
 from typing import Callable
 
 from evaluators import seccomp
-from evaluators.view import View, under
+from evaluators.view import NOBODY, View, under
 
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = (
     0x00020000, 0x04000000, 0x08000000, 0x20000000, 0x40000000)
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = (
     1, 2, 4, 8, 32, 4096, 8192, 16384, 1 << 18)
 _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS = 24, 38
-NOBODY = 65534
 _MNT_DETACH = 2
 _PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217}  # syscall numbers
 _MOUNT_SETATTR = {"x86_64": 442, "aarch64": 442, "ppc64le": 442, "s390x": 442}
@@ -50,6 +49,7 @@ class JailPlan:
     cuda: bool = False  # the view adds the NVIDIA device nodes and PCI folders
     trusted: bool = False  # a baseline: the view adds the libraries baselines build on
     readable: tuple[str, ...] = ()  # files the workload's engines read (Workload.engine_files)
+    cache: str = ""  # a baseline's: the machine's compile cache for baselines, bound read-write (view.baseline_cache)
     uid: int = NOBODY
     gid: int = NOBODY
 
@@ -164,9 +164,12 @@ def _mounts(view: View) -> None:
     # What lies under a private folder (a checkout or venv in /tmp) is placed once its tmpfs is mounted.
     inside = lambda path: any(under(path, p) for p in view.private)  # noqa: E731
     _place(view, new, lambda path: not inside(path))
-    for path in ("/proc", *view.private):
+    for path in ("/proc", *view.private, *(inside_path for _, inside_path in view.writable)):
         os.makedirs(new + path, 0o755, exist_ok=True)
     _read_only_tree(new, [new + p for p in view.read_only if not inside(p)])
+    for host, inside_path in view.writable:  # after the read-only pass: the one folder it may write (baselines)
+        _mount("/oldroot" + host, new + inside_path, None, MS_BIND)
+        _mount(None, new + inside_path, None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV)
     _mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     for path in view.private:
         _mount("tmpfs", new + path, "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=50%")

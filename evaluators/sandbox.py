@@ -41,6 +41,7 @@ from evaluators import arena as arenas
 from evaluators import jail
 from evaluators.cgroups import CandidateCgroup
 from evaluators.timing import sync
+from evaluators.view import BASELINE_CACHE, baseline_cache
 from evaluators.zygote import Zygote, engine_environment
 from evo.workloads.base import DeviceInfo, Preset
 
@@ -131,7 +132,7 @@ class EngineProcess:
             # its channel, as CPU ones do (`evaluators.cuda_memory`), so it needs nothing of the judge's.
             plan = jail.JailPlan(cgroup_procs=tuple(self._cgroup.procs_files), hidden=self.hidden,
                                  network=self.network, cuda=not cpu, trusted=self.trusted,
-                                 readable=self.readable).to_json()
+                                 readable=self.readable, cache=baseline_cache() if self.trusted else "").to_json()
         spawned = self._zygote.spawn(preload, plan)
         self._holder, self.pid, self.conn = spawned.holder, spawned.pid, spawned.conn
         self._sock = socket.socket(fileno=os.dup(self.conn.fileno()))
@@ -151,9 +152,10 @@ class EngineProcess:
         except Exception:  # a workload object that does not pickle is looked up by name there
             workload_bytes, workload_name = None, workload.name
         env = engine_environment(os.environ)
-        if self.sandbox == "strict":  # its own /tmp is the only place it can write
-            env.update(HOME="/tmp", TMPDIR="/tmp", TRITON_CACHE_DIR="/tmp/.triton/cache",
-                       TORCHINDUCTOR_CACHE_DIR="/tmp/.inductor_cache")
+        if self.sandbox == "strict":  # its own /tmp is the only place it can write (a baseline: also its cache)
+            cache = BASELINE_CACHE if self.trusted else "/tmp"
+            env.update(HOME="/tmp", TMPDIR="/tmp", TRITON_CACHE_DIR=f"{cache}/.triton/cache",
+                       TORCHINDUCTOR_CACHE_DIR=f"{cache}/.inductor_cache")
         spec = {
             "env": env, "cores": list(self.cores),
             "threads": self.threads, "device": str(self.device), "poison": self.poison,

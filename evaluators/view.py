@@ -14,7 +14,10 @@ read-only, exactly the paths of a `View`; nothing else of the machine exists the
 - the files the workload says its engines read (`Workload.engine_files`: a checkpoint's weights);
 - a few device nodes (null, zero, random; on CUDA the NVIDIA ones), `/sys` only for the CPU topology
   (and on CUDA the PCI devices), a fresh `/proc` of its own PID namespace, private `/tmp`, `/var/tmp`
-  and `/dev/shm`.
+  and `/dev/shm`;
+- for baselines only (trusted: the project's own code), one writable folder: the machine's compile cache
+  for baselines (`baseline_cache`), so a `torch.compile` baseline is compiled once per machine and reused.
+  No candidate's view holds it, so no candidate can write what a baseline later loads.
 Everything else — the project's tests, docs, scripts, configs, run directories, MLflow stores, `.git`,
 the judge's package, other checkouts, home folders, other processes — is absent.
 """
@@ -42,6 +45,9 @@ CUDA_SYS = ("/sys/bus/pci/devices", "/sys/module/nvidia")
 DEV_LINKS = (("/dev/fd", "/proc/self/fd"), ("/dev/stdin", "/proc/self/fd/0"), ("/dev/stdout", "/proc/self/fd/1"),
              ("/dev/stderr", "/proc/self/fd/2"))
 PRIVATE = ("/tmp", "/var/tmp", "/dev/shm")
+BASELINE_CACHE = "/var/cache/evo-baselines"  # where a baseline's process sees the machine's compile cache
+BASELINE_CACHE_ENV = "EVO_BASELINE_CACHE"  # the host folder of that cache (default ~/.cache/evo/baseline-compile)
+NOBODY = 65534
 USERS = {"/etc/passwd": "root:x:0:0:root:/:/usr/sbin/nologin\nnobody:x:65534:65534:nobody:/tmp:/usr/sbin/nologin\n",
          "/etc/group": "root:x:0:\nnogroup:x:65534:\n"}
 
@@ -51,13 +57,15 @@ class View:
     """The engine's whole file view. `read_only`: paths bound read-only at the same place (files or
     folders, resolved); `hidden`: paths inside those covered by an unreadable empty file or folder;
     `links`: (path, target) symlinks made in the new root; `files`: (path, text) written there;
-    `private`: writable tmpfs folders; `/proc` is mounted fresh."""
+    `private`: writable tmpfs folders; `writable`: (host folder, path inside) bound read-write (a
+    baseline's compile cache); `/proc` is mounted fresh."""
 
     read_only: tuple[str, ...]
     hidden: tuple[str, ...] = ()
     links: tuple[tuple[str, str], ...] = ()
     files: tuple[tuple[str, str], ...] = ()
     private: tuple[str, ...] = PRIVATE
+    writable: tuple[tuple[str, str], ...] = ()
 
     def allows(self, path: str) -> bool:
         """Whether `path` (absolute, as seen inside) is in the view: under a bound or private path, a
@@ -65,23 +73,25 @@ class View:
         path = os.path.normpath(path)
         if any(under(path, h) and path != h for h in self.hidden):
             return False
-        roots = (*self.read_only, *self.private, *(p for p, _ in self.links), *(p for p, _ in self.files), "/proc")
+        roots = (*self.read_only, *self.private, *(p for p, _ in self.links), *(p for p, _ in self.files),
+                 *(inside for _, inside in self.writable), "/proc")
         return any(under(path, r) or under(r, path) for r in roots)
 
 
 def declared_view(hidden: Iterable[str], modules: Iterable[str], cuda: bool = False, trusted: bool = False,
-                  readable: Iterable[str] = ()) -> View:
+                  readable: Iterable[str] = (), cache: str = "") -> View:
     """The view of an engine process whose interpreter has `modules` loaded (their files stay visible),
     with `hidden` covered; `cuda` adds the NVIDIA devices and PCI folders; `trusted` (a baseline) adds the
     libraries baselines build on (`BASELINE_DISTRIBUTIONS`, where installed); `readable` adds the files a
-    workload's engines read (`Workload.engine_files`, e.g. a checkpoint folder)."""
+    workload's engines read (`Workload.engine_files`, e.g. a checkpoint folder); `cache` (a baseline only:
+    `baseline_cache()`, made by the judge) is bound read-write at BASELINE_CACHE."""
     return _view(tuple(sorted(hidden)), frozenset(m.partition(".")[0] for m in modules), cuda, trusted,
-                 tuple(sorted(readable)))
+                 tuple(sorted(readable)), cache if trusted else "")
 
 
 @functools.lru_cache(maxsize=16)
 def _view(hidden: tuple[str, ...], top_modules: frozenset[str], cuda: bool, trusted: bool,
-          readable: tuple[str, ...]) -> View:
+          readable: tuple[str, ...], cache: str) -> View:
     extra = BASELINE_DISTRIBUTIONS if trusted else ()
     paths = [*SYSTEM, *CPU_DEVICES, *CPU_SYS, *_python(), *_site_entries(top_modules, extra), *readable,
              *(str(PROJECT / p) for p in ENGINE_PACKAGES)]
@@ -93,7 +103,18 @@ def _view(hidden: tuple[str, ...], top_modules: frozenset[str], cuda: bool, trus
     links += [(p, t) for p, t in DEV_LINKS]
     links += _venv_links()
     covered = tuple(h for h in hidden if any(under(h, r) for r in kept))
-    return View(kept, covered + _unused_site(), tuple(links), tuple(USERS.items()))
+    writable = ((cache, BASELINE_CACHE),) if cache else ()
+    return View(kept, covered + _unused_site(), tuple(links), tuple(USERS.items()), writable=writable)
+
+
+def baseline_cache() -> str:
+    """The machine's compile cache for baselines (Inductor's and Triton's), made on first need by the
+    judge and owned by the user engines run as; `$EVO_BASELINE_CACHE` or ~/.cache/evo/baseline-compile."""
+    folder = os.path.realpath(os.environ.get(BASELINE_CACHE_ENV) or Path.home() / ".cache" / "evo" / "baseline-compile")
+    os.makedirs(folder, 0o700, exist_ok=True)
+    if os.getuid() == 0 and os.stat(folder).st_uid != NOBODY:
+        os.chown(folder, NOBODY, NOBODY)
+    return folder
 
 
 def _python() -> list[str]:

@@ -210,7 +210,7 @@ def _view_of(plan: dict | None) -> Any:
     seccomp.program()  # compiled once here, loaded by each engine process
 
     return declared_view(plan.get("hidden", ()), list(sys.modules), bool(plan.get("cuda")), bool(plan.get("trusted")),
-                         plan.get("readable", ()))
+                         plan.get("readable", ()), plan.get("cache", ""))
 
 
 def _hold(engine_process: Any, fd: int, plan: dict | None, view: Any, report: int) -> None:

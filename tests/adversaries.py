@@ -140,6 +140,15 @@ def _wrong_after(honest):
     return engine
 
 
+class CompiledBaselineWorkload(AttackWorkload):
+    """The attack workload plus a baseline, `compiled`, that passes the honest baseline's outputs through a
+    torch.compile'd function: a stand-in for a torch.compile baseline (it fills the baselines' compile cache)."""
+
+    def baselines(self, preset: Preset) -> dict:
+        honest = self.base.baselines(preset)["torch_cumsum"]
+        return {**super().baselines(preset), "compiled": lambda device: _compiled(honest(device))}
+
+
 def _compiled(honest):
     identity = torch.compile(lambda t: t * 1.0)
 

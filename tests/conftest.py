@@ -9,6 +9,8 @@ os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".inductor_cache"))
 # The machine's calibrated rates (evaluators.calibration): one fresh cache per session, not the user's.
 os.environ.setdefault("EVO_RATES_CACHE", tempfile.mkdtemp(prefix="evo-rates-"))
+# The baselines' compile cache (evaluators.view.baseline_cache): one fresh folder per session too.
+os.environ.setdefault("EVO_BASELINE_CACHE", tempfile.mkdtemp(prefix="evo-baseline-cache-"))
 
 import pytest
 

@@ -267,6 +267,22 @@ def test_torch_compile_keeps_working_inside(monkeypatch):
     assert r.versions["sandbox"] == "strict"
 
 
+def test_a_compiled_baseline_fills_the_machines_cache_which_no_candidate_sees(monkeypatch, tmp_path):
+    """A baseline (trusted) compiles into the machine's baseline cache, bound read-write into its view
+    only; a candidate's view holds no such folder, so nothing a candidate writes reaches a baseline."""
+    from evaluators.view import BASELINE_CACHE, declared_view
+
+    monkeypatch.setenv("EVO_BASELINE_CACHE", str(tmp_path / "cache"))
+    assert declared_view((), (), trusted=True, cache=str(tmp_path)).allows(BASELINE_CACHE + "/.inductor_cache")
+    candidate = declared_view((), (), cache=str(tmp_path))  # a candidate's view never holds it
+    assert not candidate.writable and not candidate.allows(BASELINE_CACHE)
+    ev = _evaluator(monkeypatch, adversaries.CompiledBaselineWorkload(fw.WORKLOAD, "attack_fake"), FAST)
+    r = ev.evaluate_baseline("compiled")
+    assert r.status == OK and r.versions["sandbox"] == "strict", f"{r.status} {r.message}\n{r.error}"
+    cached = [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+    assert cached and all(p.stat().st_uid == jail.NOBODY for p in cached), cached[:5]  # written from inside
+
+
 _DYING_JUDGE = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
