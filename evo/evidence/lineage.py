@@ -210,7 +210,8 @@ def ancestry_lines(lineage: Lineage) -> list[str]:
         return [f"{lineage.name}: no correct engine among {len(lineage.nodes)} candidates"]
     steps = lineage.chain()
     best = lineage.nodes[lineage.best]
-    lines = [f"best engine {best.hash}: {best.latency_ms:.3f} ms, {len(steps) - 1} step(s) from its seed"
+    lines = [f"ancestry of {best.hash}: {len(steps) - 1} step(s) from its seed; by single timings (one evaluation's"
+             f" median each, not claims): {best.latency_ms:.3f} ms"
              + (f", {lineage.baseline[1] / best.latency_ms:.2f}x vs {lineage.baseline[0]}" if lineage.baseline else "")
              + "; gain: speedup over the first parent (latency change)"]
     lines.append(f"{'gen':>4}  {'hash':16}  {'agent':12}  {'latency ms':>10}  {'gain':>20}  move")
