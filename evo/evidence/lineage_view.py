@@ -469,8 +469,11 @@ def _png_title(lineage: Lineage) -> str:
     if lineage.best is None:
         return f"{lineage.name}: no correct engine among {len(lineage.nodes)} candidates"
     best = lineage.nodes[lineage.best]
+    if lineage.summary is not None and lineage.summary.found:  # the claim, as the page states it
+        return f"{lineage.name}: {claim_sentence(lineage.summary, code='')}; {len(lineage.nodes)} candidates"
     vs = f", {lineage.baseline[1] / best.latency_ms:.2f}x vs {lineage.baseline[0]}" if lineage.baseline else ""
-    return f"{lineage.name}: best {best.hash} {best.latency_ms:.3f} ms{vs}, {len(lineage.nodes)} candidates"
+    return (f"{lineage.name}: best so far {best.hash} {best.latency_ms:.3f} ms{vs} (single timings, nothing claimed"
+            f" yet), {len(lineage.nodes)} candidates")
 
 
 def _atomic(path: Path, write) -> None:
