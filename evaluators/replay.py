@@ -1,0 +1,140 @@
+"""The judge as a client of a generation engine: replay a request trace, stamp every token on the
+judge's clock, then score each request's own tokens.
+
+`replay` sends each request when the trace says (its arrival time; in a closed loop when one of the
+`concurrency` clients is free), calls the engine's `step` while anything is in flight, and stamps each
+token when `step` hands it back: an engine that computes everything and then bursts its tokens gets
+the TTFT a client would have seen. The engine's own clock counts for nothing. Tokens that break the
+contract (for a request never sent, after a request's last token: past `max_tokens` or its stop id,
+a last token not marked finished, a request still unfinished at the deadline) are recorded as
+violations, each naming the request and step.
+
+`score` then checks each request's tokens against a float64 reference run over the request's prompt
+and its own tokens (teacher-forced over what the engine produced, which is legitimate: the engine was
+never given them): at every step the engine's token must be the reference's argmax, or a near-tie with
+it (its reference logit within `tolerance` of the top one); a request ends at `max_tokens` or at its
+first stop id, never before. Batch mates cannot change a request's tokens beyond that rule.
+
+Here the engine is any object with the `GenerationEngine` methods: in the judge, a client of the
+engine's sandboxed process; in tests, an engine object itself.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from evo.core.stream_metrics import RequestTimeline
+from evo.core.trace import TraceRequest
+from evo.workloads.generation import GenerationEngine, GenerationRequest
+
+
+@dataclass
+class _Flight:
+    request: GenerationRequest
+    sent_s: float
+    token_s: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    finished: bool = False
+
+
+@dataclass(frozen=True)
+class Replay:
+    """What the judge saw: per request (trace order) its tokens and timeline, the contract's violations
+    and the replay's duration on the judge's clock."""
+
+    requests: tuple[GenerationRequest, ...]
+    tokens: tuple[tuple[int, ...], ...]
+    timelines: tuple[RequestTimeline, ...]
+    violations: tuple[str, ...]
+    duration_s: float
+
+
+def replay(engine: GenerationEngine, trace: Sequence[TraceRequest], prompts: Sequence[Sequence[int]],
+           concurrency: int = 0, stop_ids: tuple[int, ...] = (), deadline_s: float = 60.0,
+           clock: Callable[[], float] = time.perf_counter) -> Replay:
+    """Replay `trace` (with each request's prompt token ids) against `engine`; `concurrency`: clients of a
+    closed loop (requests without an arrival time), or the cap on requests in flight (0: none)."""
+    pending = deque(sorted(zip(trace, prompts), key=lambda tp: (tp[0].arrival_s or 0.0, tp[0].index)))
+    flights: dict[int, _Flight] = {}
+    violations: list[str] = []
+    start, steps = clock(), 0
+    while pending or any(not f.finished for f in flights.values()):
+        now = clock() - start
+        if now > deadline_s:
+            violations += [f"request {i}: not finished within the replay's {deadline_s:g} s"
+                           for i, f in sorted(flights.items()) if not f.finished]
+            violations += [f"request {t.index}: never sent, the replay ran out of time" for t, _ in pending]
+            break
+        in_flight = sum(not f.finished for f in flights.values())
+        while pending and (pending[0][0].arrival_s or 0.0) <= now and (not concurrency or in_flight < concurrency):
+            item, prompt = pending.popleft()
+            request = GenerationRequest(item.index, tuple(int(t) for t in prompt), item.max_tokens, stop_ids)
+            flights[item.index] = _Flight(request, clock() - start)
+            engine.add(request)
+            in_flight += 1
+        if not in_flight:  # the next arrival is in the future: wait for it, on the judge's clock
+            time.sleep(min(0.001, max(0.0, (pending[0][0].arrival_s or 0.0) - (clock() - start))))
+            continue
+        events = engine.step()
+        stamp, steps = clock() - start, steps + 1
+        for event in events:
+            flight = flights.get(event.request_id)
+            problem = _breach(flight, event.request_id, steps)
+            if problem:
+                violations.append(problem)
+                continue
+            flight.tokens.append(int(event.token))
+            flight.token_s.append(stamp)
+            last = len(flight.tokens) >= flight.request.max_tokens or int(event.token) in stop_ids
+            if last and not event.finished:  # the judge ends it anyway: nothing past its last token counts
+                violations.append(f"request {event.request_id}: its last token (step {steps}) not marked finished")
+            flight.finished = bool(event.finished) or last
+    ordered = [flights[i] for i in sorted(flights)]
+    return Replay(tuple(f.request for f in ordered), tuple(tuple(f.tokens) for f in ordered),
+                  tuple(RequestTimeline(f.sent_s, tuple(f.token_s), len(f.request.prompt)) for f in ordered),
+                  tuple(violations), clock() - start)
+
+
+def _breach(flight: _Flight | None, request_id: int, step: int) -> str:
+    if flight is None:
+        return f"request {request_id}: a token for a request the judge never sent, at step {step}"
+    if flight.finished:
+        return f"request {request_id}: a token after its last, at step {step}"
+    return ""
+
+
+def score(result: Replay, reference_logits: Callable[[Sequence[int]], np.ndarray],
+          tolerance: float) -> list[str]:
+    """Each request's problems with its own tokens (see the module); [] when every request is right.
+    `reference_logits(ids)` is the float64 reference's logits [len(ids), V] over `ids`."""
+    problems = list(result.violations)
+    for request, tokens in zip(result.requests, result.tokens):
+        problems += _request_problems(request, tokens, reference_logits, tolerance)
+    return problems
+
+
+def _request_problems(request: GenerationRequest, tokens: Sequence[int],
+                      reference_logits: Callable[[Sequence[int]], np.ndarray], tolerance: float) -> list[str]:
+    name = f"request {request.id}"
+    if not tokens:
+        return [f"{name}: no token"]
+    stops = [i for i, t in enumerate(tokens) if t in request.stop_ids]
+    if stops and stops[0] < len(tokens) - 1:
+        return [f"{name}: tokens after the stop id at step {stops[0]}"]
+    if not stops and len(tokens) < request.max_tokens:
+        return [f"{name}: stopped after {len(tokens)} of {request.max_tokens} tokens without a stop id"]
+    logits = np.asarray(reference_logits([*request.prompt, *tokens[:-1]]), dtype=np.float64)
+    rows = logits[len(request.prompt) - 1:]  # the row that predicts each generated token
+    for step, (token, row) in enumerate(zip(tokens, rows)):
+        if not (0 <= token < row.shape[0]):
+            return [f"{name}: step {step}: token {token} outside the vocabulary [0, {row.shape[0] - 1}]"]
+        top = int(np.argmax(row))
+        if token != top and not (math.isfinite(row[token]) and row[top] - row[token] <= tolerance):
+            return [f"{name}: step {step}: token {token}, the reference's is {top} (logit {row[token]:.4g} vs "
+                    f"{row[top]:.4g}, beyond the near-tie tolerance {tolerance:g})"]
+    return []

@@ -1,0 +1,59 @@
+"""The generation contract: a second engine seam beside the call contract (`evo.workloads.base.Engine`).
+
+A call engine is a function: inputs in, outputs out, one batch per call. A generation engine is a
+long-lived object that owns its scheduler and its memory, the way a serving engine does (vLLM's
+`EngineCore.step`, SGLang's scheduler loop, gpt-fast's `generate`): requests are added while it runs,
+and each `step` advances whatever it has admitted and returns the tokens that step produced. How it
+batches requests, pools its KV memory or splits prefill from decode is its own business (its genes).
+
+What it never gets is the tokens it is to produce: a request carries only its prompt, how many tokens
+it may generate and when to stop. Decoding therefore depends on the engine's own outputs, and the
+judge (`evaluators.replay`) scores every request's own trajectory against the float64 reference and
+stamps every token on its own clock when `step` hands it over.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One request: its prompt's token ids, at most `max_tokens` new tokens, greedy decoding (this
+    contract's first form; sampling comes with a seed per request), ending early only at a `stop_ids` token."""
+
+    id: int
+    prompt: tuple[int, ...]
+    max_tokens: int
+    stop_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.prompt:
+            raise ValueError(f"request {self.id}: an empty prompt")
+        if self.max_tokens < 1:
+            raise ValueError(f"request {self.id}: max_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """A token a step produced for a request; `finished`: the request's last (max_tokens or a stop id)."""
+
+    request_id: int
+    token: int
+    finished: bool = False
+
+
+class GenerationEngine(Protocol):
+    """What a generation workload's `build` returns (see the module)."""
+
+    def add(self, request: GenerationRequest) -> None:
+        """Admit a request (it may wait in the engine's own queue); returns at once."""
+        ...
+
+    def step(self) -> list[TokenEvent]:
+        """Advance the admitted requests by one scheduling step; the tokens it produced, in order."""
+        ...
+
+    def has_work(self) -> bool:
+        """Whether some admitted request is not finished."""
+        ...

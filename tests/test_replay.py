@@ -1,0 +1,143 @@
+"""The judge as a client of a generation engine (evaluators.replay): every token stamped on the judge's
+clock, each request scored on its own tokens. A toy model (next token a fixed function of the prefix)
+and engines honest or not, in-process: the contract's logic, apart from the sandbox's transport."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from evaluators.replay import replay, score
+from evo.core.stream_metrics import serving_metrics
+from evo.core.trace import TraceSpec, draw
+from evo.workloads.generation import GenerationRequest, TokenEvent
+
+V = 32
+STOP = 31
+
+
+def next_token(prefix) -> int:
+    return (7 * sum(prefix) + 3 * len(prefix)) % (V - 1)  # never the stop id: requests run to max_tokens
+
+
+def reference_logits(ids) -> np.ndarray:
+    """Float64 'logits' [len(ids), V]: row i predicts the token after ids[:i + 1]."""
+    rows = np.full((len(ids), V), -5.0)
+    for i in range(len(ids)):
+        rows[i, next_token(ids[:i + 1])] = 5.0
+    return rows
+
+
+class Honest:
+    """Continuous batching in its plainest form: every step, one token for each running request."""
+
+    def __init__(self, batch_bias: bool = False) -> None:
+        self.running: dict[int, tuple[GenerationRequest, list[int]]] = {}
+        self.batch_bias = batch_bias
+
+    def add(self, request: GenerationRequest) -> None:
+        self.running[request.id] = (request, [])
+
+    def token(self, request: GenerationRequest, made: list[int]) -> int:
+        bias = (len(self.running) - 1) if self.batch_bias else 0  # a token that depends on its batch mates
+        return (next_token([*request.prompt, *made]) + bias) % (V - 1)
+
+    def step(self) -> list[TokenEvent]:
+        events = []
+        for rid, (request, made) in list(self.running.items()):
+            made.append(self.token(request, made))
+            done = len(made) >= request.max_tokens
+            events.append(TokenEvent(rid, made[-1], done))
+            if done:
+                del self.running[rid]
+        return events
+
+    def has_work(self) -> bool:
+        return bool(self.running)
+
+
+class Burst(Honest):
+    """Computes every token first, sleeps, then hands them all over in one step."""
+
+    def step(self) -> list[TokenEvent]:
+        events = []
+        while self.running:
+            events += super().step()
+        time.sleep(0.2)
+        return events
+
+
+class OneShot(Honest):
+    """Answers each request at once from its prompt alone (a one-shot forward: its first token repeated)."""
+
+    def step(self) -> list[TokenEvent]:
+        events = []
+        for rid, (request, _) in list(self.running.items()):
+            first = next_token(request.prompt)
+            events += [TokenEvent(rid, first, i == request.max_tokens - 1) for i in range(request.max_tokens)]
+            del self.running[rid]
+        return events
+
+
+class StopsEarly(Honest):
+    def step(self) -> list[TokenEvent]:
+        return [TokenEvent(e.request_id, e.token, e.finished or len(self.running.get(e.request_id, (0, []))[1]) >= 2)
+                for e in super().step()]
+
+
+class RunsPast(Honest):
+    def step(self) -> list[TokenEvent]:
+        events = super().step()
+        return events + [TokenEvent(e.request_id, 0, True) for e in events if e.finished]
+
+
+class Precognitive(Honest):
+    """Hands over a token for a request before the judge has sent it."""
+
+    def step(self) -> list[TokenEvent]:
+        return super().step() + [TokenEvent(999, 0, True)]
+
+
+def run(engine, concurrency=4, count=6, seed=0):
+    rng = np.random.default_rng(seed)
+    trace = draw(TraceSpec(arrival="closed", count=count, concurrency=concurrency, prompt_len=(2, 9),
+                           output_len=(3, 7)), rng)
+    prompts = [rng.integers(0, V - 1, t.prompt_len).tolist() for t in trace]
+    return replay(engine, trace, prompts, concurrency=concurrency, stop_ids=(STOP,), deadline_s=30)
+
+
+def test_an_honest_engine_is_right_on_its_own_tokens_and_its_metrics_are_the_judges():
+    result = run(Honest())
+    assert score(result, reference_logits, tolerance=1e-6) == [] and not result.violations
+    assert [len(t) for t in result.tokens] == [r.max_tokens for r in result.requests]
+    metrics = serving_metrics(result.timelines, result.duration_s)
+    assert metrics.completed == 6 and metrics.total_output_tokens == sum(r.max_tokens for r in result.requests)
+
+
+def test_an_engine_that_bursts_its_tokens_late_gets_the_ttft_a_client_sees():
+    honest, burst = run(Honest()), run(Burst())
+    assert score(burst, reference_logits, 1e-6) == []  # right tokens ...
+    late = serving_metrics(burst.timelines, burst.duration_s).ttft_ms["median"]
+    assert late >= 200 > serving_metrics(honest.timelines, honest.duration_s).ttft_ms["p99"]  # ... but late
+
+
+@pytest.mark.parametrize("engine, problem", [
+    (OneShot(), "step 1: token"),  # its own tokens diverge from the reference after the first
+    (Honest(batch_bias=True), "the reference's is"),  # depends on its batch mates
+    (StopsEarly(), "without a stop id"),
+    (RunsPast(), "a token after its last"),
+    (Precognitive(), "a request the judge never sent"),
+])
+def test_engines_that_do_not_decode_their_own_tokens_honestly_are_caught(engine, problem):
+    problems = score(run(engine), reference_logits, 1e-6)
+    assert any(problem in p for p in problems), problems
+
+
+def test_a_near_tie_is_not_an_error():
+    request = GenerationRequest(0, (1, 2), 1)
+    tied = lambda ids: np.array([[0.0] * V, [5.0, 5.0 - 1e-9] + [0.0] * (V - 2)])  # noqa: E731
+    from evaluators.replay import Replay
+    from evo.core.stream_metrics import RequestTimeline
+    result = Replay((request,), ((1,),), (RequestTimeline(0.0, (0.1,), 2),), (), 0.2)
+    assert score(result, tied, tolerance=1e-6) == [] and score(result, tied, tolerance=1e-12)
