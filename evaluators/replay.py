@@ -108,18 +108,21 @@ def _breach(flight: _Flight | None, request_id: int, step: int) -> str:
     return ""
 
 
-def score(result: Replay, reference_logits: Callable[[Sequence[int]], np.ndarray],
-          tolerance: float) -> list[str]:
+Reference = Callable[[Sequence[int], Sequence[int]], np.ndarray]
+
+
+def score(result: Replay, reference_logits: Reference, tolerance: float) -> list[str]:
     """Each request's problems with its own tokens (see the module); [] when every request is right.
-    `reference_logits(ids)` is the float64 reference's logits [len(ids), V] over `ids`."""
+    `reference_logits(prompt, tokens)`: the float64 reference's logits [len(tokens), V], row i the
+    prediction of tokens[i] from the prompt and tokens[:i] (one teacher-forced pass over the engine's own)."""
     problems = list(result.violations)
     for request, tokens in zip(result.requests, result.tokens):
         problems += _request_problems(request, tokens, reference_logits, tolerance)
     return problems
 
 
-def _request_problems(request: GenerationRequest, tokens: Sequence[int],
-                      reference_logits: Callable[[Sequence[int]], np.ndarray], tolerance: float) -> list[str]:
+def _request_problems(request: GenerationRequest, tokens: Sequence[int], reference_logits: Reference,
+                      tolerance: float) -> list[str]:
     name = f"request {request.id}"
     if not tokens:
         return [f"{name}: no token"]
@@ -128,8 +131,7 @@ def _request_problems(request: GenerationRequest, tokens: Sequence[int],
         return [f"{name}: tokens after the stop id at step {stops[0]}"]
     if not stops and len(tokens) < request.max_tokens:
         return [f"{name}: stopped after {len(tokens)} of {request.max_tokens} tokens without a stop id"]
-    logits = np.asarray(reference_logits([*request.prompt, *tokens[:-1]]), dtype=np.float64)
-    rows = logits[len(request.prompt) - 1:]  # the row that predicts each generated token
+    rows = np.asarray(reference_logits(request.prompt, tokens), dtype=np.float64)
     for step, (token, row) in enumerate(zip(tokens, rows)):
         if not (0 <= token < row.shape[0]):
             return [f"{name}: step {step}: token {token} outside the vocabulary [0, {row.shape[0] - 1}]"]

@@ -21,11 +21,11 @@ def next_token(prefix) -> int:
     return (7 * sum(prefix) + 3 * len(prefix)) % (V - 1)  # never the stop id: requests run to max_tokens
 
 
-def reference_logits(ids) -> np.ndarray:
-    """Float64 'logits' [len(ids), V]: row i predicts the token after ids[:i + 1]."""
-    rows = np.full((len(ids), V), -5.0)
-    for i in range(len(ids)):
-        rows[i, next_token(ids[:i + 1])] = 5.0
+def reference_logits(prompt, tokens) -> np.ndarray:
+    """Float64 'logits' [len(tokens), V]: row i predicts tokens[i] from the prompt and tokens[:i]."""
+    rows = np.full((len(tokens), V), -5.0)
+    for i in range(len(tokens)):
+        rows[i, next_token([*prompt, *tokens[:i]])] = 5.0
     return rows
 
 
@@ -136,7 +136,7 @@ def test_engines_that_do_not_decode_their_own_tokens_honestly_are_caught(engine,
 
 def test_a_near_tie_is_not_an_error():
     request = GenerationRequest(0, (1, 2), 1)
-    tied = lambda ids: np.array([[0.0] * V, [5.0, 5.0 - 1e-9] + [0.0] * (V - 2)])  # noqa: E731
+    tied = lambda prompt, tokens: np.array([[5.0, 5.0 - 1e-9] + [0.0] * (V - 2)])  # noqa: E731
     from evaluators.replay import Replay
     from evo.core.stream_metrics import RequestTimeline
     result = Replay((request,), ((1,),), (RequestTimeline(0.0, (0.1,), 2),), (), 0.2)

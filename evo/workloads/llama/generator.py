@@ -1,0 +1,69 @@
+"""The plainest generation engine for a Llama model (the generation contract, `evo.workloads.generation`):
+each step, one new token for every running request, each request with a KV cache of its own; a request's
+first step is its prefill, the others decode the token it produced last. Greedy. Requests beyond
+`max_running` wait in arrival order.
+
+It is the floor the searched generation engines (batched decode, a pooled paged cache, chunked prefill,
+one compiled step) are to beat, and the "one request at a time" baseline of issue 30. It reuses the call
+engine's layers (`LlamaEngine`), so every fusion, layout and kernel gene applies to it unchanged.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from evo.workloads.generation import GenerationRequest, TokenEvent
+from evo.workloads.llama.engine import KVCache, LlamaEngine
+
+
+@dataclass
+class _Running:
+    request: GenerationRequest
+    cache: KVCache
+    made: list[int]
+
+
+class LlamaGenerator:
+    """`add`, `step`, `has_work` over `engine`'s layers (see the module)."""
+
+    def __init__(self, engine: LlamaEngine, max_positions: int, max_running: int = 0) -> None:
+        self.engine, self.max_positions, self.max_running = engine, max_positions, max_running
+        self.waiting: deque[GenerationRequest] = deque()
+        self.running: dict[int, _Running] = {}
+
+    def add(self, request: GenerationRequest) -> None:
+        if len(request.prompt) + request.max_tokens > self.max_positions:
+            raise ValueError(f"request {request.id}: {len(request.prompt)} prompt + {request.max_tokens} new tokens"
+                             f" is over the {self.max_positions} positions this engine holds")
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> list[TokenEvent]:
+        while self.waiting and (not self.max_running or len(self.running) < self.max_running):
+            request = self.waiting.popleft()
+            cache = self.engine._cache(1, len(request.prompt) + request.max_tokens)
+            self.running[request.id] = _Running(request, cache, [])
+        events = []
+        with torch.inference_mode():
+            for rid, run in list(self.running.items()):
+                token = self._next(run)
+                run.made.append(token)
+                done = len(run.made) >= run.request.max_tokens or token in run.request.stop_ids
+                events.append(TokenEvent(rid, token, done))
+                if done:
+                    del self.running[rid]
+        return events
+
+    def _next(self, run: _Running) -> int:
+        """The request's next greedy token: its prefill the first time, then one decode step."""
+        device = self.engine.device
+        if not run.made:
+            tokens, pos = torch.tensor([run.request.prompt], device=device), 0
+        else:
+            tokens, pos = torch.tensor([[run.made[-1]]], device=device), len(run.request.prompt) + len(run.made) - 1
+        logits = self.engine._forward(tokens, pos, run.cache)  # [1, V] of the last position
+        return int(logits[0].argmax())

@@ -1,0 +1,43 @@
+"""The Llama generation engine in its plainest form, replayed by the judge as a client (evaluators.replay)
+and scored on its own tokens against the float64 reference: right, and its metrics are the judge's."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from evaluators.replay import replay, score
+from evo.core.stream_metrics import serving_metrics
+from evo.core.trace import TraceSpec, draw
+from evo.workloads import get_workload
+from evo.workloads.base import DeviceInfo
+from evo.workloads.llama import inputs as llama_inputs
+from evo.workloads.llama.generator import LlamaGenerator
+from evo.workloads.llama.reference import generate
+
+W = get_workload("llama")
+CPU = DeviceInfo("cpu", "cpu", 1)
+
+
+def test_the_plainest_generator_decodes_its_own_tokens_as_the_float64_reference_does():
+    preset = W.presets()["cpu_small"]
+    positions = llama_inputs.max_positions(preset)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = W.build(W.gene_space(preset, CPU).default(), preset, CPU)
+        rng = np.random.default_rng(4)
+        trace = draw(TraceSpec(arrival="closed", count=3, concurrency=2, prompt_len=(3, 12), output_len=(2, 6)), rng)
+        prompts = [rng.integers(0, preset.model.vocab, t.prompt_len).tolist() for t in trace]
+        result = replay(LlamaGenerator(engine, positions), trace, prompts, concurrency=2, deadline_s=120)
+
+        def reference(prompt, tokens):  # row i: the float64 logits that predict tokens[i]
+            return generate(preset.model, torch.tensor([list(prompt)]), torch.tensor([list(tokens[:-1])]))[0].numpy()
+
+        assert score(result, reference, tolerance=1e-4) == []
+        assert [len(t) for t in result.tokens] == [r.max_tokens for r in result.requests]
+        assert serving_metrics(result.timelines, result.duration_s).completed == 3
+        with pytest.raises(ValueError, match="positions this engine holds"):
+            LlamaGenerator(engine, positions).add(type(result.requests[0])(9, (1,) * positions, 1))
+    finally:
+        torch.set_num_threads(threads)
