@@ -64,7 +64,7 @@ class Burst(Honest):
         events = []
         while self.running:
             events += super().step()
-        time.sleep(0.2)
+        time.sleep(0.5)
         return events
 
 
@@ -119,7 +119,7 @@ def test_an_engine_that_bursts_its_tokens_late_gets_the_ttft_a_client_sees():
     honest, burst = run(Honest()), run(Burst())
     assert score(burst, reference_logits, 1e-6) == []  # right tokens ...
     late = serving_metrics(burst.timelines, burst.duration_s).ttft_ms["median"]
-    assert late >= 200 > serving_metrics(honest.timelines, honest.duration_s).ttft_ms["p99"]  # ... but late
+    assert late >= 500 > serving_metrics(honest.timelines, honest.duration_s).ttft_ms["p99"]  # ... but late
 
 
 @pytest.mark.parametrize("engine, problem", [
