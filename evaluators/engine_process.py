@@ -118,8 +118,10 @@ class _Runner:
             elif op == "build" and self.engine is None:
                 if not self.build():
                     return
-            elif op == "call" and self.engine is not None:
+            elif op == "call" and self.engine is not None and self.spec.get("contract", "call") == "call":
                 self.call(message)
+            elif op in ("add", "step") and self.engine is not None and self.spec.get("contract") == "generation":
+                self.add(message) if op == "add" else self.step()
             else:
                 return
 
@@ -155,7 +157,8 @@ class _Runner:
         genome = Genome.from_json(spec["genome"])
         space = workload.gene_space(spec["preset"], spec["info"])
         # engine code (evo.core.code) is loaded here, in the isolated process, and nowhere else in an evaluation
-        return workload.build(space.validate(genome), spec["preset"], spec["info"], dict(spec.get("sources") or {}))
+        build = workload.build_generator if spec.get("contract") == "generation" else workload.build
+        return build(space.validate(genome), spec["preset"], spec["info"], dict(spec.get("sources") or {}))
 
     def _report_forbidden(self, label: str) -> None:
         self.send(op="forbidden", label=label)
@@ -202,6 +205,28 @@ class _Runner:
             self.send(op="raised", **_describe(exc))
             return
         self.send(op="returned", problem=problem)
+
+    # ------------------------------------------------------------------ the generation contract
+    def add(self, message: dict) -> None:
+        """Admit a request (`evo.workloads.generation.GenerationRequest`, sent by the judge as a dict)."""
+        from evo.workloads.generation import GenerationRequest
+
+        try:
+            self.engine.add(GenerationRequest(**message["request"]))
+        except BaseException as exc:  # noqa: BLE001 - reported, the judge decides
+            self.send(op="raised", **_describe(exc))
+            return
+        self.send(op="added")
+
+    def step(self) -> None:
+        """One scheduling step; its tokens as [request id, token, finished] triples (the judge checks them)."""
+        try:
+            with torch.no_grad():
+                events = [[int(e.request_id), int(e.token), bool(e.finished)] for e in self.engine.step()]
+        except BaseException as exc:  # noqa: BLE001 - reported, the judge decides
+            self.send(op="raised", **_describe(exc))
+            return
+        self.send(op="stepped", events=events)
 
     def _deliver(self, outputs: Any, slots: dict) -> str:
         """Copy the engine's outputs into the judge's arena; the problem with them, or ""."""

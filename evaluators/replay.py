@@ -15,22 +15,62 @@ never given them): at every step the engine's token must be the reference's argm
 it (its reference logit within `tolerance` of the top one); a request ends at `max_tokens` or at its
 first stop id, never before. Batch mates cannot change a request's tokens beyond that rule.
 
-Here the engine is any object with the `GenerationEngine` methods: in the judge, a client of the
-engine's sandboxed process; in tests, an engine object itself.
+Here the engine is any object with the `GenerationEngine` methods: in the judge, `ConfinedGenerator`,
+a client of the engine's sandboxed process (`evaluators.sandbox.EngineProcess` built with the
+generation contract), whose answers are checked before they count; in tests, an engine object itself.
 """
 from __future__ import annotations
 
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
 
 from evo.core.stream_metrics import RequestTimeline
 from evo.core.trace import TraceRequest
-from evo.workloads.generation import GenerationEngine, GenerationRequest
+from evo.workloads.generation import GenerationEngine, GenerationRequest, TokenEvent
+
+
+class GenerationError(RuntimeError):
+    """The engine raised, or answered something other than the contract's answer."""
+
+
+class ConfinedGenerator:
+    """A generation engine in its own confined process, seen through its channel: `add` and `step` each
+    one exchange (the candidate frozen in between); a step's events must be [id, token, finished] triples."""
+
+    MAX_EVENTS = 1 << 14  # a step's tokens: more than this is not an answer
+
+    def __init__(self, process, timeout_s: float = 60.0) -> None:
+        self.process, self.timeout_s = process, timeout_s
+
+    def add(self, request: GenerationRequest) -> None:
+        reply = self.process.add(asdict(request), self.timeout_s)
+        if reply.get("op") != "added":
+            raise GenerationError(f"adding request {request.id}: {_why(reply)}")
+
+    def step(self) -> list[TokenEvent]:
+        reply = self.process.step(self.timeout_s)
+        if reply.get("op") != "stepped":
+            raise GenerationError(f"a step: {_why(reply)}")
+        events = reply.get("events")
+        if not (isinstance(events, list) and len(events) <= self.MAX_EVENTS and all(
+                isinstance(e, list) and len(e) == 3 and type(e[0]) is int and type(e[1]) is int
+                and type(e[2]) is bool for e in events)):
+            raise GenerationError("a step answered something other than [request id, token, finished] triples")
+        return [TokenEvent(*e) for e in events]
+
+    def has_work(self) -> bool:  # the judge tracks what it sent; the engine is never asked
+        raise NotImplementedError
+
+
+def _why(reply: dict) -> str:
+    if reply.get("op") == "raised":
+        return f"{reply.get('type', 'error')}: {str(reply.get('message', ''))[:300]}"
+    return f"unexpected answer {str(reply.get('op'))[:40]!r}"
 
 
 @dataclass

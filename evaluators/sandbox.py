@@ -143,7 +143,8 @@ class EngineProcess:
             self._namespace = _namespace_of(self.pid)
 
     def configure(self, workload: Any, preset: Preset, info: DeviceInfo, *, genome_json: str | None = None,
-                  baseline: str | None = None, guarded: bool = True, sources: Mapping[str, str] | None = None) -> None:
+                  baseline: str | None = None, guarded: bool = True, sources: Mapping[str, str] | None = None,
+                  contract: str = "call") -> None:
         """Tell the launched process its environment, cores, threads and which engine it will build."""
         if self.pid is None:
             self.launch()
@@ -163,6 +164,7 @@ class EngineProcess:
             "network": self.network or self.sandbox == "strict",  # strict: cut by its namespace already
             "workload": workload_bytes, "workload_name": workload_name, "preset": preset, "info": info,
             "genome": genome_json, "baseline": baseline, "guarded": guarded, "sources": dict(sources or {}),
+            "contract": contract,  # "call": engine(**inputs) -> outputs; "generation": add / step
         }
         self._send(ForkingPickler.dumps(spec), math.inf)
 
@@ -182,12 +184,7 @@ class EngineProcess:
 
     def build(self, timeout_s: float = math.inf) -> dict:
         """Build the engine in the configured process; the build's answer (`op` built or raised)."""
-        deadline = time.monotonic() + timeout_s
-        self._thaw()
-        self._send(ForkingPickler.dumps({"op": "build"}), deadline)
-        reply, forbidden = self._receive(deadline)
-        self._freeze()
-        return {**reply, "forbidden_calls": forbidden}
+        return self._ask({"op": "build"}, timeout_s)
 
     def start(self, workload: Any, preset: Preset, info: DeviceInfo, *, genome_json: str | None = None,
               baseline: str | None = None, guarded: bool = True, sources: Mapping[str, str] | None = None,
@@ -241,6 +238,23 @@ class EngineProcess:
                 sync(str(self.device))
             late = tuple(k for k, s in out_slots.items() if not _same_bits(arenas.view(self._out_arena, s), copies[k]))
         return CallResult(elapsed, reply, copies, changed, late, tuple(forbidden))
+
+    def add(self, request: Mapping[str, Any], timeout_s: float = math.inf) -> dict:
+        """Hand a generation engine a request (GenerationRequest's fields); its answer (`added` or `raised`)."""
+        return self._ask({"op": "add", "request": dict(request)}, timeout_s)
+
+    def step(self, timeout_s: float = math.inf) -> dict:
+        """One step of a generation engine; its answer (`stepped` with `events`, or `raised`)."""
+        return self._ask({"op": "step"}, timeout_s)
+
+    def _ask(self, message: dict, timeout_s: float) -> dict:
+        """One message and its answer, the candidate thawed only in between (as for a call)."""
+        deadline = time.monotonic() + timeout_s
+        self._thaw()
+        self._send(ForkingPickler.dumps(message), deadline)
+        reply, forbidden = self._receive(deadline)
+        self._freeze()
+        return {**reply, "forbidden_calls": forbidden}
 
     def _exchange(self, op: str, inputs: Mapping[str, torch.Tensor | None],
                   outputs: Mapping[str, tuple[Sequence[int], str]], timeout_s: float) -> tuple:

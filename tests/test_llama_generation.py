@@ -41,3 +41,35 @@ def test_the_plainest_generator_decodes_its_own_tokens_as_the_float64_reference_
             LlamaGenerator(engine, positions).add(type(result.requests[0])(9, (1,) * positions, 1))
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_generator_runs_confined_and_the_judge_scores_it_through_its_channel():
+    """The generation contract over the engine's own channel: built in the strict sandbox, requests added
+    and steps taken as messages, every answer checked; the same tokens as the reference."""
+    from evaluators import device as devices
+    from evaluators.guard import hidden_paths
+    from evaluators.replay import ConfinedGenerator
+    from evaluators.sandbox import EngineProcess, EngineProcessError, workload_modules
+
+    preset = W.presets()["cpu_small"]
+    info = devices.device_info("cpu", 1)
+    process = EngineProcess("cpu", threads=1, hidden=hidden_paths(W), readable=W.engine_files(preset))
+    try:
+        process.launch(preload=workload_modules(W))
+        process.configure(W, preset, info, genome_json=W.gene_space(preset, info).default().to_json(),
+                          contract="generation")
+        built = process.build(timeout_s=120)
+        assert built["op"] == "built", built
+        rng = np.random.default_rng(8)
+        trace = draw(TraceSpec(arrival="burst", count=3, concurrency=0, prompt_len=(2, 10), output_len=(2, 5)), rng)
+        prompts = [rng.integers(0, preset.model.vocab, t.prompt_len).tolist() for t in trace]
+        result = replay(ConfinedGenerator(process), trace, prompts, deadline_s=120)
+
+        def reference(prompt, tokens):
+            return generate(preset.model, torch.tensor([list(prompt)]), torch.tensor([list(tokens[:-1])]))[0].numpy()
+
+        assert score(result, reference, tolerance=1e-4) == [] and not result.violations
+        with pytest.raises(EngineProcessError, match="died"):  # no call contract on a generator: it ends
+            process.call({}, {}, timeout_s=30)
+    finally:
+        process.close()

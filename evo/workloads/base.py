@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -152,6 +152,12 @@ class Workload:
     def baselines(self, preset: Preset) -> dict[str, Callable[[DeviceInfo], Engine]]:
         """Name -> builder of each baseline engine that is available here."""
         raise self._missing("baselines")
+
+    def build_generator(self, genome: Genome, preset: Preset, device: DeviceInfo,
+                        sources: Mapping[str, str] = NO_SOURCES) -> Any:
+        """The generation engine `genome` describes (the generation contract, `evo.workloads.generation`:
+        requests in, tokens out), for a workload whose engines generate. Default: none."""
+        raise NotImplementedError(f"workload {self.name!r} has no generation engine (the generation contract)")
 
     def roofline(self, preset: Preset, rates: MachineRates) -> Roofline:
         """The preset's floor on `rates`: its FLOPs and bytes moved."""

@@ -107,6 +107,13 @@ class LlamaWorkload(Workload):
               sources: Mapping[str, str] = NO_SOURCES) -> Engine:
         return _engine.build(genome, preset, device, _inputs.max_positions(preset), sources)
 
+    def build_generator(self, genome: Genome, preset: Preset, device: DeviceInfo,
+                        sources: Mapping[str, str] = NO_SOURCES):
+        from evo.workloads.llama.generator import LlamaGenerator
+
+        positions = _inputs.max_positions(preset)
+        return LlamaGenerator(_engine.build(genome, preset, device, positions, sources), positions)
+
     def baselines(self, preset: Preset) -> dict[str, Callable[[DeviceInfo], Engine]]:
         return _baselines.baselines(preset)
 
