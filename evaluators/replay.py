@@ -63,9 +63,6 @@ class ConfinedGenerator:
             raise GenerationError("a step answered something other than [request id, token, finished] triples")
         return [TokenEvent(*e) for e in events]
 
-    def has_work(self) -> bool:  # the judge tracks what it sent; the engine is never asked
-        raise NotImplementedError
-
 
 def _why(reply: dict) -> str:
     if reply.get("op") == "raised":
@@ -151,21 +148,25 @@ def _breach(flight: _Flight | None, request_id: int, step: int) -> str:
 Reference = Callable[[Sequence[int], Sequence[int]], np.ndarray]
 
 
-def score(result: Replay, reference_logits: Reference, tolerance: float) -> list[str]:
+def score(result: Replay, reference_logits: Reference, tolerance: float, vocab: int) -> list[str]:
     """Each request's problems with its own tokens (see the module); [] when every request is right.
+    `vocab`: tokens must lie in [0, vocab), checked before the reference is handed any of them.
     `reference_logits(prompt, tokens)`: the float64 reference's logits [len(tokens), V], row i the
     prediction of tokens[i] from the prompt and tokens[:i] (one teacher-forced pass over the engine's own)."""
     problems = list(result.violations)
     for request, tokens in zip(result.requests, result.tokens):
-        problems += _request_problems(request, tokens, reference_logits, tolerance)
+        problems += _request_problems(request, tokens, reference_logits, tolerance, vocab)
     return problems
 
 
 def _request_problems(request: GenerationRequest, tokens: Sequence[int], reference_logits: Reference,
-                      tolerance: float) -> list[str]:
+                      tolerance: float, vocab: int) -> list[str]:
     name = f"request {request.id}"
     if not tokens:
         return [f"{name}: no token"]
+    outside = next((step for step, t in enumerate(tokens) if not 0 <= t < vocab), None)
+    if outside is not None:
+        return [f"{name}: step {outside}: token {tokens[outside]} outside the vocabulary [0, {vocab - 1}]"]
     stops = [i for i, t in enumerate(tokens) if t in request.stop_ids]
     if stops and stops[0] < len(tokens) - 1:
         return [f"{name}: tokens after the stop id at step {stops[0]}"]
@@ -173,8 +174,6 @@ def _request_problems(request: GenerationRequest, tokens: Sequence[int], referen
         return [f"{name}: stopped after {len(tokens)} of {request.max_tokens} tokens without a stop id"]
     rows = np.asarray(reference_logits(request.prompt, tokens), dtype=np.float64)
     for step, (token, row) in enumerate(zip(tokens, rows)):
-        if not (0 <= token < row.shape[0]):
-            return [f"{name}: step {step}: token {token} outside the vocabulary [0, {row.shape[0] - 1}]"]
         top = int(np.argmax(row))
         if token != top and not (math.isfinite(row[token]) and row[top] - row[token] <= tolerance):
             return [f"{name}: step {step}: token {token}, the reference's is {top} (logit {row[token]:.4g} vs "

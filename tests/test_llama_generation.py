@@ -34,7 +34,7 @@ def test_the_plainest_generator_decodes_its_own_tokens_as_the_float64_reference_
         def reference(prompt, tokens):  # row i: the float64 logits that predict tokens[i]
             return generate(preset.model, torch.tensor([list(prompt)]), torch.tensor([list(tokens[:-1])]))[0].numpy()
 
-        assert score(result, reference, tolerance=1e-4) == []
+        assert score(result, reference, tolerance=1e-4, vocab=preset.model.vocab) == []
         assert [len(t) for t in result.tokens] == [r.max_tokens for r in result.requests]
         assert serving_metrics(result.timelines, result.duration_s).completed == 3
         with pytest.raises(ValueError, match="positions this engine holds"):
@@ -68,7 +68,7 @@ def test_the_generator_runs_confined_and_the_judge_scores_it_through_its_channel
         def reference(prompt, tokens):
             return generate(preset.model, torch.tensor([list(prompt)]), torch.tensor([list(tokens[:-1])]))[0].numpy()
 
-        assert score(result, reference, tolerance=1e-4) == [] and not result.violations
+        assert score(result, reference, tolerance=1e-4, vocab=preset.model.vocab) == [] and not result.violations
         with pytest.raises(EngineProcessError, match="died"):  # no call contract on a generator: it ends
             process.call({}, {}, timeout_s=30)
     finally:

@@ -53,9 +53,6 @@ class Honest:
                 del self.running[rid]
         return events
 
-    def has_work(self) -> bool:
-        return bool(self.running)
-
 
 class Burst(Honest):
     """Computes every token first, sleeps, then hands them all over in one step."""
@@ -92,6 +89,13 @@ class RunsPast(Honest):
         return events + [TokenEvent(e.request_id, 0, True) for e in events if e.finished]
 
 
+class OutOfVocabulary(Honest):
+    """Its tokens index past the vocabulary: caught before the reference is handed them."""
+
+    def token(self, request: GenerationRequest, made: list[int]) -> int:
+        return V + 5
+
+
 class Precognitive(Honest):
     """Hands over a token for a request before the judge has sent it."""
 
@@ -109,7 +113,7 @@ def run(engine, concurrency=4, count=6, seed=0):
 
 def test_an_honest_engine_is_right_on_its_own_tokens_and_its_metrics_are_the_judges():
     result = run(Honest())
-    assert score(result, reference_logits, tolerance=1e-6) == [] and not result.violations
+    assert score(result, reference_logits, tolerance=1e-6, vocab=V) == [] and not result.violations
     assert [len(t) for t in result.tokens] == [r.max_tokens for r in result.requests]
     metrics = serving_metrics(result.timelines, result.duration_s)
     assert metrics.completed == 6 and metrics.total_output_tokens == sum(r.max_tokens for r in result.requests)
@@ -117,7 +121,7 @@ def test_an_honest_engine_is_right_on_its_own_tokens_and_its_metrics_are_the_jud
 
 def test_an_engine_that_bursts_its_tokens_late_gets_the_ttft_a_client_sees():
     honest, burst = run(Honest()), run(Burst())
-    assert score(burst, reference_logits, 1e-6) == []  # right tokens ...
+    assert score(burst, reference_logits, 1e-6, V) == []  # right tokens ...
     late = serving_metrics(burst.timelines, burst.duration_s).ttft_ms["median"]
     assert late >= 500 > serving_metrics(honest.timelines, honest.duration_s).ttft_ms["p99"]  # ... but late
 
@@ -128,9 +132,10 @@ def test_an_engine_that_bursts_its_tokens_late_gets_the_ttft_a_client_sees():
     (StopsEarly(), "without a stop id"),
     (RunsPast(), "a token after its last"),
     (Precognitive(), "a request the judge never sent"),
+    (OutOfVocabulary(), "outside the vocabulary [0, 31]"),
 ])
 def test_engines_that_do_not_decode_their_own_tokens_honestly_are_caught(engine, problem):
-    problems = score(run(engine), reference_logits, 1e-6)
+    problems = score(run(engine), reference_logits, 1e-6, V)
     assert any(problem in p for p in problems), problems
 
 
@@ -140,4 +145,4 @@ def test_a_near_tie_is_not_an_error():
     from evaluators.replay import Replay
     from evo.core.stream_metrics import RequestTimeline
     result = Replay((request,), ((1,),), (RequestTimeline(0.0, (0.1,), 2),), (), 0.2)
-    assert score(result, tied, tolerance=1e-6) == [] and score(result, tied, tolerance=1e-12)
+    assert score(result, tied, tolerance=1e-6, vocab=V) == [] and score(result, tied, tolerance=1e-12, vocab=V)

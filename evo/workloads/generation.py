@@ -53,7 +53,3 @@ class GenerationEngine(Protocol):
     def step(self) -> list[TokenEvent]:
         """Advance the admitted requests by one scheduling step; the tokens it produced, in order."""
         ...
-
-    def has_work(self) -> bool:
-        """Whether some admitted request is not finished."""
-        ...

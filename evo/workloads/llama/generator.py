@@ -1,11 +1,11 @@
 """The plainest generation engine for a Llama model (the generation contract, `evo.workloads.generation`):
 each step, one new token for every running request, each request with a KV cache of its own; a request's
-first step is its prefill, the others decode the token it produced last. Greedy. Requests beyond
-`max_running` wait in arrival order.
+first step is its whole prefill, the others decode the token it produced last, eagerly. Greedy.
 
 It is the floor the searched generation engines (batched decode, a pooled paged cache, chunked prefill,
 one compiled step) are to beat, and the "one request at a time" baseline of issue 30. It reuses the call
-engine's layers (`LlamaEngine`), so every fusion, layout and kernel gene applies to it unchanged.
+engine's layers (`LlamaEngine`), so its fusion, layout, kernel, KV-layout and thread genes apply; the call
+engine's prefill and decode-step genes do not (yet): this engine always prefills whole and steps eagerly.
 """
 from __future__ import annotations
 
@@ -26,10 +26,11 @@ class _Running:
 
 
 class LlamaGenerator:
-    """`add`, `step`, `has_work` over `engine`'s layers (see the module)."""
+    """`add` and `step` over `engine`'s layers (see the module)."""
 
-    def __init__(self, engine: LlamaEngine, max_positions: int, max_running: int = 0) -> None:
-        self.engine, self.max_positions, self.max_running = engine, max_positions, max_running
+    def __init__(self, engine: LlamaEngine, max_positions: int) -> None:
+        self.engine, self.max_positions = engine, max_positions
+        self.num_threads = engine.num_threads  # its threads gene, as the engine's process reads it
         self.waiting: deque[GenerationRequest] = deque()
         self.running: dict[int, _Running] = {}
 
@@ -39,16 +40,12 @@ class LlamaGenerator:
                              f" is over the {self.max_positions} positions this engine holds")
         self.waiting.append(request)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def step(self) -> list[TokenEvent]:
-        while self.waiting and (not self.max_running or len(self.running) < self.max_running):
+        while self.waiting:
             request = self.waiting.popleft()
-            cache = self.engine._cache(1, len(request.prompt) + request.max_tokens)
-            self.running[request.id] = _Running(request, cache, [])
+            self.running[request.id] = _Running(request, self._cache(len(request.prompt) + request.max_tokens), [])
         events = []
-        with torch.inference_mode():
+        with torch.inference_mode(), self.engine._sdpa_backend():
             for rid, run in list(self.running.items()):
                 token = self._next(run)
                 run.made.append(token)
@@ -57,6 +54,11 @@ class LlamaGenerator:
                 if done:
                     del self.running[rid]
         return events
+
+    def _cache(self, positions: int) -> KVCache:
+        """A cache of the request's own (never the call engine's kept one: requests must not share one)."""
+        s, engine = self.engine.spec, self.engine
+        return KVCache(engine.plan, s.layers, 1, positions, s.kv_heads, s.head_dim, engine.device, engine.kv_dtype)
 
     def _next(self, run: _Running) -> int:
         """The request's next greedy token: its prefill the first time, then one decode step."""
