@@ -226,12 +226,14 @@ def test_candidates_that_look_faster_after_the_budget_is_spent_race_the_incumben
     assert race.before == before.proposal.hash and race.winner == search.best().proposal.hash
     assert all(t.reason == "race" and t.a in race.contenders for t in race.timings)
     assert len(search.retimings) == len(in_search) + len(race.timings) <= budget
+    decided = {d.a: d for d in race.decisions}  # each contender's rounds against its last holder, pooled
+    assert set(decided) == set(race.contenders)
     leaders = {before.proposal.hash}  # the lead moves only by a paired win over the engine that held it
     for t in race.timings:
         assert t.b in leaders
-        if t.verdict == FASTER:
+        if decided[t.a].verdict == FASTER and decided[t.a].b == t.b:
             leaders.add(t.a)
-    assert race.winner in leaders
+    assert race.winner in leaders and decided[race.winner].verdict == FASTER
     assert race.winner != race.before, "the race confirmed nothing: the test proves less"
     assert retimer.true_ms(search.known[race.winner]) < retimer.true_ms(before)  # confirmed means truly faster
     named = {u.hash for u in race.unexamined}

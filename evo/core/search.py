@@ -145,8 +145,9 @@ class Unexamined:
 
 @dataclass(frozen=True)
 class RaceResult:
-    """The final race: who raced, its re-timings (a = a contender, b = the holder it raced), the incumbent
-    before and after, and what was left unexamined."""
+    """The final race: who raced, its re-timings round by round (a = a contender, b = the holder it raced),
+    the incumbent before and after, what was left unexamined, and each contender's deciding record (its
+    rounds against its last holder pooled)."""
 
     contenders: tuple[str, ...] = ()
     timings: tuple[PairedTiming, ...] = ()
@@ -155,9 +156,10 @@ class RaceResult:
     winner: str | None = None  # the incumbent's hash after it
     unexamined: tuple[Unexamined, ...] = ()
     wall_s: float = 0.0
+    decisions: tuple[PairedTiming, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        last = {t.a: t for t in self.timings}  # each contender's deciding record
+        last = {t.a: t for t in self.decisions}
         return {"contenders": list(self.contenders), "rounds": self.rounds, "before": self.before,
                 "winner": self.winner, "wall_s": self.wall_s,
                 "verdicts": {h: {"verdict": t.verdict, "against": t.b, "ratio": t.ratio, "low": t.low, "high": t.high,
@@ -398,8 +400,7 @@ class Search:
     def _intensify(self, current: list[Evaluated]) -> list[PairedTiming]:
         """Re-time this generation's challengers (fastest-looking first, within the budget left once the
         final race's reserve is set aside)."""
-        settings, evaluations = self.settings.intensify, self.settings.max_evaluations
-        left = settings.budget(evaluations) - settings.reserve(evaluations) - len(self.retimings)
+        left = self.retimes_left()
         challenges = []
         for item in sorted((e for e in current if e.result.ok), key=lambda e: (e.fitness, e.proposal.hash)):
             if len(challenges) >= left:
@@ -416,6 +417,11 @@ class Search:
                            generation=c.generation) for c, t in zip(challenges, answers)]
         self.retimings += timings
         return timings
+
+    def retimes_left(self) -> int:
+        """Re-timings the search may still run in its generations (the final race's reserve set aside)."""
+        settings, evaluations = self.settings.intensify, self.settings.max_evaluations
+        return settings.budget(evaluations) - settings.reserve(evaluations) - len(self.retimings)
 
     def unexamined(self) -> list[Evaluated]:
         """Correct candidates whose single timing beats the incumbent's and that no paired re-timing has
@@ -443,6 +449,7 @@ class Search:
         left_out = [Unexamined(e.proposal.hash, e.fitness, why) for e in waiting[places:]]
         raced, timings, rounds = [], [], 0
         evidence: dict[str, PairedTiming] = {}  # contender -> its pooled record against the current holder
+        decisions: dict[str, PairedTiming] = {}  # contender -> the record that decided it last
         while contenders and rounds < settings.race_rounds:
             if time.monotonic() - started >= settings.race_wall_s:
                 why = f"the final race's wall time ran out (search.intensify.race_wall_s = {settings.race_wall_s:g} s)"
@@ -463,11 +470,11 @@ class Search:
             for c, answer in zip(contenders, answers):
                 record = replace(answer, a=c.proposal.hash, b=holder.proposal.hash, reason="race",
                                  generation=self.generation)
+                timings.append(record)  # each round's own pairs are the evidence; the pooled ones decide
                 earlier = evidence.get(c.proposal.hash)
-                record = pooled(earlier, record) if earlier is not None and earlier.b == record.b else record
-                evidence[c.proposal.hash] = record
-                decided.append((c, record))
-            timings += [r for _, r in decided]
+                evidence[c.proposal.hash] = decision = pooled(earlier, record) if earlier is not None else record
+                decisions[c.proposal.hash] = decision
+                decided.append((c, decision))
             faster = [(r.ratio, c.proposal.hash, c) for c, r in decided if r.verdict == FASTER]
             if faster:  # the fastest confirmed takes the lead; the other live contenders race it afresh
                 self.incumbent = min(faster, key=lambda f: (f[0], f[1]))[2]
@@ -478,7 +485,7 @@ class Search:
         self.retimings += timings
         return RaceResult(tuple(raced), tuple(timings), rounds, before, self.incumbent.proposal.hash,
                           tuple(sorted(left_out, key=lambda u: (u.latency_ms, u.hash))),
-                          time.monotonic() - started)
+                          time.monotonic() - started, tuple(decisions.values()))
 
     def _holder(self, item: Evaluated) -> tuple[Evaluated | None, str]:
         """What `item` looks faster than and must beat paired: the incumbent, else its fastest parent."""

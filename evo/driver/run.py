@@ -126,8 +126,7 @@ class Progress(Sink):
 
 def _waiting(search: Search) -> str:
     """' | 3 look faster, not re-timed yet (the final race takes them)' once the in-search budget is spent."""
-    settings, evaluations = search.settings.intensify, search.settings.max_evaluations
-    if not search.intensifying or len(search.retimings) < settings.budget(evaluations) - settings.reserve(evaluations):
+    if not search.intensifying or search.retimes_left() > 0:
         return ""
     waiting = len(search.unexamined())
     return f" | {waiting} look faster, not re-timed yet (the final race takes them)" if waiting else ""
