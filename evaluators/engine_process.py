@@ -120,8 +120,10 @@ class _Runner:
                     return
             elif op == "call" and self.engine is not None and self.spec.get("contract", "call") == "call":
                 self.call(message)
-            elif op in ("add", "step") and self.engine is not None and self.spec.get("contract") == "generation":
-                self.add(message) if op == "add" else self.step()
+            elif op == "add" and self.engine is not None and self.spec.get("contract") == "generation":
+                self.add(message)
+            elif op == "step" and self.engine is not None and self.spec.get("contract") == "generation":
+                self.step()
             else:
                 return
 

@@ -241,9 +241,6 @@ class EvaluatorPool:
     def device_info(self) -> DeviceInfo:
         return self._ask_one("device_info")
 
-    def measure_rates(self) -> MachineRates:
-        return self._ask_one("measure_rates")
-
     def calibrate(self) -> Calibration:
         """The machine's rates, measured on one evaluator (best of short probes, never below the
         machine's cached calibration), with where they came from."""

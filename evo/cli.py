@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -58,8 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cmd.add_argument("--port", type=int, default=8000, help="HTTP port; it must be free")
     serve_cmd.add_argument("--name", default="engine", help="Serve application name")
     serve_cmd.add_argument("--max-batch-size", type=int, default=None,
-                           help="most batch rows a replica merges into one engine call (default: the largest batch"
-                                " the engine's workload verifies engines at; a larger one is refused)")
+                           help="most requests a replica gathers into one batch, merged along B and never past"
+                                " the largest batch the workload verifies engines at (default: that B; a larger"
+                                " one is refused)")
     serve_cmd.add_argument("--tracking-uri", default=None, help="MLflow store for models:/ and runs:/ sources "
                                                                 "(default: $MLFLOW_TRACKING_URI, else ./mlflow.db)")
     serve_cmd.add_argument("--sandbox", choices=("strict", "none"), default="strict",
@@ -174,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "genes":
         from evo.driver.rundir import check_config
 
-        try:  # an unknown workload or preset is one line naming the available ones
-            check_config(config)
+        try:  # an unknown workload or preset is one line naming the available ones; genes need no baselines
+            check_config(dataclasses.replace(config, baselines=None))
         except ConfigError as exc:
             print(f"error: {_one_line(exc)}", file=sys.stderr)
             return 2

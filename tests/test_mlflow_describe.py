@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import math
 import re
 
 import numpy as np
@@ -65,7 +64,8 @@ def test_version_tags_are_rounded_and_name_every_baseline():
 def test_the_claim_says_equal_or_single_timing_only_when_that_is_all_there_is():
     import dataclasses
 
-    from evo.evidence.mlflow.describe import claim_sentence, version_description
+    from evo.evidence.claims import claim_sentence
+    from evo.evidence.mlflow.describe import version_description
 
     equal = dataclasses.replace(SUMMARY, speedup_paired={"chunk_pairwise_c64": 1.01},
                                 speedup_ci={"chunk_pairwise_c64": [0.97, 1.05]})

@@ -9,8 +9,7 @@ import time
 
 import pytest
 
-from evo.evidence.claims import short_claim
-from evo.evidence.mlflow.describe import claim_sentence
+from evo.evidence.claims import claim_sentence, short_claim
 from evo.evidence.mlflow.links import EXPERIMENT_KIND, KIND_TAG, model_version_url
 from evo.evidence.mlflow.registry import CHAMPION
 from evo.workloads import get_workload

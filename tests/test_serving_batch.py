@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evo.serving.app import LoadedEngine, _run_grouped, check_batch, verified_batch
+from evo.serving.app import LoadedEngine, _run_grouped, check_batch
 from evo.workloads.kda import WORKLOAD as KDA
 from tests import fake_workload as fw
 
@@ -28,8 +28,8 @@ def test_merged_batches_stay_within_the_verified_batch():
 
 
 def test_the_verified_batch_comes_from_the_workloads_free_axes():
-    assert verified_batch(KDA, KDA.presets()["cpu"]) == 8
-    assert verified_batch(fw.WORKLOAD, fw.WORKLOAD.presets()["cpu"]) == 2
+    assert KDA.verified_batch(KDA.presets()["cpu"]) == 8
+    assert fw.WORKLOAD.verified_batch(fw.WORKLOAD.presets()["cpu"]) == 2
     assert max(KDA.free_axes(KDA.presets()["cpu"])["B"]) == 8
 
 

@@ -42,15 +42,9 @@ def claim_sentence(summary: Summary, code: str = "`") -> str:
     engine, vs = f"{code}{summary.best_hash}{code}", claimed_baseline(summary)
     if vs is None:
         return f"{engine}: no baseline was measured, so there is no speedup to claim"
-    verdict = paired_verdict(summary, vs)
-    if verdict is None:
+    if paired_verdict(summary, vs) is None:
         return f"{engine}: not re-timed paired: single timing only, {summary.speedups[vs]:.2f}x vs {vs} (single timing)"
-    estimate, (low, high) = summary.speedup_paired[vs], summary.speedup_ci[vs]
-    interval = f"(paired, 95% [{low:.2f}, {high:.2f}])"
-    if verdict == "faster":
-        return f"{engine} is {estimate:.2f}x faster than {vs} {interval}"
-    word = "slower than" if verdict == "slower" else "equal within noise to"
-    return f"{engine} is {word} {vs}: {estimate:.2f}x {interval}"
+    return f"{engine} is {speedup_claim(summary, vs)}"
 
 
 def paired_verdict(summary: Summary, baseline: str) -> str | None:
@@ -75,7 +69,7 @@ def speedup_claim(summary: Summary, baseline: str) -> str:
         low, high = summary.speedup_ci[baseline]
         speedup, interval = summary.speedup_paired[baseline], f"(paired, 95% [{low:.2f}, {high:.2f}])"
         return {"faster": f"{speedup:.2f}x faster than {baseline} {interval}",
-                "slower": f"{speedup:.2f}x, slower than {baseline} {interval}",
+                "slower": f"slower than {baseline}: {speedup:.2f}x {interval}",
                 "equal": f"equal within noise to {baseline}: {speedup:.2f}x {interval}"}[verdict]
     single = summary.speedups.get(baseline)
     if single is not None and math.isfinite(single):

@@ -97,7 +97,7 @@ class Lineage:
         if best is None or not best.ok:
             return {}
         retimed = self.retimed()
-        unexamined = {u.get("hash"): u.get("reason", "") for u in getattr(self.summary, "unexamined", None) or []}
+        unexamined = {u.get("hash"): u.get("reason", "") for u in (self.summary.unexamined if self.summary else [])}
         faster = sorted((n for n in self.nodes.values() if n.ok and n.latency_ms < best.latency_ms and n.hash != best.hash),
                         key=lambda n: (n.latency_ms, n.hash))
         return {n.hash: _why_not(retimed.get(n.hash), unexamined.get(n.hash), bool(self.retimings)) for n in faster}

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import TextIO
 
+from evo.evidence.claims import claim_lines
 from evo.evidence.lineage import ancestry_lines, load_lineage
 from evo.evidence.lineage_view import LINEAGE_DIR, write_lineage
 
@@ -29,7 +30,8 @@ def report(target: str, out_dir: str | None = None, uri: str | None = None, out:
     run_dir, default_out, url = _locate(target, uri)
     lineage = load_lineage(run_dir)
     files = write_lineage(run_dir, Path(out_dir) if out_dir else default_out, lineage)
-    for line in _claim(run_dir):  # what the run proved first; the ancestry's single timings after it
+    claim = [*claim_lines(lineage.summary), ""] if lineage.summary else []  # [] for a run still searching
+    for line in claim:  # what the run proved first; the ancestry's single timings after it
         print(line, file=out)
     for line in ancestry_lines(lineage):
         print(line, file=out)
@@ -37,15 +39,6 @@ def report(target: str, out_dir: str | None = None, uri: str | None = None, out:
     for line in url:
         print(line, file=out, flush=True)
     return files.html
-
-
-def _claim(run_dir: Path) -> list[str]:
-    """The run's claim (`evo.evidence.claims`) from its summary.json; [] for a run still searching."""
-    from evo.evidence.claims import claim_lines
-    from evo.evidence.summary import SUMMARY_FILE, Summary
-
-    path = run_dir / SUMMARY_FILE
-    return [*claim_lines(Summary.read(path)), ""] if path.exists() else []
 
 
 def _run_dir_url(run_dir: Path) -> list[str]:

@@ -149,11 +149,6 @@ class LoadedEngine:
     axes: Mapping[str, tuple[int, int]] = field(default_factory=dict)  # free dim -> verified (lo, hi)
 
 
-def verified_batch(workload: Workload, preset: Preset) -> int:
-    """The largest B the workload's domain verifies every engine at, else the preset's."""
-    return workload.verified_batch(preset)
-
-
 def check_batch(config: dict[str, Any], loaded: LoadedEngine) -> dict[str, Any]:
     """`config` with max_batch_size filled in (unset: the largest verified B); refuse one that would merge
     requests into batches no engine was verified at."""
@@ -184,7 +179,7 @@ def load_engine(source: str, tracking_uri: str | None = None, sandbox: str = "st
     except (ServedEngineError, ValueError) as exc:
         raise EngineRejected(f"engine {record.genome.hash} from {source}: {exc}") from exc
     return LoadedEngine(record, engine, specs, engine.device, engine.check_message,
-                        engine.max_rel_error, time.time(), verified_batch(workload, preset), axes)
+                        engine.max_rel_error, time.time(), workload.verified_batch(preset), axes)
 
 
 def _run_grouped(loaded: LoadedEngine, requests: list[dict[str, torch.Tensor]]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from evo.evidence.claims import claim_sentence, claimed_baseline, paired_verdict
+from evo.evidence.claims import claim_sentence
 from evo.evidence.floor import floor_text
 from evo.evidence.mlflow.links import artifact_path, model_version_path
 from evo.evidence.summary import Summary, baseline_not_compared, baselines_measured

@@ -195,8 +195,9 @@ class MlflowSink:
                 final[f"intensify_{key}"] = summary.intensification[key]
         metrics = [(k, float(v), now, 0) for k, v in final.items() if v is not None and math.isfinite(v)]
         tags = {"best_hash": str(summary.best_hash), "run_dir": str(run_dir)}
-        if short_claim(summary):  # the page's title and the runs table's name column lead with the claim
-            tags[RUN_NAME_TAG] = f"{self.run_name} · {short_claim(summary)}"[:250]
+        claim = short_claim(summary)
+        if claim:  # the page's title and the runs table's name column lead with the claim
+            tags[RUN_NAME_TAG] = f"{self.run_name} · {claim}"[:250]
         self._batch(self.parent, metrics=metrics, tags=tags)
         self.outbox.add({"op": "note", "run": self.parent, "text": run_description(summary, run_dir, status)})
         for name in ("summary.json", "best_genome.json", "baselines.json", "config.yaml", "lessons.yaml",
