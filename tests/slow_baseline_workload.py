@@ -8,7 +8,7 @@ from evo.workloads.base import Preset
 from tests.fake_workload import FakeWorkload, _engine
 
 NAME = "tests.slow_baseline_workload"
-SLOW_BUILD_S = 1.0
+SLOW_BUILD_S = 4.0
 
 
 def _slow_compile(device):

@@ -45,22 +45,23 @@ def test_baselines_have_their_own_build_limit_declared_once():
 
 @pytest.fixture(scope="module")
 def timed_out_and_ok() -> dict[str, EvalResult]:
-    """The slow baseline past its own (short) limit, a quick one measured, a broken one incorrect."""
-    settings = EvaluatorSettings(warmup=1, repeats=3, build_timeout_s=30.0, baseline_build_timeout_s=0.3)
+    """The slow baseline past its own (short) limit, a quick one measured, a broken one incorrect (the limit
+    leaves the quick ones room on a loaded machine; the slow one sleeps twice past it)."""
+    settings = EvaluatorSettings(warmup=1, repeats=3, build_timeout_s=30.0, baseline_build_timeout_s=2.0)
     ev = Evaluator(slow.NAME, "cpu", settings, seed=1, name="ev-baselines")
     return {name: ev.evaluate_baseline(name) for name in ("slow_compile", "torch_cumsum", "broken")}
 
 
 def test_a_baseline_slower_than_its_own_limit_times_out_naming_it(timed_out_and_ok):
     r = timed_out_and_ok["slow_compile"]
-    assert r.status == TIMEOUT and "baseline_build_timeout_s 0.3 s" in r.message, r.message
+    assert r.status == TIMEOUT and "baseline_build_timeout_s 2 s" in r.message, r.message
     assert timed_out_and_ok["torch_cumsum"].status == OK, timed_out_and_ok["torch_cumsum"].message
 
 
 def test_baselines_build_under_their_limit_and_candidates_under_theirs():
     settings = EvaluatorSettings(warmup=1, repeats=3, build_timeout_s=0.2, baseline_build_timeout_s=30.0)
     ev = Evaluator(slow.NAME, "cpu", settings, seed=1, name="ev-baselines")
-    baseline = ev.evaluate_baseline("slow_compile")  # builds 1 s: over build_timeout_s, within its own limit
+    baseline = ev.evaluate_baseline("slow_compile")  # builds 4 s: over build_timeout_s, within its own limit
     assert baseline.status == OK and baseline.build_s >= slow.SLOW_BUILD_S, baseline.message
     candidate = ev.evaluate(fw.genome_json("slow_build"))  # builds 0.3 s: a candidate keeps build_timeout_s
     assert candidate.status == TIMEOUT and "build_timeout_s 0.2 s" in candidate.message, candidate.message
@@ -86,12 +87,12 @@ def test_a_timed_out_baseline_is_a_row_in_the_summary_the_terminal_and_mlflow(ti
         _print_summary(summary, tmp_path)
     text = caplog.text  # one row per baseline not compared, saying why; the headline names what it covers
     assert "best baseline torch_cumsum (of those measured: torch_cumsum; not compared: broken, slow_compile)" in text
-    assert "  slow_compile: timeout — build took longer than baseline_build_timeout_s 0.3 s" in text, text
+    assert "  slow_compile: timeout — build took longer than baseline_build_timeout_s 2 s" in text, text
     assert "  broken: incorrect — " in text and text.count("; not compared\n") == 2, text
 
     note = run_description(summary, tmp_path)
     row = next(line for line in note.splitlines() if line.startswith("| slow_compile |"))
-    assert "| - | timeout — build took longer than baseline_build_timeout_s 0.3 s" in row, row
+    assert "| - | timeout — build took longer than baseline_build_timeout_s 2 s" in row, row
     assert row.endswith("; not compared |") and row.count("|") == 4, row
     assert "faster than the best baseline (torch_cumsum) of those measured: torch_cumsum; not compared: broken," \
            " slow_compile" in note, note
