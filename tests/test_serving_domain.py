@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from evo.serving.app import request_schema, verified_batch
+from evo.serving.app import request_schema
 from evo.serving.codec import RequestError, decode_request, encode_tensor
 from evo.workloads.base import CheckCase
 from evo.workloads.kda import WORKLOAD as KDA
@@ -51,7 +51,7 @@ def above(x: float) -> float:
 
 def test_serve_bounds_are_the_domain():
     assert AXES == {"B": (1, 8), "T": (1, 8 * PRESET.shape["T"]), "H": (1, PRESET.shape["H"] + 1)}
-    assert verified_batch(KDA, PRESET) == DOMAIN.axes["B"].hi
+    assert KDA.verified_batch(PRESET) == DOMAIN.axes["B"].hi
     bounds = {s.name: s.bounds for s in SPECS}
     assert bounds["g"] == (DOMAIN.values["g"].lo, DOMAIN.values["g"].hi) == (-5.0, 0.0)
     assert bounds["beta"] == (0.0, 1.0)
