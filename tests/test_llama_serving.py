@@ -80,6 +80,9 @@ def server(tmp_path_factory):
     try:
         wait_for(lambda: server.process.poll() is not None or get(server, "/healthz")[0] == 200, 400,
                  "the llama engine to be verified and ready", SERVER_NOT_READY)
+        # Serve answers before `evo serve` prints how to call it: wait for that line too (a loaded machine)
+        wait_for(lambda: server.process.poll() is not None or "try it:" in server.output(), 120,
+                 "evo serve to print that it is serving")
         assert server.process.poll() is None, server.output()[-3000:]
         yield server
     finally:
