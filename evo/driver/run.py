@@ -97,6 +97,8 @@ def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout
         with run_log.phase("final paired re-timing"):
             summary = retime_best(parts, search, baselines, summary, stopped, say)
         summary = replace(summary, registered_model=register_best(parts, summary, stopped, say))
+        if summary.best_genome:  # the final race may have crowned another than the last generation's best
+            write_json(run_dir / "best_genome.json", summary.best_genome)
         write_json(run_dir / SUMMARY_FILE, summary.to_dict())
         sinks.end(summary, KILLED if stopped else FINISHED)
         _print_summary(summary, run_dir, parts.mlflow)

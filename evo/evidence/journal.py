@@ -6,7 +6,7 @@ Run directory layout:
   generations/gen_0000.parquet one row per candidate of the generation (written before it is reported)
   baselines.json              each baseline's result
   state.json                  search state after the last complete generation (agent statistics, RNG)
-  best_genome.json            the best genome so far
+  best_genome.json            the best genome so far (at the end: the summary's, after the final race)
   summary.json                best genome, latencies, speedups (with their paired intervals), evaluations, count per status
   retimings.jsonl             one line per paired re-timing (intensification, the final one against the
                               baselines, the race against the registered @champion), appended and fsynced;
