@@ -46,6 +46,7 @@ from evaluators import telemetry
 from evaluators.check import compare_outputs, expected_dtypes, worse
 from evaluators import jail
 from evaluators.arena import ArenaPool
+from evaluators.generation_judge import GenerationJudge
 from evaluators.guard import hidden_paths
 from evaluators.sandbox import CallResult, EngineProcess, EngineProcessError, workload_modules
 from evaluators.settings import EvaluatorSettings
@@ -128,7 +129,11 @@ class Evaluator:
                              " Set `evaluator: {sandbox: none}` in the config to judge trusted engines unconfined")
         self._versions["sandbox"] = settings.sandbox  # in every result's versions
         self._preload = workload_modules(self.workload)  # what the engine's process loads before its jail
-        self._timing_case = self.workload.timing_case(self.preset)  # by default a check case at the preset shape
+        self.generation: GenerationJudge | None = None  # the judge of a generation workload (requests in, tokens out)
+        if self.workload.contract == "generation":
+            self.preset = self.workload.with_trace(self.preset, settings.trace)  # the run's trace, within the bounds
+            self.generation = GenerationJudge(self)
+        self._timing_case = None if self.generation else self.workload.timing_case(self.preset)
         self._rates: MachineRates | None = None  # the driver's (use_rates), or measured on first need; then kept
         self._rates_source = ""  # evaluators.calibration: MEASURED, CACHED or RUN
         self._rates_key = machine_key(self._info, self.preset.dtype)
@@ -259,6 +264,8 @@ class Evaluator:
                 torch.cuda.empty_cache()
 
     def _judge(self, process: EngineProcess, genome_hash: str, start: float, engine: dict) -> EvalResult:
+        if self.generation is not None:
+            return self.generation.judge(process, genome_hash, start, engine)
         settings = self.settings
         null_ms = 0.0
         try:
@@ -268,31 +275,20 @@ class Evaluator:
                                                   repeats=_CALIBRATION_CALLS)
         except EngineProcessError as exc:
             return self._failed(genome_hash, start, exc, "calibration", self._limit(genome_hash, build=True))
-        launched = time.perf_counter()  # the build's clock starts once the engine's process is ready
-        (_, build_limit_s), (_, whole_s) = settings.budgets(baseline=engine.get("baseline") is not None)
-        build_deadline, deadline = launched + build_limit_s, launched + whole_s
-        try:
-            built = process.build(timeout_s=build_deadline - time.perf_counter())
-        except EngineProcessError as exc:
-            return self._failed(genome_hash, start, exc, "build", self._limit(genome_hash, build=True),
-                                build_s=time.perf_counter() - launched)
-        if built["forbidden_calls"] or built.get("forbidden"):
-            calls = ", ".join(sorted(set(built["forbidden_calls"]))) or built.get("message", "")
-            return self._result(genome_hash, INCORRECT, start, build_s=time.perf_counter() - launched,
-                                message=f"build called {calls}: {_FORBIDDEN_ADVICE}")
-        if built.get("op") != "built":
-            return self._result(genome_hash, BUILD_ERROR, start, build_s=time.perf_counter() - launched,
-                                message=_summary("build failed", built), error=str(built.get("traceback", "")))
-        stamp = {"threads": int(built.get("threads") or self._info.threads)}
+        built, failed_build = self.built(process, genome_hash, start, engine, configure=False)
+        if failed_build is not None:
+            return failed_build
+        stamp, deadline = built
+        launched = time.perf_counter() - stamp["build_s"]
+        build_deadline = launched + settings.budgets(baseline=engine.get("baseline") is not None)[0][1]
 
         try:
             first = self._checked(process, _Call(self._timing_case, False, "first call at the preset shape"),
                                   min(build_deadline, deadline), first=True)
         except EngineProcessError as exc:
             return self._failed(genome_hash, start, exc, "build + first call", self._limit(genome_hash, build=True),
-                                build_s=time.perf_counter() - launched, **stamp)
-        build_s = time.perf_counter() - launched
-        stamp["build_s"] = build_s
+                                **{**stamp, "build_s": time.perf_counter() - launched})
+        stamp["build_s"] = time.perf_counter() - launched
         if first.status is not None:
             return self._result(genome_hash, first.status, start, message=first.message, error=first.error,
                                 max_rel_error=first.rel_error, **stamp)
@@ -337,6 +333,33 @@ class Evaluator:
             note += f"; re-verified on fresh inputs after a first median of {first_median:.4g} ms below the floor"
         return self._result(genome_hash, OK, start, latency_ms=timing.median_ms, latency_spread_ms=timing.spread_ms,
                             message=f"{note}; {len(timing.samples_ms)} timed calls", **stamp)
+
+    def built(self, process: EngineProcess, genome_hash: str, start: float, engine: dict, contract: str = "call",
+              configure: bool = True) -> tuple[tuple[dict, float] | None, EvalResult | None]:
+        """Configure (unless done) and build the engine in its launched process: ((the result's stamp with
+        `build_s` and `threads`, the evaluation's deadline), None), or (None, the failed result)."""
+        if configure:
+            try:
+                process.configure(self.workload, self.preset, self._info, contract=contract, **engine)
+            except EngineProcessError as exc:
+                return None, self._failed(genome_hash, start, exc, "configuration", self._limit(genome_hash, True))
+        launched = time.perf_counter()  # the build's clock starts once the engine's process is ready
+        (_, build_limit_s), (_, whole_s) = self.settings.budgets(baseline=engine.get("baseline") is not None)
+        build_deadline, deadline = launched + build_limit_s, launched + whole_s
+        try:
+            built = process.build(timeout_s=build_deadline - time.perf_counter())
+        except EngineProcessError as exc:
+            return None, self._failed(genome_hash, start, exc, "build", self._limit(genome_hash, build=True),
+                                      build_s=time.perf_counter() - launched)
+        if built["forbidden_calls"] or built.get("forbidden"):
+            calls = ", ".join(sorted(set(built["forbidden_calls"]))) or built.get("message", "")
+            return None, self._result(genome_hash, INCORRECT, start, build_s=time.perf_counter() - launched,
+                                      message=f"build called {calls}: {_FORBIDDEN_ADVICE}")
+        if built.get("op") != "built":
+            return None, self._result(genome_hash, BUILD_ERROR, start, build_s=time.perf_counter() - launched,
+                                      message=_summary("build failed", built), error=str(built.get("traceback", "")))
+        stamp = {"threads": int(built.get("threads") or self._info.threads), "build_s": time.perf_counter() - launched}
+        return (stamp, deadline), None
 
     def _plan(self, rng: np.random.Generator, checks: bool = True, timed: bool = True) -> list[_Call]:
         """Every check case, the cases drawn over the workload's domain for this evaluation (from `rng`)
@@ -498,6 +521,22 @@ class Evaluator:
             self._spec_cache[key] = {n: (tuple(reference[n].shape), d) for n, d in self._dtypes.items()}
         return self._spec_cache[key]
 
+    def result(self, genome_hash: str, status: str, start: float, **fields) -> EvalResult:
+        """A result of this evaluator (device, versions, telemetry, floor stamped), for the generation judge."""
+        return self._result(genome_hash, status, start, **fields)
+
+    def below_floor(self, latency_ms: float) -> bool:
+        return self._below_floor(latency_ms)
+
+    def next_seed(self) -> int:
+        """A fresh seed from the OS's randomness (never repeated): every draw of inputs or prompts."""
+        return self._seeds.next()
+
+    @property
+    def preload(self) -> tuple:
+        """What an engine's process loads before its jail."""
+        return self._preload
+
     def _below_floor(self, latency_ms: float) -> bool:
         """Faster than margin x the floor, even after re-measuring the machine's rates (False for nan)."""
         if not latency_ms < self.roofline_floor_ms() * self.settings.roofline_margin:
@@ -623,6 +662,8 @@ class Evaluator:
     def hold(self, process: EngineProcess, engine: dict, deadline: float) -> tuple[str | None, float]:
         """Launch `process`, build `engine` there and check its first call: (why it failed, or None;
         the judge's cost of a call to subtract from its timed calls, ms)."""
+        if self.generation is not None:
+            return self.generation.hold(process, engine, deadline)
         null_ms = 0.0
         try:
             process.launch(preload=self._preload)
@@ -645,7 +686,10 @@ class Evaluator:
     def timed_call(self, process: EngineProcess, where: str, deadline: float, null_ms: float = 0.0
                    ) -> tuple[float, str | None, tuple]:
         """One call at the timing shape on fresh inputs: (latency ms, a failure found without the reference
-        or None, what `verify` checks against the reference, now or after the run)."""
+        or None, what `verify` checks against the reference, now or after the run). For a generation engine
+        one "call" is one replay of the run's trace and its latency the run's objective."""
+        if self.generation is not None:
+            return self.generation.timed_call(process, where, deadline, null_ms)
         call = _Call(self._timing_case, True, where)
         try:
             inputs, result, failure = self._call(process, call, deadline)
@@ -657,8 +701,14 @@ class Evaluator:
 
     def verify(self, pending: tuple) -> str | None:
         """A timed call's outputs against the float64 reference: why they are wrong, or None."""
+        if self.generation is not None:
+            return self.generation.verify(pending)
         verdict = self._compare(*pending)
         return None if verdict.status is None else f"{verdict.status}: {verdict.message}"
+
+    def figures(self, pending: tuple) -> dict[str, float]:
+        """A timed call's figures beyond its latency (a generation engine's replay metrics), for paired records."""
+        return self.generation.figures(pending) if self.generation is not None else {}
 
     def verify_held(self, process: EngineProcess, deadline: float) -> tuple[str | None, float]:
         """Every check case and a fresh draw over the domain, on a held engine (no timed calls): (why it

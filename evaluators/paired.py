@@ -77,21 +77,25 @@ def retime(judge: Judge, engines: Sequence[str], rng: np.random.Generator, *, ca
         outcome = _rounds(judge, held, rng, calls, warmup, deadline)
         if isinstance(outcome, str):
             return failed(outcome)
-        samples, machine = outcome
+        samples, machine, figures = outcome
         if machine.get("throttled"):  # the GPU held its clocks down meanwhile: once more
             again = _rounds(judge, held, rng, calls, warmup, deadline)
             if isinstance(again, str):
                 return failed(again)
-            samples, machine = again[0], {**again[1], "retimed_after_throttle": True}
+            samples, machine, figures = again[0], {**again[1], "retimed_after_throttle": True}, again[2]
     wall_s = time.perf_counter() - start
     return [paired_timing(labels[0], labels[j], samples[0], samples[j], min_effect, wall_s=wall_s,
-                          telemetry=machine, **stamp) for j in range(1, len(labels))]
+                          telemetry=machine, figures_a=figures[0], figures_b=figures[j], **stamp)
+            for j in range(1, len(labels))]
 
 
 def _rounds(judge: Judge, held: list[tuple[str, object, float]], rng: np.random.Generator, calls: int,
-            warmup: int, deadline: float) -> tuple[list[list[float]], dict] | str:
-    """Warm-up and `calls` shuffled rounds: (samples per engine, telemetry), or why a call failed."""
+            warmup: int, deadline: float) -> tuple[list[list[float]], dict, list[dict]] | str:
+    """Warm-up and `calls` shuffled rounds: (samples per engine, telemetry, figures per engine: name -> one
+    value per timed call, from the judge's `figures` where it has one), or why a call failed."""
     samples: list[list[float]] = [[] for _ in held]
+    figures: list[dict[str, list[float]]] = [{} for _ in held]
+    read_figures = getattr(judge, "figures", None)
     pending: list[tuple] = []
     before = judge.sampler.sample(judge.device)
     orders = [list(rng.permutation(len(held))) for _ in range(warmup)] + balanced_orders(len(held), calls, rng)
@@ -111,6 +115,8 @@ def _rounds(judge: Judge, held: list[tuple[str, object, float]], rng: np.random.
                     return f"{label}: {problem}"
             if timed:
                 samples[int(i)].append(ms)
+                for name, value in (read_figures(check) if read_figures else {}).items():
+                    figures[int(i)].setdefault(name, []).append(float(value))
     after = judge.sampler.sample(judge.device)
     for label, check in pending:
         problem = judge.verify(check)
@@ -118,7 +124,7 @@ def _rounds(judge: Judge, held: list[tuple[str, object, float]], rng: np.random.
             return f"{label}: {problem}"
     if any(not math.isfinite(s) for row in samples for s in row):
         return "a timed call has no latency"
-    return samples, telemetry.around(before, after)
+    return samples, telemetry.around(before, after), [{k: tuple(v) for k, v in f.items()} for f in figures]
 
 
 def balanced_orders(engines: int, rounds: int, rng: np.random.Generator) -> list[list[int]]:

@@ -38,6 +38,10 @@ class GenerationError(RuntimeError):
     """The engine raised, or answered something other than the contract's answer."""
 
 
+class ForbiddenCallError(GenerationError):
+    """The engine called a function it must not (the reference, a baseline) while it ran."""
+
+
 class ConfinedGenerator:
     """A generation engine in its own confined process, seen through its channel: `add` and `step` each
     one exchange (the candidate frozen in between); a step's events must be [id, token, finished] triples."""
@@ -49,11 +53,13 @@ class ConfinedGenerator:
 
     def add(self, request: GenerationRequest) -> None:
         reply = self.process.add(asdict(request), self.timeout_s)
+        _forbidden(reply)
         if reply.get("op") != "added":
             raise GenerationError(f"adding request {request.id}: {_why(reply)}")
 
     def step(self) -> list[TokenEvent]:
         reply = self.process.step(self.timeout_s)
+        _forbidden(reply)
         if reply.get("op") != "stepped":
             raise GenerationError(f"a step: {_why(reply)}")
         events = reply.get("events")
@@ -62,6 +68,13 @@ class ConfinedGenerator:
                 and type(e[2]) is bool for e in events)):
             raise GenerationError("a step answered something other than [request id, token, finished] triples")
         return [TokenEvent(*e) for e in events]
+
+
+def _forbidden(reply: dict) -> None:
+    if reply.get("forbidden_calls") or reply.get("forbidden"):
+        calls = ", ".join(sorted(set(reply.get("forbidden_calls") or ()))) or str(reply.get("message", ""))[:200]
+        raise ForbiddenCallError(f"the engine called {calls}: engines must compute their tokens, not call the "
+                                 "workload's reference or a baseline")
 
 
 def _why(reply: dict) -> str:
@@ -100,6 +113,7 @@ def replay(engine: GenerationEngine, trace: Sequence[TraceRequest], prompts: Seq
     flights: dict[int, _Flight] = {}
     violations: list[str] = []
     start, steps = clock(), 0
+    freed_s = 0.0  # when a request last finished: a client held back by the cap (or a closed loop's) sends then
     while pending or any(not f.finished for f in flights.values()):
         now = clock() - start
         if now > deadline_s:
@@ -111,7 +125,9 @@ def replay(engine: GenerationEngine, trace: Sequence[TraceRequest], prompts: Seq
         while pending and (pending[0][0].arrival_s or 0.0) <= now and (not concurrency or in_flight < concurrency):
             item, prompt = pending.popleft()
             request = GenerationRequest(item.index, tuple(int(t) for t in prompt), item.max_tokens, stop_ids)
-            flights[item.index] = _Flight(request, clock() - start)
+            # a client sends at its arrival time (or once a slot freed), even while the engine is mid-step:
+            # the time the judge spent waiting for that step counts against the engine
+            flights[item.index] = _Flight(request, max(item.arrival_s or 0.0, freed_s if concurrency else 0.0))
             engine.add(request)
             in_flight += 1
         if not in_flight:  # the next arrival is in the future: wait for it, on the judge's clock
@@ -131,6 +147,8 @@ def replay(engine: GenerationEngine, trace: Sequence[TraceRequest], prompts: Seq
             if last and not event.finished:  # the judge ends it anyway: nothing past its last token counts
                 violations.append(f"request {event.request_id}: its last token (step {steps}) not marked finished")
             flight.finished = bool(event.finished) or last
+            if flight.finished:
+                freed_s = stamp
     ordered = [flights[i] for i in sorted(flights)]
     return Replay(tuple(f.request for f in ordered), tuple(tuple(f.tokens) for f in ordered),
                   tuple(RequestTimeline(f.sent_s, tuple(f.token_s), len(f.request.prompt)) for f in ordered),

@@ -129,6 +129,23 @@ class EvaluatorSettings:
         " namespaces: for trusted engines only). Every result records which one judged it",
         lambda x: x in ("strict", "none"),
     )
+    trace: dict = _option(
+        dict,
+        "a generation workload's request trace, over the preset's (evo.core.trace.TraceSpec fields: arrival"
+        " burst|poisson|closed, count, concurrency, rate, prompt_len [lo, hi], output_len [lo, hi], seed); {}:"
+        " the preset's own. Bounded by the preset's verified prompt and output lengths and requests in flight",
+        lambda x: isinstance(x, Mapping),
+        factory=True,
+        hash=False,
+    )
+    objective: str = _option(
+        "ms_per_output_token",
+        "what the search minimises for a generation workload, read off each timed replay: ms_per_output_token"
+        " (1000 / output tokens/s), tpot_p99_ms, tpot_median_ms, ttft_p99_ms or e2el_median_ms",
+        lambda x: x in ("ms_per_output_token", "tpot_p99_ms", "tpot_median_ms", "ttft_p99_ms", "e2el_median_ms"),
+    )
+    replays: int = _option(2, "timed replays of the trace per evaluation of a generation engine (fresh prompts"
+                              " each); the result is their median", _count(1))
     min_timing_s: float | None = _option(
         None,
         "if set, keep timing past `repeats` until the timed calls add up to this many seconds",

@@ -92,6 +92,9 @@ class EvalResult:
     evaluator: str = ""
     versions: dict[str, str] = field(default_factory=dict)
     roofline_floor_ms: float = math.nan  # the preset's roofline floor on this evaluator's machine
+    # a generation engine's replay metrics under `vllm bench serve`'s names (the objective, output tokens/s,
+    # TTFT, TPOT, ITL, E2E in ms); empty for a call engine
+    serving: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:

@@ -53,6 +53,10 @@ class PairedTiming:
     evaluator: str = ""
     device: str = ""
     telemetry: dict[str, Any] = field(default_factory=dict)  # the machine around the calls (evaluators.telemetry)
+    # figures of each timed call beyond its latency, by name, in call order like the samples (a generation
+    # engine's replay: output tokens/s, TTFT, TPOT, ...); empty for a call engine
+    figures_a: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    figures_b: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
@@ -129,6 +133,18 @@ def paired_timing(a: str, b: str, samples_a_ms: Sequence[float], samples_b_ms: S
     ratio, low, high = math.exp(estimate), math.exp(low), math.exp(high)
     return PairedTiming(a, b, decide(low, high, min_effect), ratio, low, high, min_effect,
                         tuple(float(s) for s in a_ms), tuple(float(s) for s in b_ms), **fields)
+
+
+def paired_figures(timing: PairedTiming) -> dict[str, list[float]]:
+    """Each figure both engines report, paired as the latencies are: name -> [estimate, low, high] of A's
+    value / B's (95%, Hodges-Lehmann and Wilcoxon as for the latency ratio)."""
+    out = {}
+    for name in sorted(set(timing.figures_a) & set(timing.figures_b)):
+        a, b = timing.figures_a[name], timing.figures_b[name]
+        if len(a) == len(b) >= MIN_PAIRS and all(math.isfinite(x) and x > 0 for x in (*a, *b)):
+            one = paired_timing(timing.a, timing.b, a, b, timing.min_effect)
+            out[name] = [one.ratio, one.low, one.high]
+    return out
 
 
 def pooled(earlier: PairedTiming, later: PairedTiming) -> PairedTiming:

@@ -29,6 +29,7 @@ class TraceSpec:
     rate: float = 0.0  # poisson only: requests per second
     prompt_len: tuple[int, int] = (16, 256)  # tokens, drawn uniformly in [low, high]
     output_len: tuple[int, int] = (16, 128)  # tokens to generate (max_tokens), drawn uniformly in [low, high]
+    seed: int = 0  # the trace's shape (lengths, arrivals) is drawn from it: the same for every evaluation of a run
 
     def __post_init__(self) -> None:
         problems = []
@@ -43,6 +44,8 @@ class TraceSpec:
         if self.arrival == "poisson" and not (isinstance(self.rate, (int, float)) and self.rate > 0
                                               and math.isfinite(self.rate)):
             problems.append(f"rate must be a number of requests per second > 0 for poisson arrivals, got {self.rate!r}")
+        if not _is_int(self.seed):
+            problems.append(f"seed must be an integer, got {self.seed!r}")
         for name in ("prompt_len", "output_len"):
             span = getattr(self, name)
             if not (isinstance(span, (tuple, list)) and len(span) == 2 and all(_is_int(v) for v in span)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+from evo.evidence.serving_table import serving_lines
 from evo.evidence.summary import Summary, baseline_not_compared, baselines_measured
 
 DEFAULT_MIN_EFFECT = 0.02
@@ -116,7 +117,7 @@ def claim_lines(summary: Summary) -> list[str]:
                      f" and was never re-timed: {item['reason']}")
     lines.append(f"  single timing {summary.best_latency_ms:.3f} ms (IQR {summary.best_latency_spread_ms:.3f}; one"
                  f" evaluation's median, not a claim), max rel error {summary.best_max_rel_error:.2e}")
-    return lines
+    return lines + serving_lines(summary)
 
 
 def _finite(value: object) -> bool:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from evo.core.records import STATUSES, SUSPECT, EvalResult, nan_for_null
-from evo.core.retiming import FAILED, VERDICTS, PairedTiming
+from evo.core.retiming import FAILED, VERDICTS, PairedTiming, paired_figures
 from evo.core.search import RaceResult, Search
 from evo.evidence.floor import RunFloor
 from evo.workloads.base import Roofline
@@ -117,6 +117,12 @@ class Summary:
     # candidates against the incumbent before the winner was declared (evo.core.search.RaceResult.to_dict)
     unexamined: list[dict[str, Any]] = field(default_factory=list)  # hash, latency_ms, reason: candidates that
     # looked faster than the winner (single timing) and were never re-timed, with why
+    # A generation workload's serving metrics (`vllm bench serve`'s names), one replay of its evaluation each:
+    # "best" and each baseline by name (`EvalResult.serving`); the final re-timing's paired intervals of each
+    # metric, best against each baseline (`serving_paired`: baseline -> metric -> [estimate, low, high] of the
+    # best's value / the baseline's); empty for call workloads
+    serving: dict[str, dict[str, Any]] = field(default_factory=dict)
+    serving_paired: dict[str, dict[str, list[float]]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -178,6 +184,8 @@ def make_summary(search: Search, baselines: dict[str, EvalResult], roofline: Run
         intensification=intensification(search),
         final_race=race.to_dict() if race is not None and race.contenders else {},
         unexamined=[u.to_dict() for u in race.unexamined] if race is not None else [],
+        serving={name: dict(r.serving) for name, r in [*([("best", best.result)] if best else []), *baselines.items()]
+                 if r.serving},
         **run,
     )
 
@@ -196,11 +204,13 @@ def intensification(search: Search) -> dict[str, Any]:
 def with_final_retimings(summary: Summary, timings: list[PairedTiming]) -> Summary:
     """`summary` with the speedups of the final paired re-timing (a = the best engine, b = "baseline:NAME"):
     the speedup over a baseline is b's latency / a's = 1 / ratio, its interval [1/high, 1/low]."""
-    ci, paired = {}, {}
+    ci, paired, figures = {}, {}, {}
     for t in timings:
         if t.verdict == FAILED or not t.b.startswith("baseline:"):
             continue
         name = t.b.removeprefix("baseline:")
         estimate, low, high = t.speedup
         ci[name], paired[name] = [low, high], estimate
-    return dataclasses.replace(summary, speedup_ci=ci, speedup_paired=paired)
+        if found := paired_figures(t):
+            figures[name] = found
+    return dataclasses.replace(summary, speedup_ci=ci, speedup_paired=paired, serving_paired=figures)

@@ -120,6 +120,9 @@ class Workload:
     output_names: tuple[str, ...] = ()  # the keys of the dict an engine returns
     reference_baseline: str | None = None  # the baseline benchmark speedups are against (what a user
     # runs today); None, or absent from a run: the fastest baseline
+    contract: str = "call"  # "call": engine(**inputs) -> outputs, one batch per call (`Engine`); "generation":
+    # a long-lived engine, requests in and tokens out (`evo.workloads.generation`), judged as a client
+    # (`evaluators.generation_judge`) through the generation hooks below
 
     # ------------------------------------------------------------------ required hooks
     def presets(self) -> dict[str, Preset]:
@@ -160,8 +163,30 @@ class Workload:
         raise NotImplementedError(f"workload {self.name!r} has no generation engine (the generation contract)")
 
     def roofline(self, preset: Preset, rates: MachineRates) -> Roofline:
-        """The preset's floor on `rates`: its FLOPs and bytes moved."""
+        """The preset's floor on `rates`: its FLOPs and bytes moved (a generation workload: per output token
+        of its trace, in the units of the run's objective)."""
         raise self._missing("roofline")
+
+    # ------------------------------------------------------------------ the generation contract's hooks
+    # A generation workload's preset has shape axes R (requests in flight), P (longest prompt), N (most new
+    # tokens of a request) and V (vocabulary): the judge's check replay covers their edges.
+    def with_trace(self, preset: Preset, overrides: Mapping[str, Any]) -> Preset:
+        """`preset` judged on its trace with `overrides` (the config's `evaluator.trace`); ValueError naming
+        a field or bound that is wrong."""
+        raise NotImplementedError(f"workload {self.name!r} has no request trace (the generation contract)")
+
+    def trace(self, preset: Preset):
+        """The `evo.core.trace.TraceSpec` engines for `preset` are timed on."""
+        raise NotImplementedError(f"workload {self.name!r} has no request trace (the generation contract)")
+
+    def reference_logits(self, preset: Preset, prompt, tokens) -> np.ndarray:
+        """Float64 logits [len(tokens), V]: row i predicts tokens[i] from the prompt and tokens[:i] (the
+        reference teacher-forced over an engine's own tokens, which it was never handed)."""
+        raise NotImplementedError(f"workload {self.name!r} has no generation reference")
+
+    def tie_tolerance(self, preset: Preset) -> float:
+        """How far below the reference's top logit another token may be and still count as a near tie."""
+        return {"float32": 1e-3, "bfloat16": 0.15}.get(preset.dtype, 0.15)
 
     # ------------------------------------------------------------------ optional hooks
     def reference_for(self, preset: Preset, inputs: dict) -> dict:

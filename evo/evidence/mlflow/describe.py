@@ -17,6 +17,7 @@ from pathlib import Path
 from evo.evidence.claims import claim_sentence
 from evo.evidence.floor import floor_text
 from evo.evidence.mlflow.links import artifact_path, model_version_path
+from evo.evidence.serving_table import serving_markdown
 from evo.evidence.summary import Summary, baseline_not_compared, baselines_measured
 
 RUN_ID, EXPERIMENT_ID = "<run_id>", "<experiment_id>"  # placeholders the outbox fills in at replay
@@ -71,6 +72,9 @@ def run_description(summary: Summary, run_dir: Path | str, status: str = "FINISH
             why = failed.removeprefix(f"{name}: ").replace("|", "\\|") if failed else None
             lines.append(f"| {name} | {ms(base.get('latency_ms'))} | {why or speedup_text(summary, name)} |")
         lines.append("")
+        if table := serving_markdown(summary):  # a generation engine's figures, as users compare servers
+            lines += [f"Serving figures ({summary.serving.get('best', {}).get('objective', 'ms_per_output_token')} is"
+                      " the latency above; times in ms):", "", table, ""]
         roof = roofline_text(summary)
         facts = [f"By single timing: {summary.speedup_vs_best_baseline:.2f}x faster than the best baseline ({summary.best_baseline})"
                  f" {baselines_measured(summary)}"]

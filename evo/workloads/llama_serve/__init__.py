@@ -1,0 +1,116 @@
+"""A Llama decoder as a serving engine (the generation contract, `evo.workloads.generation`): requests
+in, tokens out. The engine owns its scheduler and its KV memory; the judge replays a request trace
+against it as a client and scores every request's own tokens (`evaluators.generation_judge`).
+
+Modules: presets (the model and its trace), genes (the engine's decisions), engine (the batched
+generator the genes describe), baselines (what a user would run instead: transformers' static and
+continuous batching, our plainest engine one request at a time), reference (the float64 oracle of an
+engine's own tokens). The model, its weights and the engine's layers are the `llama` workload's; that
+workload keeps the teacher-forced call contract (one batch per call).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from evo.core.genome import GeneSpace, Genome
+from evo.core.trace import TraceSpec
+from evo.workloads.base import NO_SOURCES, CheckCase, DeviceInfo, MachineRates, Preset, Roofline, Workload
+from evo.workloads.lazy import lazy
+from evo.workloads.llama import open_code as _open_code
+from evo.workloads.llama_serve.presets import PRESETS, ServePreset
+
+_baselines = lazy("evo.workloads.llama_serve.baselines", judge_only=True)
+_engine = lazy("evo.workloads.llama_serve.engine")
+_genes = lazy("evo.workloads.llama_serve.genes")
+_reference = lazy("evo.workloads.llama_serve.reference", judge_only=True)
+_llama_reference = lazy("evo.workloads.llama.reference", judge_only=True)
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class LlamaServeWorkload(Workload):
+    name = "llama_serve"
+    contract = "generation"
+    input_names = ("prompt",)
+    output_names = ("tokens",)
+    reference_baseline = None  # the fastest baseline of the run (transformers' static or continuous batching)
+
+    @staticmethod
+    def _use(preset: Preset) -> ServePreset:
+        if not isinstance(preset, ServePreset):
+            raise TypeError(f"a llama_serve preset is a ServePreset (evo.workloads.llama_serve.presets), got {preset!r}")
+        return preset
+
+    def presets(self) -> dict[str, Preset]:
+        return dict(PRESETS)
+
+    def gene_space(self, preset: Preset, device: DeviceInfo) -> GeneSpace:
+        return _genes.gene_space(self._use(preset), device)
+
+    def check_cases(self, preset: Preset) -> list[list[CheckCase]]:
+        return []  # the judge's check replay covers the domain's edges (evaluators.generation_judge)
+
+    def timing_case(self, preset: Preset) -> CheckCase:
+        return CheckCase(f"trace:{preset.name}", dict(preset.shape), "uniform")
+
+    def make_inputs(self, case: CheckCase, dtype: str, device: str, seed: int) -> dict:
+        raise TypeError("llama_serve engines take requests, not input tensors: the judge draws their prompts")
+
+    def reference(self, inputs: dict) -> dict:
+        raise TypeError("the llama_serve oracle scores an engine's own tokens: call reference_logits(preset, prompt, tokens)")
+
+    def reference_logits(self, preset: Preset, prompt, tokens):
+        return _reference.continuation_logits(self._use(preset).model, prompt, tokens)
+
+    def with_trace(self, preset: Preset, overrides: Mapping[str, Any]) -> Preset:
+        base = self._use(preset)
+        fields = {**base.trace.__dict__, **{k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}}
+        unknown = sorted(set(overrides) - set(base.trace.__dict__))
+        if unknown:
+            raise ValueError(f"evaluator.trace: unknown key(s) {unknown}; allowed: {sorted(base.trace.__dict__)}")
+        return base.with_trace(TraceSpec(**fields))
+
+    def trace(self, preset: Preset) -> TraceSpec:
+        return self._use(preset).trace
+
+    def engine_files(self, preset: Preset) -> tuple[str, ...]:
+        checkpoint = self._use(preset).model.checkpoint
+        return (str(checkpoint),) if checkpoint else ()
+
+    def forbidden_callables(self) -> list[tuple[object, str]]:
+        """The float64 oracles and every baseline: their answers would pass the check for free."""
+        return [(_reference, "continuation_logits"), (_llama_reference, "generate"),
+                (_llama_reference, "float64_weights"), (_baselines, "baselines"), (_baselines, "HFStatic.step"),
+                (_baselines, "HFContinuous.step"), (_baselines, "OneAtATime.step")]
+
+    def open_stages(self, preset: Preset, device: DeviceInfo):
+        return _open_code.open_stages(preset, device)
+
+    def build(self, genome: Genome, preset: Preset, device: DeviceInfo, sources: Mapping[str, str] = NO_SOURCES):
+        raise TypeError("llama_serve engines generate: build them with build_generator (the generation contract)")
+
+    def build_generator(self, genome: Genome, preset: Preset, device: DeviceInfo,
+                        sources: Mapping[str, str] = NO_SOURCES):
+        return _engine.build(genome, self._use(preset), device, sources)
+
+    def baselines(self, preset: Preset) -> dict[str, Callable[[DeviceInfo], Any]]:
+        return _baselines.baselines(self._use(preset))
+
+    def roofline(self, preset: Preset, rates: MachineRates) -> Roofline:
+        """Per output token, in ms (the objective's unit): a decode step's FLOPs for one token, and the
+        weights read once per step shared by the R requests in flight. A lower bound for every objective."""
+        p = self._use(preset)
+        m, R = p.model, max(1, p.trace.concurrency)
+        weights = m.parameters(with_embedding=False)
+        return Roofline(flops=2 * weights, bytes=weights * _ITEMSIZE[p.dtype] / R, rates=rates)
+
+    def label(self, genome: Genome) -> str:
+        v = genome.values()
+        parts = [f"{v.get('batching')} x{v.get('max_running')}", f"prefill {v.get('prefill')}",
+                 f"kv {v.get('kv_pool')}", f"step {v.get('decode_step')}"]
+        return f"llama_serve {genome.hash[:8]} ({', '.join(parts)})"
+
+
+WORKLOAD = LlamaServeWorkload()
+
+__all__ = ["WORKLOAD", "LlamaServeWorkload"]
