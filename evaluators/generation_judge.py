@@ -27,7 +27,7 @@ import numpy as np
 from evaluators.replay import ConfinedGenerator, GenerationError, Replay, replay, score
 from evaluators.sandbox import EngineProcess, EngineProcessError
 from evo.core.records import INCORRECT, OK, RUNTIME_ERROR, SUSPECT, EvalResult
-from evo.core.stream_metrics import ServingMetrics, serving_metrics
+from evo.core.stream_metrics import ServingMetrics, Slo, serving_metrics
 from evo.core.trace import TraceRequest, TraceSpec, draw
 
 OBJECTIVES = {
@@ -78,6 +78,7 @@ class GenerationJudge:
         self.replays = settings.replays
         self.vocab = int(self.preset.shape["V"])
         self.tolerance = self.workload.tie_tolerance(self.preset)
+        self.slo = Slo(**settings.slo) if settings.slo else None  # goodput's bounds, if the config sets any
 
     # ----------------------------------------------------------------- one evaluation
     def judge(self, process: EngineProcess, genome_hash: str, start: float, engine: dict) -> EvalResult:
@@ -166,7 +167,7 @@ class GenerationJudge:
         if result.violations:
             return None, (INCORRECT, f"{what}: {result.violations[0]}"
                                      f"{f' (and {len(result.violations) - 1} more)' if len(result.violations) > 1 else ''}")
-        return _Timed(result, serving_metrics(result.timelines, result.duration_s)), None
+        return _Timed(result, serving_metrics(result.timelines, result.duration_s, self.slo)), None
 
     def _score(self, timed: list[_Timed], what: str) -> tuple[str, str] | None:
         for one in timed:

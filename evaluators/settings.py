@@ -144,6 +144,15 @@ class EvaluatorSettings:
         " (1000 / output tokens/s), tpot_p99_ms, tpot_median_ms, ttft_p99_ms or e2el_median_ms",
         lambda x: x in ("ms_per_output_token", "tpot_p99_ms", "tpot_median_ms", "ttft_p99_ms", "e2el_median_ms"),
     )
+    slo: dict = _option(
+        dict,
+        "service-level objectives of a generation workload's requests, in ms ({ttft_ms, tpot_ms, e2e_ms}, each"
+        " optional): the replay's goodput is the requests per second that met all of them ({}: no goodput)",
+        lambda x: isinstance(x, Mapping) and set(x) <= {"ttft_ms", "tpot_ms", "e2e_ms"}
+        and all(_positive(v) for v in x.values()),
+        factory=True,
+        hash=False,
+    )
     replays: int = _option(2, "timed replays of the trace per evaluation of a generation engine (fresh prompts"
                               " each); the result is their median", _count(1))
     min_timing_s: float | None = _option(

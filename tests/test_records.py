@@ -34,6 +34,8 @@ OLD_SCHEMA = pa.schema([
     ("evaluator", pa.string()), ("versions", pa.string()), ("roofline_floor_ms", pa.float64()),
     ("notes", pa.string()),
 ])
+SCHEMA_WITH_SERVING = pa.schema([*(f for f in OLD_SCHEMA if f.name != "notes"), ("serving", pa.string()),
+                                 ("notes", pa.string())])  # a generation engine's replay figures (JSON)
 
 
 # --- one JSONL reader ----------------------------------------------------------------------------
@@ -98,8 +100,13 @@ def evaluated(n: int, generation: int = 0, **proposal) -> list[Evaluated]:
     return out
 
 
-def test_the_parquet_schema_is_derived_from_the_records_and_matches_the_files_already_written():
-    assert SCHEMA.equals(OLD_SCHEMA)
+def test_the_parquet_schema_is_derived_from_the_records_and_matches_the_files_already_written(tmp_path):
+    assert SCHEMA.equals(SCHEMA_WITH_SERVING)
+    generations = tmp_path / "generations"
+    generations.mkdir()
+    pq.write_table(OLD_SCHEMA.empty_table(), generations / "gen_0000.parquet")  # written before `serving`
+    pq.write_table(pa.Table.from_pylist([evidence_row(evaluated(1)[0])], schema=SCHEMA), generations / "gen_0001.parquet")
+    assert read_generations(tmp_path).num_rows == 1
     item, = evaluated(1, metrics={"tokens_in": 12, "cost_usd": 0.5}, artifacts={"prompt": "agent/p.json"})
     row = evidence_row(item)
     assert list(row) == SCHEMA.names

@@ -201,6 +201,7 @@ def write_baselines(run_dir: Path, baselines: dict[str, EvalResult]) -> None:
 
 
 def read_generations(run_dir: Path) -> pa.Table:
-    """All generations' evidence as one table."""
+    """All generations' evidence as one table (files of an older version, with fewer columns, read with nulls)."""
     files = sorted((Path(run_dir) / "generations").glob("gen_*.parquet"))
-    return pa.concat_tables([pq.read_table(f) for f in files]) if files else SCHEMA.empty_table()
+    return pa.concat_tables([pq.read_table(f) for f in files], promote_options="default") if files \
+        else SCHEMA.empty_table()

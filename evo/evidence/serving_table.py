@@ -10,7 +10,8 @@ from evo.evidence.summary import Summary
 
 COLUMNS = (("output tok/s", "output_throughput", None), ("req/s", "request_throughput", None),
            ("TTFT p50", "ttft_ms", "median"), ("TTFT p99", "ttft_ms", "p99"), ("TPOT p50", "tpot_ms", "median"),
-           ("TPOT p99", "tpot_ms", "p99"), ("ITL p50", "itl_ms", "median"), ("E2E p50", "e2el_ms", "median"))
+           ("TPOT p99", "tpot_ms", "p99"), ("ITL p50", "itl_ms", "median"), ("E2E p50", "e2el_ms", "median"),
+           ("goodput req/s", "request_goodput", None))
 PAIRED = (("output tok/s", "output_throughput"), ("TTFT p50", "ttft_median_ms"), ("TTFT p99", "ttft_p99_ms"),
           ("TPOT p50", "tpot_median_ms"), ("TPOT p99", "tpot_p99_ms"), ("E2E p50", "e2el_median_ms"))
 

@@ -1,0 +1,51 @@
+"""A llama_serve search end to end (the generation contract through the driver): real Ray, the strict
+sandbox, a real SQLite MLflow store. Its summary holds every engine's serving figures under `vllm bench
+serve`'s names, the final re-timing's paired intervals of each figure, and the registered model; `evo
+report` and the MLflow description show the table."""
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_a_generation_search_reports_paired_serving_figures_against_its_baselines(ray_local, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from evo.driver.config import load_config
+    from evo.driver.run import run
+    from evo.evidence.report import report
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    config = load_config(ROOT / "configs" / "llama_serve_smoke.yaml", [
+        "baselines=[hf_static]", "search.generations=1", "search.offspring=2", "search.max_evaluations=3",
+        "search.population.size=2", "evaluators.count=1", "search.intensify.final_race=0",
+        f"mlflow.tracking_uri={uri}", "mlflow.experiment=serve-e2e", "mlflow.model_name=serve-e2e-engine"])
+    log = io.StringIO()
+    result = run(config, tmp_path / "run", out=log)
+    summary = json.loads((result.run_dir / "summary.json").read_text())
+    assert summary["best_genome"] is not None, log.getvalue()[-3000:]
+    assert summary["baselines"]["hf_static"]["status"] == "ok", summary["baselines"]
+    best, baseline = summary["serving"]["best"], summary["serving"]["hf_static"]
+    for figures in (best, baseline):
+        assert figures["completed"] == figures["requests"] == 12 and figures["concurrency"] == 4
+        assert figures["output_throughput"] > 0 and figures["tpot_ms"]["p99"] >= figures["tpot_ms"]["median"] > 0
+    assert summary["best_latency_ms"] == pytest.approx(1e3 / best["output_throughput"], rel=0.35)  # median of replays
+    paired = summary["serving_paired"]["hf_static"]
+    assert {"output_throughput", "tpot_p99_ms", "ttft_median_ms"} <= set(paired)
+    for estimate, low, high in paired.values():
+        assert 0 < low <= estimate <= high
+    # the throughput ratio is the inverse of the objective's (ms per output token) paired ratio
+    speedup = summary["speedup_paired"]["hf_static"]
+    assert paired["output_throughput"][0] == pytest.approx(speedup, rel=0.15)
+    assert summary["registered_model"] == "models:/serve-e2e-engine/1"
+    out = io.StringIO()
+    report(str(result.run_dir), out=out)
+    assert "output tok/s" in out.getvalue() and "TPOT p99" in out.getvalue() and "hf_static" in out.getvalue()
+    description = MlflowClient(uri).get_run(result.mlflow_run_id).data.tags["mlflow.note.content"]
+    assert "| engine | output tok/s" in description
