@@ -1,0 +1,137 @@
+"""The serving engine's gene space, and the plan its scheduler and KV pool are built from.
+
+Model genes are the `llama` workload's, by import: fusion (packed projections, fused norm, rotary,
+attention form), threads, the KV layout and dtype, the weights' dtype and layout, and the open stages'
+code genes. The call engine's `kv_alloc`, `prefill` and `decode_step` do not apply (a pooled cache is
+preallocated; this engine schedules its own prefill and decode step). Added here, the engine's own
+decisions: how requests are batched and admitted, how prefill shares a step with decoding, how the KV
+pool is laid out (slots or paged blocks) and how the batched decode step runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from evo.core.genome import Constraint, Gene, GeneSpace, Genome, Ignored, Scalar
+from evo.workloads.base import DeviceInfo
+from evo.workloads.llama import genes as _llama
+from evo.workloads.llama import open_code as _open_code
+from evo.workloads.llama_serve.presets import ServePreset
+
+MAX_RUNNING = (1, 2, 4, 8, 16, 32, 64)
+PREFILL_CHUNKS = (16, 32, 64, 128, 256)
+PREFILLS_PER_STEP = (1, 2, 4, 16, 64)
+KV_BLOCKS = (16, 32, 64)
+# the llama genes this engine does not read: a pool is preallocated; prefill and the step are scheduled here
+NOT_SHARED = ("kv_alloc", "prefill", "prefill_chunk", "decode_step")
+
+
+def _batching_genes(preset: ServePreset) -> list[Gene]:
+    R = max(1, preset.shape["R"])
+    running = tuple(m for m in MAX_RUNNING if m <= 2 * R) or (1,)
+    default = min((m for m in running if m >= R), default=running[-1])  # room for every request in flight
+    return [
+        Gene("batching", "scheduling", ("continuous", "static"), "continuous",
+             "continuous: a waiting request is admitted as soon as a running one ends; static: a new batch is "
+             "admitted only when the whole running batch has finished"),
+        Gene("max_running", "scheduling", running, default,
+             "the most requests admitted at once (prefilling or decoding); the decoding ones run as one batch"),
+    ]
+
+
+def _prefill_genes() -> list[Gene]:
+    return [
+        Gene("prefill", "scheduling", ("whole", "chunked"), "whole",
+             "whole: a request's prompt in one forward; chunked: one chunk of it per step while the running "
+             "requests keep decoding (vLLM's chunked prefill)"),
+        Gene("prefill_chunk", "scheduling", PREFILL_CHUNKS, 64, "prompt tokens per chunk (prefill=chunked)"),
+        Gene("max_prefills_per_step", "scheduling", PREFILLS_PER_STEP, PREFILLS_PER_STEP[-1],
+             "the most requests that run a prefill forward (whole, or one chunk) in a step, oldest first "
+             "(the largest value: every admitted request)"),
+    ]
+
+
+def _step_genes(device: DeviceInfo) -> list[Gene]:
+    threads = next(g for g in _llama._scheduling_genes(device) if g.name == "threads")  # the llama gene, as it is
+    # compiled on CUDA only: on the 2-core CPU host (torch 2.13, inductor) a build took 10-30 s per batch size
+    # and the step ran no faster: 16 rows 7.1 ms compiled (over the whole pool) vs 5.0 ms eager; 1 row 1.8 ms,
+    # as fast as eager's one-row path
+    steps = ("eager", "compiled") if device.kind == "cuda" else ("eager",)
+    return [
+        Gene("decode_step", "scheduling", steps, "eager",
+             "the batched decode forward as eager torch (attending to the keys up to the furthest row), or "
+             "torch.compile'd with static shapes (CUDA): the batch padded to the next power of two, attention over "
+             "every position of the pool under the mask, one build per batch size the first time it occurs"),
+        threads,
+    ]
+
+
+def _pool_genes() -> list[Gene]:
+    return [
+        Gene("kv_pool", "memory", ("slots", "paged"), "slots",
+             "slots: one preallocated pool of max_running rows x P+N positions, a request owns a row (the decoding "
+             "ones kept in the first rows, so the step attends to a view); paged: a pool of fixed blocks, a block "
+             "table per request, blocks taken as it grows and freed when it ends (attention gathers its blocks)"),
+        Gene("kv_block", "memory", KV_BLOCKS, 16, "positions per block of the paged pool (kv_pool=paged)"),
+    ]
+
+
+def _shared_memory_genes(preset: ServePreset) -> list[Gene]:
+    return [g for g in _llama._memory_genes(preset) if g.name not in NOT_SHARED]
+
+
+def _compiled_step_needs_slots(values: Mapping[str, Scalar]) -> str | None:
+    if values.get("decode_step") == "compiled" and values.get("kv_pool") != "slots":
+        return (f"decode_step='compiled' runs a static-shape step over the slot pool, not over kv_pool="
+                f"{values.get('kv_pool')!r}; set kv_pool=slots or decode_step=eager")
+    return None
+
+
+def gene_space(preset: ServePreset, device: DeviceInfo) -> GeneSpace:
+    """Genes legal for `preset` on `device` (names are a contract with operators, configs and the workload)."""
+    genes = (_llama._fusion_genes(device) + _batching_genes(preset) + _prefill_genes() + _step_genes(device)
+             + _shared_memory_genes(preset) + _pool_genes())
+    constraints = (
+        Constraint("decode_step compiled needs kv_pool slots", _compiled_step_needs_slots),
+        Constraint("kv_dtype no wider than weight_dtype", _llama._kv_no_wider_than_weights),
+    )
+    ignored = [
+        Ignored(("prefill_chunk",), lambda v: v.get("prefill") == "whole", "prefill=whole has no chunks"),
+        Ignored(("kv_block",), lambda v: v.get("kv_pool") == "slots", "kv_pool=slots has no blocks"),
+    ]
+    if device.kind == "cuda":
+        ignored.append(Ignored(("sdpa_backend",), lambda v: v.get("attention") == "matmul",
+                               "attention=matmul calls no SDPA kernel"))
+    return GeneSpace("llama_serve", tuple(genes), constraints, _open_code.code_genes(preset, device), tuple(ignored))
+
+
+def llama_genome(genome: Genome, preset: ServePreset, device: DeviceInfo) -> Genome:
+    """The `llama` genome whose engine supplies this genome's layers: the llama space's default with every
+    gene the two spaces share (and the code genes) copied over."""
+    space = _llama.gene_space(preset, device)
+    names = {g.name for g in space.genes} | set(space.code_gene_names())
+    shared = {name: value for name, value in genome.values().items() if name in names and name not in NOT_SHARED}
+    return space.make({**space.default().values(), **shared})
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    """The scheduling and pool genes of a validated genome, typed: what the generator reads."""
+
+    batching: str
+    max_running: int
+    prefill: str
+    prefill_chunk: int
+    max_prefills_per_step: int
+    decode_step: str
+    kv_pool: str
+    kv_block: int
+    kv_layout: str
+
+    @classmethod
+    def from_genome(cls, genome: Genome) -> ServePlan:
+        v = genome.values()
+        return cls(batching=str(v["batching"]), max_running=int(v["max_running"]), prefill=str(v["prefill"]),
+                   prefill_chunk=int(v["prefill_chunk"]), max_prefills_per_step=int(v["max_prefills_per_step"]),
+                   decode_step=str(v["decode_step"]), kv_pool=str(v["kv_pool"]), kv_block=int(v["kv_block"]),
+                   kv_layout=str(v["kv_layout"]))

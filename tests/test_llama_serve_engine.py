@@ -1,0 +1,210 @@
+"""The searched generation engine of llama_serve, replayed by the judge's own client (evaluators.replay) on the
+cpu_small trace and scored on its own tokens against the float64 reference: each scheduling and memory design
+is right, a stop id ends a request, a request too long is refused, and batch mates change no request's tokens."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from evaluators.replay import replay, score
+from evo.core.genome import GenomeError
+from evo.core.trace import TraceRequest, TraceSpec, draw
+from evo.workloads.base import DeviceInfo
+from evo.workloads.generation import GenerationRequest
+from evo.workloads.llama.reference import generate
+from evo.workloads.llama_serve import engine as serve_engine
+from evo.workloads.llama_serve.genes import gene_space
+from evo.workloads.llama_serve.presets import PRESETS
+
+CPU = DeviceInfo("cpu", "cpu", 1)
+PRESET = PRESETS["cpu_small"]
+V = PRESET.model.vocab
+SPACE = gene_space(PRESET, CPU)
+TRACE = draw(TraceSpec("closed", count=10, concurrency=4, prompt_len=(1, 24), output_len=(1, 12)),
+             np.random.default_rng(11))
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    """Fresh ids for the trace's prompts, the vocabulary's two ends among them."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, V, t.prompt_len).tolist() for t in TRACE]
+    prompts[0][0], prompts[1][-1] = 0, V - 1
+    return prompts
+
+
+PROMPTS = _prompts(12)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(prompt: tuple[int, ...], tokens: tuple[int, ...]) -> np.ndarray:
+    """Row i: the float64 logits that predict tokens[i] (shared by every genome that makes the same tokens)."""
+    continuation = torch.tensor([list(tokens[:-1])], dtype=torch.long)
+    return generate(PRESET.model, torch.tensor([list(prompt)]), continuation)[0].numpy()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _replay(generator, prompts=PROMPTS, stop_ids: tuple[int, ...] = ()):
+    return replay(generator, TRACE, prompts, concurrency=4, stop_ids=stop_ids, deadline_s=120)
+
+
+def _record_logits(generator) -> dict[int, list[torch.Tensor]]:
+    """Request id -> the logits rows its tokens were picked from, recorded as the runner makes them. cpu_small's
+    tied-embedding model mostly repeats its last prompt token by a wide margin, so right tokens alone would
+    not show a wrong mask or a misplaced row; the logits do."""
+    runner, made = generator.runner, {}
+    greedy, prefill, decode = runner._greedy, runner.prefill, runner.decode
+    latest: list[torch.Tensor] = []
+
+    def keep(logits):
+        latest[:] = [logits.clone()]
+        return greedy(logits)
+
+    def prefilled(row, tokens, pos, last):
+        token = prefill(row, tokens, pos, last)
+        if token is not None:
+            run = next(r for r in generator.prefilling if r.row == row)
+            made.setdefault(run.request.id, []).append(latest[0][0])
+        return token
+
+    def decoded(tokens, positions):
+        ids = [run.request.id for run in generator.decoding]  # row order
+        out = decode(tokens, positions)
+        for i, request_id in enumerate(ids):
+            made[request_id].append(latest[0][i])
+        return out
+
+    runner._greedy, runner.prefill, runner.decode = keep, prefilled, decoded
+    return made
+
+
+def _assert_logits_match(result, made: dict[int, list[torch.Tensor]]) -> None:
+    for request, tokens in zip(result.requests, result.tokens):
+        ours = torch.stack(made[request.id]).double().numpy()
+        ref = _reference(request.prompt, tokens)
+        assert np.abs(ours - ref).max() / np.abs(ref).max() < 1e-5, request.id
+
+
+DESIGNS = {
+    "default": {},
+    "static": {"batching": "static"},
+    "chunked16": {"prefill": "chunked", "prefill_chunk": 16},
+    "paged16": {"kv_pool": "paged", "kv_block": 16},
+    "one_running": {"max_running": 1},
+    "blhd": {"kv_layout": "BLHD"},
+    "matmul": {"attention": "matmul"},
+    # a queue (fewer rows than requests in flight), prompts chunked one request a step, blocks gathered BLHD
+    "paged_chunked_queue": {"kv_pool": "paged", "kv_layout": "BLHD", "prefill": "chunked", "prefill_chunk": 16,
+                            "max_prefills_per_step": 1, "max_running": 2},
+    "halves_on_the_fly": {"rotary": "on_the_fly", "rotary_pairs": "halves", "fused_qkv": False,
+                          "fused_gate_up": False, "norm_fused_residual": False, "weight_layout": "native_left"},
+}
+
+
+@pytest.mark.parametrize("design", sorted(DESIGNS))
+def test_each_design_decodes_its_own_tokens_as_the_float64_reference_does(design):
+    assert max(t.prompt_len for t in TRACE) > 16  # chunked designs prefill over several steps
+    generator = serve_engine.build(SPACE.make(DESIGNS[design]), PRESET, CPU)
+    made = _record_logits(generator)
+    result = _replay(generator)
+    assert score(result, _reference, tolerance=1e-4, vocab=V) == []
+    assert [len(t) for t in result.tokens] == [r.max_tokens for r in result.requests]
+    _assert_logits_match(result, made)
+
+
+@pytest.mark.parametrize("pool", ["slots", "paged"])
+def test_rows_moved_and_swapped_keep_their_requests_keys(pool):
+    """A burst of short and chunked long prompts: a short one finishes its prefill before a long one admitted
+    before it and swaps rows with it; requests that end leave holes the last decoding rows move into."""
+    trace = [TraceRequest(i, 0.0, p, n) for i, (p, n) in enumerate(((20, 6), (3, 9), (18, 2), (2, 12), (24, 12),
+                                                                     (1, 3)))]
+    rng = np.random.default_rng(14)
+    prompts = [rng.integers(0, V, t.prompt_len).tolist() for t in trace]
+    generator = serve_engine.build(SPACE.make({"prefill": "chunked", "prefill_chunk": 16, "max_running": 4,
+                                               "kv_pool": pool}), PRESET, CPU)
+    calls = {"move": 0, "swap": 0}
+    for name in calls:
+        def counted(*args, _do=getattr(generator.pool, name), _name=name):
+            calls[_name] += 1
+            return _do(*args)
+        setattr(generator.pool, name, counted)
+    made = _record_logits(generator)
+    result = replay(generator, trace, prompts, deadline_s=120)
+    assert score(result, _reference, tolerance=1e-4, vocab=V) == []
+    _assert_logits_match(result, made)
+    assert calls["move"] and calls["swap"], calls
+
+
+def test_the_static_shape_step_matches_the_reference():
+    """The compiled step's math (the batch padded to a power of two, every pool position under the mask),
+    run uncompiled so it costs no build."""
+    generator = serve_engine.build(SPACE.default(), PRESET, CPU)
+    generator.runner.compiled = generator.runner._static_step
+    made = _record_logits(generator)
+    result = _replay(generator)
+    assert score(result, _reference, tolerance=1e-4, vocab=V) == []
+    _assert_logits_match(result, made)
+
+
+def test_a_stop_id_ends_its_request_on_that_token():
+    """Stop ids met at the first token (the prefill's) and later (a decode step's): the request ends there."""
+    prompts = [[7, 3, 47], [7, 3, 42], [7, 3, 64], [7, 3, 32]] + PROMPTS[:4]  # the first four change token midway
+    trace = [TraceRequest(i, 0.0, len(p), 12) for i, p in enumerate(prompts)]
+    plain = replay(serve_engine.build(SPACE.default(), PRESET, CPU), trace, prompts, deadline_s=120)
+    later = {tokens[i] for tokens in plain.tokens for i in range(1, len(tokens)) if tokens[i] != tokens[0]}
+    stops = (*sorted(later), plain.tokens[4][0])
+    result = replay(serve_engine.build(SPACE.default(), PRESET, CPU), trace, prompts, stop_ids=stops, deadline_s=120)
+    assert score(result, _reference, tolerance=1e-4, vocab=V) == [] and not result.violations
+    ends = []
+    for tokens, stopped in zip(plain.tokens, result.tokens):
+        first = next((i for i, t in enumerate(tokens) if t in stops), len(tokens) - 1)
+        assert stopped == tokens[:first + 1]
+        ends.append(first)
+    assert ends[4] == 0 and any(0 < end < 11 for end in ends), ends  # at a prefill and at a decode step
+
+
+def test_a_request_longer_than_the_pool_is_refused_naming_the_bound():
+    generator = serve_engine.build(SPACE.default(), PRESET, CPU)
+    bound = PRESET.max_positions
+    generator.add(GenerationRequest(0, (1,) * (bound - 1), 1))  # exactly fits
+    with pytest.raises(ValueError, match=f"over the {bound} positions"):
+        generator.add(GenerationRequest(1, (1,) * bound, 1))
+
+
+def test_a_requests_tokens_do_not_depend_on_its_batch_mates():
+    """The same requests one at a time and four together: the same tokens, from the same logits."""
+    alone, together = (serve_engine.build(SPACE.make({"max_running": m}), PRESET, CPU) for m in (1, 4))
+    alone_logits, together_logits = _record_logits(alone), _record_logits(together)
+    assert _replay(alone, _prompts(13)).tokens == _replay(together, _prompts(13)).tokens
+    for request_id, rows in alone_logits.items():
+        a, b = torch.stack(rows), torch.stack(together_logits[request_id])
+        assert (a - b).abs().max() <= 1e-5 * a.abs().max(), request_id
+
+
+def test_the_default_genome_is_the_plain_engine_and_rules_name_their_genes():
+    default = SPACE.default().values()
+    assert (default["batching"], default["prefill"], default["kv_pool"], default["decode_step"]) == (
+        "continuous", "whole", "slots", "eager")
+    assert default["max_running"] >= PRESET.shape["R"]
+    assert "kv_alloc" not in default
+    assert SPACE.make({"prefill_chunk": 16}) == SPACE.default()  # ignored with prefill=whole
+    assert SPACE.make({"kv_block": 64}) == SPACE.default()  # ignored with kv_pool=slots
+    cuda = gene_space(PRESET, DeviceInfo("cuda", "h200"))
+    with pytest.raises(GenomeError, match="kv_pool=slots or decode_step=eager"):
+        cuda.make({"decode_step": "compiled", "kv_pool": "paged"})
+
+
+def test_the_shared_genes_reach_the_model_engine():
+    generator = serve_engine.build(SPACE.make({"kv_layout": "BLHD", "attention": "matmul"}), PRESET, CPU)
+    plan = generator.runner.engine.plan
+    assert (plan.kv_layout, plan.attention, plan.decode_step) == ("BLHD", "matmul", "eager")
+    assert generator.num_threads == SPACE.default()["threads"]
