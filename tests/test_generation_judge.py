@@ -6,6 +6,7 @@ sees; the honest engine is ok, its latency the objective read off the judge's ow
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,7 @@ from evaluators.evaluator import Evaluator
 from evaluators.settings import EvaluatorSettings
 from evo.core.records import INCORRECT, OK
 
+ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = EvaluatorSettings(replays=1, build_timeout_s=120, eval_timeout_s=240)
 
 
@@ -67,7 +69,15 @@ def test_an_engine_that_sleeps_and_bursts_gets_the_ttft_a_client_sees(judge, hon
 
 
 def test_a_trace_past_the_presets_verified_bounds_is_refused_naming_them():
+    from evo.driver.config import ConfigError, load_config
+    from evo.driver.rundir import check_config
+
     with pytest.raises(ValueError, match=r"concurrency 9 > 4"):
         Evaluator("llama_serve", "cpu_small", EvaluatorSettings(trace={"concurrency": 9}), seed=1)
-    with pytest.raises(ValueError, match=r"unknown key\(s\) \['rps'\]"):
-        Evaluator("llama_serve", "cpu_small", EvaluatorSettings(trace={"rps": 3}), seed=1)
+    for override, says in (("evaluator.trace.rps=3", r"unknown trace key\(s\) \['rps'\]"),
+                           ("evaluator.trace.output_len=[1,99]", r"output_len high 99 > 12"),
+                           ("evaluator.trace.arrival=poisson", r"rate must be a number")):
+        with pytest.raises(ConfigError, match=says):
+            check_config(load_config(ROOT / "configs" / "llama_serve_smoke.yaml", [override]))
+    with pytest.raises(ConfigError, match="generation workloads only"):
+        check_config(load_config(ROOT / "configs" / "kda_smoke.yaml", ["evaluator.trace.count=3"]))

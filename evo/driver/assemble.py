@@ -103,6 +103,8 @@ def assemble(config: RunConfig, run_dir: Path, resume: SavedRun | None, lessons:
     MLflow run: everything that costs CPU starts here, before any timing."""
     workload = get_workload(config.workload)
     preset = workload.presets()[config.preset]  # check_config has vouched for it
+    if workload.contract == "generation":  # judged on the config's trace: the roofline and the gene space see it
+        preset = workload.with_trace(preset, config.evaluator.trace)
     pool = start_pool(config, preset, say, stack)
     if resume:
         check_device(resume, pool.device_type)

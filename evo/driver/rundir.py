@@ -42,6 +42,14 @@ def check_config(config: RunConfig) -> None:
         raise ConfigError(f"preset {config.preset!r} is not a preset of workload {config.workload!r}; "
                           f"available: {sorted(presets)}")
     preset = presets[config.preset]
+    if workload.contract == "generation":
+        try:
+            preset = workload.with_trace(preset, config.evaluator.trace)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"evaluator.trace: {exc}") from None
+    elif config.evaluator.trace:
+        raise ConfigError(f"evaluator.trace: workload {config.workload!r} takes calls, not requests (the call "
+                          f"contract): a request trace applies to generation workloads only, e.g. llama_serve")
     if config.baselines is not None:
         available = sorted(workload.baselines(preset))
         missing = [n for n in config.baselines if n not in available]

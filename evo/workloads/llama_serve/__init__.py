@@ -67,7 +67,7 @@ class LlamaServeWorkload(Workload):
         fields = {**base.trace.__dict__, **{k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}}
         unknown = sorted(set(overrides) - set(base.trace.__dict__))
         if unknown:
-            raise ValueError(f"evaluator.trace: unknown key(s) {unknown}; allowed: {sorted(base.trace.__dict__)}")
+            raise ValueError(f"unknown trace key(s) {unknown}; allowed: {sorted(base.trace.__dict__)}")
         return base.with_trace(TraceSpec(**fields))
 
     def trace(self, preset: Preset) -> TraceSpec:
