@@ -53,3 +53,11 @@ class GenerationEngine(Protocol):
     def step(self) -> list[TokenEvent]:
         """Advance the admitted requests by one scheduling step; the tokens it produced, in order."""
         ...
+
+
+def check_fits(request: GenerationRequest, max_positions: int) -> None:
+    """ValueError naming the bound when the request's prompt and new tokens need more positions than an engine
+    holds (the preset's P + N): what every engine's `add` checks first."""
+    if len(request.prompt) + request.max_tokens > max_positions:
+        raise ValueError(f"request {request.id}: {len(request.prompt)} prompt + {request.max_tokens} new tokens is"
+                         f" over the {max_positions} positions this engine holds (the preset's P + N)")

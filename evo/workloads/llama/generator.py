@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from evo.workloads.generation import GenerationRequest, TokenEvent
+from evo.workloads.generation import GenerationRequest, TokenEvent, check_fits
 from evo.workloads.llama.engine import KVCache, LlamaEngine
 
 
@@ -35,9 +35,7 @@ class LlamaGenerator:
         self.running: dict[int, _Running] = {}
 
     def add(self, request: GenerationRequest) -> None:
-        if len(request.prompt) + request.max_tokens > self.max_positions:
-            raise ValueError(f"request {request.id}: {len(request.prompt)} prompt + {request.max_tokens} new tokens"
-                             f" is over the {self.max_positions} positions this engine holds")
+        check_fits(request, self.max_positions)
         self.waiting.append(request)
 
     def step(self) -> list[TokenEvent]:

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from evo.workloads.base import DeviceInfo
-from evo.workloads.generation import GenerationEngine, GenerationRequest, TokenEvent
+from evo.workloads.generation import GenerationEngine, GenerationRequest, TokenEvent, check_fits
 from evo.workloads.llama.baselines import _Transformers, transformers_available
 from evo.workloads.llama.engine import build as build_llama
 from evo.workloads.llama.generator import LlamaGenerator
@@ -34,12 +34,6 @@ from evo.workloads.llama_serve.presets import ServePreset
 
 def _threads(device: DeviceInfo) -> int | None:
     return device.threads if device.kind == "cpu" else None
-
-
-def _check_fits(request: GenerationRequest, max_positions: int) -> None:
-    if len(request.prompt) + request.max_tokens > max_positions:
-        raise ValueError(f"request {request.id}: {len(request.prompt)} prompt + {request.max_tokens} new tokens is "
-                         f"over the {max_positions} positions this engine holds (the preset's P + N)")
 
 
 def _is_last(request: GenerationRequest, made: int, token: int) -> bool:
@@ -60,7 +54,7 @@ class OneAtATime:
         self.current: int | None = None  # the id of the request in the generator
 
     def add(self, request: GenerationRequest) -> None:
-        _check_fits(request, self.max_positions)
+        check_fits(request, self.max_positions)
         self.waiting.append(request)
 
     def step(self) -> list[TokenEvent]:
@@ -106,7 +100,7 @@ class HFStatic:
         self.batch: _Batch | None = None
 
     def add(self, request: GenerationRequest) -> None:
-        _check_fits(request, self.max_positions)
+        check_fits(request, self.max_positions)
         self.waiting.append(request)
 
     def step(self) -> list[TokenEvent]:
@@ -172,7 +166,7 @@ class HFContinuous:
         threading._register_atexit(_close_if_alive, weakref.ref(self))
 
     def add(self, request: GenerationRequest) -> None:
-        _check_fits(request, self.max_positions)
+        check_fits(request, self.max_positions)
         rid = str(request.id)
         self.running[rid] = (request, 0)
         with torch.inference_mode():

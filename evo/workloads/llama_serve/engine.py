@@ -29,7 +29,7 @@ import torch
 
 from evo.core.genome import Genome
 from evo.workloads.base import NO_SOURCES, DeviceInfo
-from evo.workloads.generation import GenerationRequest, TokenEvent
+from evo.workloads.generation import GenerationRequest, TokenEvent, check_fits
 from evo.workloads.llama import engine as _llama_engine
 from evo.workloads.llama.engine import LlamaEngine
 from evo.workloads.llama_serve.genes import ServePlan, gene_space, llama_genome
@@ -312,9 +312,7 @@ class BatchedLlamaGenerator:
         self.free_rows = set(range(plan.max_running))
 
     def add(self, request: GenerationRequest) -> None:
-        if len(request.prompt) + request.max_tokens > self.max_positions:
-            raise ValueError(f"request {request.id}: {len(request.prompt)} prompt + {request.max_tokens} new tokens"
-                             f" is over the {self.max_positions} positions this engine holds")
+        check_fits(request, self.max_positions)
         self.waiting.append(request)
 
     def step(self) -> list[TokenEvent]:
