@@ -24,9 +24,9 @@ import time
 from dataclasses import dataclass
 import numpy as np
 
-from evaluators.replay import ConfinedGenerator, GenerationError, Replay, replay, score
+from evaluators.replay import ConfinedGenerator, ForbiddenCallError, GenerationError, Replay, replay, score
 from evaluators.sandbox import EngineProcess, EngineProcessError
-from evo.core.records import INCORRECT, OK, RUNTIME_ERROR, SUSPECT, EvalResult
+from evo.core.records import INCORRECT, OK, RUNTIME_ERROR, SUSPECT, TIMEOUT, EvalResult
 from evo.core.stream_metrics import ServingMetrics, Slo, serving_metrics
 from evo.core.trace import TraceRequest, TraceSpec, draw
 
@@ -75,6 +75,9 @@ class GenerationJudge:
         self.trace: TraceSpec = self.workload.trace(self.preset)
         self.requests: tuple[TraceRequest, ...] = draw(self.trace, np.random.default_rng(self.trace.seed))
         self.objective = settings.objective
+        if self.objective.startswith("tpot") and self.trace.output_len[1] < 2:
+            raise ValueError(f"evaluator.objective {self.objective!r} needs requests of 2 or more tokens (a TPOT); the "
+                             f"trace's outputs are {list(self.trace.output_len)} tokens")
         self.replays = settings.replays
         self.vocab = int(self.preset.shape["V"])
         self.tolerance = self.workload.tie_tolerance(self.preset)
@@ -126,12 +129,14 @@ class GenerationJudge:
         shape = self.preset.shape
         R, P, N, V = int(shape["R"]), int(shape["P"]), int(shape["N"]), self.vocab
         count = R + 2
-        prompt_lens = [1, P, *rng.integers(1, P + 1, max(0, count - 2))][:count]
-        output_lens = [N, 1, *rng.integers(1, N + 1, max(0, count - 2))][:count]
+        # one token and the longest prompt, one and the most new tokens, and both longest: every position held
+        prompt_lens = [1, P, P, *rng.integers(1, P + 1, max(0, count - 3))][:count]
+        output_lens = [N, 1, N, *rng.integers(1, N + 1, max(0, count - 3))][:count]
         prompts = [rng.integers(0, V, n).tolist() for n in prompt_lens]
-        prompts[1][:2] = [0, V - 1][:len(prompts[1][:2])]  # both ends of the vocabulary in one prompt
-        if count > 2:
-            prompts[2] = [int(rng.integers(0, V))] * len(prompts[2])  # one token repeated
+        prompts[0][-1:] = [V - 1]  # both ends of the vocabulary, whatever P is
+        prompts[1][:1] = [0]
+        if count > 3:
+            prompts[3] = [int(rng.integers(0, V))] * len(prompts[3])  # one token repeated
         trace = [TraceRequest(i, 0.0, len(p), int(n)) for i, (p, n) in enumerate(zip(prompts, output_lens))]
         return trace, prompts
 
@@ -154,16 +159,21 @@ class GenerationJudge:
                 concurrency: int | None = None) -> tuple[_Timed | None, tuple[str, str] | None]:
         remaining = deadline - time.perf_counter()
         if remaining <= 0:
-            return None, ("timeout", f"the evaluation ran out of time before {what}")
-        generator.timeout_s = remaining
+            return None, (TIMEOUT, f"the evaluation ran out of time before {what}")
+        generator.deadline = deadline
         try:
             result = replay(generator, trace, prompts, deadline_s=remaining,
                             concurrency=self.trace.concurrency if concurrency is None else concurrency)
+        except ForbiddenCallError as exc:
+            return None, (INCORRECT, f"{what}: {exc}"[:500])
         except GenerationError as exc:
             return None, (RUNTIME_ERROR, f"{what}: {exc}"[:500])
         except EngineProcessError as exc:
-            kind = {"timeout": "timeout", "protocol": INCORRECT}.get(exc.kind, RUNTIME_ERROR)
+            kind = {"timeout": TIMEOUT, "protocol": INCORRECT}.get(exc.kind, RUNTIME_ERROR)
             return None, (kind, f"{what}: {exc}"[:500])
+        if result.late:
+            return None, (TIMEOUT, f"{what}: {result.late[0]}"
+                                     f"{f' (and {len(result.late) - 1} more)' if len(result.late) > 1 else ''}")
         if result.violations:
             return None, (INCORRECT, f"{what}: {result.violations[0]}"
                                      f"{f' (and {len(result.violations) - 1} more)' if len(result.violations) > 1 else ''}")
@@ -184,9 +194,10 @@ class GenerationJudge:
         return float(np.median([objective_of(t.metrics, self.objective) for t in timed]))
 
     def _serving(self, timed: list[_Timed]) -> dict:
-        """The metrics of the replay whose objective is the median one (one real replay, not a blend)."""
+        """The metrics of the replay whose objective is the median one (one real replay, not a blend; of an even
+        number, the slower of the middle two)."""
         ordered = sorted(timed, key=lambda t: objective_of(t.metrics, self.objective))
-        middle = ordered[(len(ordered) - 1) // 2]
+        middle = ordered[len(ordered) // 2]
         return {"objective": self.objective, "concurrency": self.trace.concurrency, "arrival": self.trace.arrival,
                 "requests": len(self.requests), **middle.metrics.to_dict()}
 

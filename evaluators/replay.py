@@ -21,6 +21,7 @@ generation contract), whose answers are checked before they count; in tests, an 
 """
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections import deque
@@ -49,16 +50,20 @@ class ConfinedGenerator:
     MAX_EVENTS = 1 << 14  # a step's tokens: more than this is not an answer
 
     def __init__(self, process, timeout_s: float = 60.0) -> None:
-        self.process, self.timeout_s = process, timeout_s
+        self.process, self.deadline = process, time.perf_counter() + timeout_s
+
+    def _left(self) -> float:
+        """Seconds to the deadline, for one exchange (every exchange is bounded by what is left)."""
+        return max(0.001, self.deadline - time.perf_counter())
 
     def add(self, request: GenerationRequest) -> None:
-        reply = self.process.add(asdict(request), self.timeout_s)
+        reply = self.process.add(asdict(request), self._left())
         _forbidden(reply)
         if reply.get("op") != "added":
             raise GenerationError(f"adding request {request.id}: {_why(reply)}")
 
     def step(self) -> list[TokenEvent]:
-        reply = self.process.step(self.timeout_s)
+        reply = self.process.step(self._left())
         _forbidden(reply)
         if reply.get("op") != "stepped":
             raise GenerationError(f"a step: {_why(reply)}")
@@ -102,6 +107,7 @@ class Replay:
     timelines: tuple[RequestTimeline, ...]
     violations: tuple[str, ...]
     duration_s: float
+    late: tuple[str, ...] = ()  # requests unfinished or unsent at the replay's deadline (a timeout, not a breach)
 
 
 def replay(engine: GenerationEngine, trace: Sequence[TraceRequest], prompts: Sequence[Sequence[int]],
@@ -112,22 +118,23 @@ def replay(engine: GenerationEngine, trace: Sequence[TraceRequest], prompts: Seq
     pending = deque(sorted(zip(trace, prompts), key=lambda tp: (tp[0].arrival_s or 0.0, tp[0].index)))
     flights: dict[int, _Flight] = {}
     violations: list[str] = []
-    start, steps = clock(), 0
-    freed_s = 0.0  # when a request last finished: a client held back by the cap (or a closed loop's) sends then
+    start, steps, late = clock(), 0, ()
+    free_slots = [0.0] * concurrency  # a min-heap: when each free slot of the cap (a closed loop's client) freed
     while pending or any(not f.finished for f in flights.values()):
         now = clock() - start
         if now > deadline_s:
-            violations += [f"request {i}: not finished within the replay's {deadline_s:g} s"
-                           for i, f in sorted(flights.items()) if not f.finished]
-            violations += [f"request {t.index}: never sent, the replay ran out of time" for t, _ in pending]
+            late = tuple(f"request {i}: not finished within the replay's {deadline_s:g} s"
+                         for i, f in sorted(flights.items()) if not f.finished)
+            late += tuple(f"request {t.index}: never sent, the replay ran out of time" for t, _ in pending)
             break
         in_flight = sum(not f.finished for f in flights.values())
         while pending and (pending[0][0].arrival_s or 0.0) <= now and (not concurrency or in_flight < concurrency):
             item, prompt = pending.popleft()
             request = GenerationRequest(item.index, tuple(int(t) for t in prompt), item.max_tokens, stop_ids)
-            # a client sends at its arrival time (or once a slot freed), even while the engine is mid-step:
-            # the time the judge spent waiting for that step counts against the engine
-            flights[item.index] = _Flight(request, max(item.arrival_s or 0.0, freed_s if concurrency else 0.0))
+            # a client sends at its arrival time, or when the slot it takes freed, even while the engine is
+            # mid-step: the time the judge spent waiting for that step counts against the engine
+            freed = heapq.heappop(free_slots) if concurrency else 0.0
+            flights[item.index] = _Flight(request, max(item.arrival_s or 0.0, freed))
             engine.add(request)
             in_flight += 1
         if not in_flight:  # the next arrival is in the future: wait for it, on the judge's clock
@@ -147,12 +154,12 @@ def replay(engine: GenerationEngine, trace: Sequence[TraceRequest], prompts: Seq
             if last and not event.finished:  # the judge ends it anyway: nothing past its last token counts
                 violations.append(f"request {event.request_id}: its last token (step {steps}) not marked finished")
             flight.finished = bool(event.finished) or last
-            if flight.finished:
-                freed_s = stamp
+            if flight.finished and concurrency:
+                heapq.heappush(free_slots, stamp)
     ordered = [flights[i] for i in sorted(flights)]
     return Replay(tuple(f.request for f in ordered), tuple(tuple(f.tokens) for f in ordered),
                   tuple(RequestTimeline(f.sent_s, tuple(f.token_s), len(f.request.prompt)) for f in ordered),
-                  tuple(violations), clock() - start)
+                  tuple(violations), clock() - start, late)
 
 
 def _breach(flight: _Flight | None, request_id: int, step: int) -> str:

@@ -146,3 +146,54 @@ def test_a_near_tie_is_not_an_error():
     from evo.core.stream_metrics import RequestTimeline
     result = Replay((request,), ((1,),), (RequestTimeline(0.0, (0.1,), 2),), (), 0.2)
     assert score(result, tied, tolerance=1e-6, vocab=V) == [] and score(result, tied, tolerance=1e-12, vocab=V)
+
+
+class FakeClock:
+    """The judge's clock, moved only by the engine's steps (each takes `step_s`)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Slow(Honest):
+    """Honest, each step taking `step_s` on the fake clock."""
+
+    def __init__(self, clock: FakeClock, step_s: float) -> None:
+        super().__init__()
+        self.clock, self.step_s = clock, step_s
+
+    def step(self) -> list[TokenEvent]:
+        self.clock.now += self.step_s
+        return super().step()
+
+
+def test_a_request_counts_from_its_arrival_or_the_slot_it_took_not_from_the_judges_next_look():
+    """Poisson-like arrivals under a cap of 2: a request arriving while a slot is free counts from its arrival
+    (not from when another request later finished); one held back by the cap counts from when its slot freed."""
+    from evo.core.trace import TraceRequest
+
+    clock = FakeClock()
+    trace = [TraceRequest(0, 0.0, 2, 5), TraceRequest(1, 0.0, 2, 2), TraceRequest(2, 1.5, 2, 3),
+             TraceRequest(3, 1.5, 2, 2)]
+    result = replay(Slow(clock, 1.0), trace, [[1, 2]] * 4, concurrency=2, deadline_s=100, clock=clock)
+    sent = [t.sent_s for t in result.timelines]
+    # request 1 ends at 2.0 (its slot frees); request 2 arrives at 1.5, while none is free: sent at 2.0;
+    # request 0 ends at 5.0; request 3 arrived at 1.5 and waited for that slot: sent at 5.0
+    assert sent == [0.0, 0.0, 2.0, 5.0], sent
+    trace = [TraceRequest(0, 0.0, 2, 5), TraceRequest(1, 1.5, 2, 2)]
+    clock.now = 0.0
+    result = replay(Slow(clock, 1.0), trace, [[1, 2]] * 2, concurrency=2, deadline_s=100, clock=clock)
+    assert [t.sent_s for t in result.timelines] == [0.0, 1.5]  # a free slot: its arrival, though the judge was mid-step
+
+
+def test_running_out_of_time_is_lateness_not_a_breach():
+    clock = FakeClock()
+    rng = np.random.default_rng(3)
+    trace = draw(TraceSpec(arrival="closed", count=4, concurrency=2, prompt_len=(2, 4), output_len=(5, 5)), rng)
+    result = replay(Slow(clock, 1.0), trace, [[1, 2]] * 4, concurrency=2, deadline_s=3.5, clock=clock)
+    assert not result.violations and result.late
+    assert any("not finished within" in line for line in result.late)
+    assert any("never sent" in line for line in result.late)

@@ -27,6 +27,9 @@ class ServePreset(LlamaPreset):
 
     def with_trace(self, trace: TraceSpec) -> ServePreset:
         """This preset judged on `trace`; ValueError naming the bound a trace passes."""
+        if trace.concurrency < 1:
+            raise ValueError(f"trace for preset {self.name!r}: concurrency must be 1 to R={self.shape['R']} (the most "
+                             f"requests in flight engines are verified for), got {trace.concurrency}")
         over = [f"{what} {got} > {bound}" for what, got, bound in (
             ("prompt_len high", trace.prompt_len[1], self.shape["P"]),
             ("output_len high", trace.output_len[1], self.shape["N"]),
