@@ -1,0 +1,209 @@
+"""A generation engine kept open for Serve, in the confined process the judge evaluates engines in, with
+one engine loop that serves every caller (continuous batching across requests).
+
+Like `evaluators.served.ServedEngine` for call engines, the replica is a client of its engine: an
+`Evaluator` launches the engine's process (jail, seccomp, cgroups, the allow-list view), builds the
+engine there and passes it through the judge's check replay (`GenerationJudge.hold`). Then one thread,
+the loop, owns the engine's channel: it hands the engine every request submitted since its last step,
+steps while anything is in flight, and routes each token to its request's `Stream` as it arrives. A
+request's bounds are the verified domain's (prompt length, new tokens, vocabulary), checked before it
+reaches the engine; a full queue refuses a request at once (`Overloaded`) rather than holding it in
+memory. A cancelled request (its client went away) gets no more tokens; the engine finishes it and its
+slot frees then (the contract has no abort yet).
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from evaluators.evaluator import Evaluator
+from evaluators.replay import ConfinedGenerator, GenerationError
+from evaluators.sandbox import EngineProcess, EngineProcessError
+from evaluators.settings import EvaluatorSettings
+from evo.workloads.generation import GenerationRequest
+
+STEP_TIMEOUT_S = 120.0  # one step of the engine; past it the engine process is killed
+DONE = None  # what a stream yields after its last token
+
+
+class ServedGeneratorError(RuntimeError):
+    """The engine failed its check, a step, or died: it serves nothing more."""
+
+
+class Overloaded(RuntimeError):
+    """The engine's queue is full: try again later (HTTP 429/503 with Retry-After)."""
+
+
+class RequestError(ValueError):
+    """A request outside the verified domain; the message names the field and what is allowed."""
+
+
+@dataclass(frozen=True)
+class Token:
+    """One token of a stream, with the time the replica received it (seconds, perf_counter)."""
+
+    token: int
+    at_s: float
+    finished: bool
+
+
+class Stream:
+    """One request's tokens as the loop receives them: iterate (blocking) until the last; `cancel` when the
+    client goes away."""
+
+    def __init__(self, request: GenerationRequest) -> None:
+        self.request = request
+        self.tokens: queue.Queue[Token | Exception | None] = queue.Queue()
+        self.cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def __iter__(self):
+        while True:
+            item = self.tokens.get()
+            if item is DONE:
+                return
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+
+class ServedGenerator:
+    """One checked generation engine in its own confined process and the loop that serves it."""
+
+    def __init__(self, workload: str, preset: str, genome_json: str, sources: Mapping[str, str] | None = None,
+                 settings: EvaluatorSettings | None = None, max_waiting: int = 256) -> None:
+        self.judge = Evaluator(workload, preset, settings or EvaluatorSettings(), seed=secrets.randbits(31),
+                               name="serve")
+        if self.judge.generation is None:
+            self.judge.close()
+            raise ValueError(f"workload {workload!r} takes calls, not requests: serve it with ServedEngine")
+        shape = self.judge.preset.shape
+        self.max_prompt, self.max_tokens, self.vocab = int(shape["P"]), int(shape["N"]), int(shape["V"])
+        self.max_waiting = max_waiting
+        self.label, spec = self.judge.resolve(genome_json, sources)
+        self._inbox: queue.Queue[Stream] = queue.Queue()
+        self._ids = itertools.count()
+        self._open: dict[int, Stream] = {}
+        self.ignored = 0  # tokens the engine sent for no open request (the judge's replays count them as breaches)
+        self._stop = threading.Event()
+        self._failure: Exception | None = None
+        self._process: EngineProcess | None = self.judge.engine_process(guarded=bool(spec.get("guarded")))
+        try:
+            self._check(spec)
+        except BaseException:
+            self.close()
+            raise
+        self._loop = threading.Thread(target=self._serve, name=f"engine-loop {self.label[:8]}", daemon=True)
+        self._loop.start()
+
+    def _check(self, spec: dict) -> None:
+        settings = self.judge.settings
+        deadline = time.perf_counter() + settings.build_timeout_s + settings.eval_timeout_s
+        problem, _ = self.judge.hold(self._process, spec, deadline)
+        if problem is not None:
+            raise ServedGeneratorError(f"engine {self.label} failed its check replay in the sandbox: {problem}")
+
+    # ------------------------------------------------------------------ callers (any thread)
+    def submit(self, prompt: Sequence[int], max_tokens: int, stop_ids: Sequence[int] = ()) -> Stream:
+        """A request's stream; RequestError naming the field outside the verified domain, Overloaded when
+        the queue is full, ServedGeneratorError when the engine serves no more."""
+        if self._failure is not None or self._stop.is_set():
+            raise ServedGeneratorError(f"engine {self.label} serves no more: {self._failure or 'closed'}")
+        prompt, stop_ids = self._checked(prompt, max_tokens, stop_ids)
+        if self._inbox.qsize() + len(self._open) >= self.max_waiting:
+            raise Overloaded(f"{self.max_waiting} requests are queued or running; try again shortly")
+        stream = Stream(GenerationRequest(next(self._ids), prompt, int(max_tokens), stop_ids))
+        self._inbox.put(stream)
+        return stream
+
+    def _checked(self, prompt: Sequence[int], max_tokens: int,
+                 stop_ids: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        if not isinstance(prompt, (list, tuple)) or not 1 <= len(prompt) <= self.max_prompt:
+            raise RequestError(f"prompt: 1 to {self.max_prompt} token ids (the verified prompt length), got "
+                               f"{len(prompt) if isinstance(prompt, (list, tuple)) else type(prompt).__name__}")
+        for field, ids in (("prompt", prompt), ("stop", stop_ids)):
+            bad = next((t for t in ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab)),
+                       None)
+            if bad is not None:
+                raise RequestError(f"{field}: token ids are integers in [0, {self.vocab - 1}], got {bad!r}")
+        if not (isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and 1 <= max_tokens <= self.max_tokens):
+            raise RequestError(f"max_tokens: 1 to {self.max_tokens} (the verified output length), got {max_tokens!r}")
+        return tuple(prompt), tuple(stop_ids)
+
+    # ------------------------------------------------------------------ the loop (its own thread)
+    def _serve(self) -> None:
+        generator = ConfinedGenerator(self._process, timeout_s=STEP_TIMEOUT_S)
+        try:
+            while not self._stop.is_set():
+                if not self._open:  # idle: wait for a request instead of stepping
+                    try:
+                        self._admit(generator, self._inbox.get(timeout=0.1))
+                    except queue.Empty:
+                        continue
+                while True:  # everything submitted meanwhile joins the next step
+                    try:
+                        self._admit(generator, self._inbox.get_nowait())
+                    except queue.Empty:
+                        break
+                generator.deadline = time.perf_counter() + STEP_TIMEOUT_S
+                self._route(generator.step())
+        except (GenerationError, EngineProcessError) as exc:
+            self._fail(ServedGeneratorError(f"engine {self.label}: {exc}"))
+        except BaseException as exc:  # noqa: BLE001 - every waiting caller hears why
+            self._fail(ServedGeneratorError(f"engine loop of {self.label}: {type(exc).__name__}: {exc}"))
+
+    def _admit(self, generator: ConfinedGenerator, stream: Stream) -> None:
+        generator.deadline = time.perf_counter() + STEP_TIMEOUT_S
+        generator.add(stream.request)
+        self._open[stream.request.id] = stream
+
+    def _route(self, events) -> None:
+        now = time.perf_counter()
+        for event in events:
+            stream = self._open.get(event.request_id)
+            if stream is None:  # past a request's end (e.g. a stop id the engine did not mark): no client gets it
+                self.ignored += 1
+                continue
+            last = event.finished or event.token in stream.request.stop_ids
+            if not stream.cancelled.is_set():
+                stream.tokens.put(Token(int(event.token), now, last))
+            if last:
+                stream.tokens.put(DONE)
+                del self._open[event.request_id]
+
+    def _fail(self, error: Exception) -> None:
+        self._failure = error
+        for stream in list(self._open.values()):
+            stream.tokens.put(error)
+        self._open.clear()
+        while True:
+            try:
+                self._inbox.get_nowait().tokens.put(error)
+            except queue.Empty:
+                return
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def running(self) -> int:
+        """Requests the engine holds now (queued in it or decoding)."""
+        return len(self._open)
+
+    def close(self) -> None:
+        """Stop the loop, tell waiting callers, kill the whole candidate."""
+        self._stop.set()
+        loop = getattr(self, "_loop", None)
+        if loop is not None and loop is not threading.current_thread():
+            loop.join(timeout=STEP_TIMEOUT_S)
+        if self._failure is None:
+            self._fail(ServedGeneratorError(f"engine {self.label} closed"))
+        if self._process is not None:
+            self._process.close()
+            self._process = None
+        self.judge.close()

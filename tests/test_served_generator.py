@@ -1,0 +1,94 @@
+"""A generation engine kept open for serving (evaluators.served_generator): checked in the strict sandbox,
+then one engine loop serving many callers at once. Concurrent callers get, each on its own stream, the
+tokens the float64 reference's greedy decode gives; bounds are refused naming the field; a full queue is
+refused at once; a cancelled stream gets nothing more while the others go on; closing kills the engine."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from evaluators.served_generator import Overloaded, RequestError, ServedGenerator, ServedGeneratorError
+from evaluators.settings import EvaluatorSettings
+from evo.workloads import get_workload
+
+W = get_workload("llama_serve")
+PRESET = W.presets()["cpu_small"]
+
+
+def greedy(prompt, n):
+    """The float64 reference's greedy continuation (near ties aside: the toy's top two are ~0.2 apart)."""
+    tokens = []
+    for _ in range(n):
+        tokens.append(int(np.argmax(W.reference_logits(PRESET, prompt, [*tokens, 0])[-1])))
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def served():
+    genome = W.gene_space(PRESET, _info()).default().to_json()
+    engine = ServedGenerator("llama_serve", "cpu_small", genome, settings=EvaluatorSettings(replays=1),
+                             max_waiting=12)
+    yield engine
+    engine.close()
+
+
+def _info():
+    from evaluators import device as devices
+
+    return devices.device_info("cpu", 1)
+
+
+def test_concurrent_callers_each_get_the_references_tokens_from_one_engine_loop(served):
+    rng = np.random.default_rng(5)
+    asks = [(rng.integers(0, 256, int(rng.integers(1, 25))).tolist(), int(rng.integers(1, 13))) for _ in range(8)]
+    got: dict[int, list] = {}
+
+    def client(i: int) -> None:
+        got[i] = list(served.submit(*asks[i]))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(asks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for i, (prompt, n) in enumerate(asks):
+        assert [t.token for t in got[i]] == greedy(prompt, n), i
+        assert [t.finished for t in got[i]] == [False] * (n - 1) + [True]
+        assert all(a.at_s <= b.at_s for a, b in zip(got[i], got[i][1:]))
+    assert served.running == 0 and served.ignored == 0
+
+
+def test_requests_outside_the_verified_domain_are_refused_naming_the_field(served):
+    for args, says in ((([],), "prompt: 1 to 24"), (([1] * 25,), "prompt: 1 to 24"), (([256],), r"prompt: token ids"),
+                       (([1.5],), "prompt: token ids"), (([1], 13), "max_tokens: 1 to 12"), (([1], 0), "max_tokens"),
+                       (([1], 2, [999]), "stop: token ids")):
+        with pytest.raises(RequestError, match=says):
+            served.submit(*args) if len(args) > 1 else served.submit(args[0], 2)
+
+
+def test_a_full_queue_is_refused_at_once_and_a_cancelled_stream_gets_nothing_more(served):
+    streams = [served.submit([1, 2, 3], 12) for _ in range(12)]  # the engine runs 4 at a time (max_running)
+    streams[-1].cancel()  # the last waits behind two rounds of 12 steps: cancelled before its first token
+    with pytest.raises(Overloaded, match="12 requests"):
+        served.submit([1], 1)
+    for stream in streams[:-1]:
+        assert len(list(stream)) == 12
+    assert list(streams[-1]) == []  # its stream ends when the engine finishes it, with nothing in it
+    assert served.running == 0
+
+
+def test_a_closed_engine_serves_no_more():
+    genome = W.gene_space(PRESET, _info()).default().to_json()
+    engine = ServedGenerator("llama_serve", "cpu_small", genome, settings=EvaluatorSettings(replays=1))
+    stream = engine.submit([1, 2], 12)
+    engine.close()
+    with pytest.raises(ServedGeneratorError, match="closed"):
+        engine.submit([1], 1)
+    try:
+        tokens = list(stream)
+    except ServedGeneratorError:  # told why, not left waiting
+        tokens = None
+    assert tokens is None or len(tokens) == 12  # or it had finished before the close
+    assert engine._process is None
