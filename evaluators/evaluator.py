@@ -69,6 +69,17 @@ class _Call:
 
 
 @dataclass(frozen=True)
+class _Built:
+    """A built engine: the result's stamp (`threads`, `build_s`), when its build's clock started, and the
+    deadlines of its build (plus first call) and of the whole evaluation (perf_counter seconds)."""
+
+    stamp: dict
+    launched: float
+    build_deadline: float
+    deadline: float
+
+
+@dataclass(frozen=True)
 class _Verdict:
     """What one checked call showed: a failure (status + message) or a pass with its latency."""
 
@@ -278,13 +289,11 @@ class Evaluator:
         built, failed_build = self.built(process, genome_hash, start, engine, configure=False)
         if failed_build is not None:
             return failed_build
-        stamp, deadline = built
-        launched = time.perf_counter() - stamp["build_s"]
-        build_deadline = launched + settings.budgets(baseline=engine.get("baseline") is not None)[0][1]
+        stamp, launched, deadline = built.stamp, built.launched, built.deadline
 
         try:
             first = self._checked(process, _Call(self._timing_case, False, "first call at the preset shape"),
-                                  min(build_deadline, deadline), first=True)
+                                  min(built.build_deadline, deadline), first=True)
         except EngineProcessError as exc:
             return self._failed(genome_hash, start, exc, "build + first call", self._limit(genome_hash, build=True),
                                 **{**stamp, "build_s": time.perf_counter() - launched})
@@ -335,9 +344,9 @@ class Evaluator:
                             message=f"{note}; {len(timing.samples_ms)} timed calls", **stamp)
 
     def built(self, process: EngineProcess, genome_hash: str, start: float, engine: dict, contract: str = "call",
-              configure: bool = True) -> tuple[tuple[dict, float] | None, EvalResult | None]:
-        """Configure (unless done) and build the engine in its launched process: ((the result's stamp with
-        `build_s` and `threads`, the evaluation's deadline), None), or (None, the failed result)."""
+              configure: bool = True) -> tuple[_Built | None, EvalResult | None]:
+        """Configure (unless done) and build the engine in its launched process: (what the build gave, None),
+        or (None, the failed result)."""
         if configure:
             try:
                 process.configure(self.workload, self.preset, self._info, contract=contract, **engine)
@@ -359,7 +368,7 @@ class Evaluator:
             return None, self._result(genome_hash, BUILD_ERROR, start, build_s=time.perf_counter() - launched,
                                       message=_summary("build failed", built), error=str(built.get("traceback", "")))
         stamp = {"threads": int(built.get("threads") or self._info.threads), "build_s": time.perf_counter() - launched}
-        return (stamp, deadline), None
+        return _Built(stamp, launched, build_deadline, deadline), None
 
     def _plan(self, rng: np.random.Generator, checks: bool = True, timed: bool = True) -> list[_Call]:
         """Every check case, the cases drawn over the workload's domain for this evaluation (from `rng`)

@@ -57,6 +57,11 @@ def objective_of(metrics: ServingMetrics, objective: str) -> float:
     return getattr(metrics, f"{name}_ms")[stat]
 
 
+def _first(what: str, problems) -> str:
+    """The first of a replay's problems, and how many more there were."""
+    return f"{what}: {problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+
+
 @dataclass(frozen=True)
 class _Timed:
     """One timed replay awaiting its score: what the judge saw and the metrics it gives."""
@@ -89,8 +94,8 @@ class GenerationJudge:
         built, failed = ev.built(process, genome_hash, start, engine, contract="generation")
         if failed is not None:
             return failed
-        stamp, deadline = built
-        generator = ConfinedGenerator(process, timeout_s=max(1.0, deadline - time.perf_counter()))
+        stamp, deadline = built.stamp, built.deadline
+        generator = ConfinedGenerator(process)  # each replay bounds it by the evaluation's deadline
         problem = self.check(generator, deadline)
         if problem:
             return ev.result(genome_hash, problem[0], start, message=problem[1], **stamp)
@@ -172,19 +177,16 @@ class GenerationJudge:
             kind = {"timeout": TIMEOUT, "protocol": INCORRECT}.get(exc.kind, RUNTIME_ERROR)
             return None, (kind, f"{what}: {exc}"[:500])
         if result.late:
-            return None, (TIMEOUT, f"{what}: {result.late[0]}"
-                                     f"{f' (and {len(result.late) - 1} more)' if len(result.late) > 1 else ''}")
+            return None, (TIMEOUT, _first(what, result.late))
         if result.violations:
-            return None, (INCORRECT, f"{what}: {result.violations[0]}"
-                                     f"{f' (and {len(result.violations) - 1} more)' if len(result.violations) > 1 else ''}")
+            return None, (INCORRECT, _first(what, result.violations))
         return _Timed(result, serving_metrics(result.timelines, result.duration_s, self.slo)), None
 
     def _score(self, timed: list[_Timed], what: str) -> tuple[str, str] | None:
         for one in timed:
             problems = score(one.result, self.reference, self.tolerance, self.vocab)
             if problems:
-                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-                return INCORRECT, f"{what}: {problems[0]}{more}"
+                return INCORRECT, _first(what, problems)
         return None
 
     def reference(self, prompt, tokens) -> np.ndarray:

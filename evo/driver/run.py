@@ -36,7 +36,7 @@ from evo.driver.stop import STOP, install_handlers
 from evo.evidence.claims import claim_lines
 from evo.evidence.engine_record import EngineRecord
 from evo.evidence.floor import RunFloor, floor_text
-from evo.evidence.journal import append_retimings, write_baselines, write_json
+from evo.evidence.journal import BEST_GENOME_FILE, append_retimings, write_baselines, write_json
 from evo.evidence.mlflow.links import mlflow_lines
 from evo.evidence.mlflow.registry import Race, register_best as register_best_engine
 from evo.evidence.mlflow.outbox import tracking_uri
@@ -98,7 +98,7 @@ def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout
             summary = retime_best(parts, search, baselines, summary, stopped, say)
         summary = replace(summary, registered_model=register_best(parts, summary, stopped, say))
         if summary.best_genome:  # the final race may have crowned another than the last generation's best
-            write_json(run_dir / "best_genome.json", summary.best_genome)
+            write_json(run_dir / BEST_GENOME_FILE, summary.best_genome)
         write_json(run_dir / SUMMARY_FILE, summary.to_dict())
         sinks.end(summary, KILLED if stopped else FINISHED)
         _print_summary(summary, run_dir, parts.mlflow)

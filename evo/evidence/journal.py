@@ -36,6 +36,7 @@ from evo.evidence.sink import FINISHED, Sink
 
 JOURNAL_FILE = "evidence.jsonl"
 RETIMINGS_FILE = "retimings.jsonl"
+BEST_GENOME_FILE = "best_genome.json"
 
 # The evidence's columns: a proposal's (named once here, in the order files have always had), then every
 # EvalResult field but the genome hash in the record's order, then the proposing agent's notes (its
@@ -174,7 +175,7 @@ class DiskEvidence(Sink):
         crash_point("evidence")
         write_json(self.run_dir / "state.json", search.state())
         if report.best is not None:
-            write_json(self.run_dir / "best_genome.json", report.best.proposal.genome.to_dict())
+            write_json(self.run_dir / BEST_GENOME_FILE, report.best.proposal.genome.to_dict())
 
     def generation_path(self, generation: int) -> Path:
         return self.run_dir / "generations" / f"gen_{generation:04d}.parquet"

@@ -10,6 +10,7 @@ workload keeps the teacher-forced call contract (one batch per call).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Mapping
 
 from evo.core.genome import GeneSpace, Genome
@@ -64,11 +65,12 @@ class LlamaServeWorkload(Workload):
 
     def with_trace(self, preset: Preset, overrides: Mapping[str, Any]) -> Preset:
         base = self._use(preset)
-        fields = {**base.trace.__dict__, **{k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}}
-        unknown = sorted(set(overrides) - set(base.trace.__dict__))
+        allowed = sorted(f.name for f in dataclasses.fields(TraceSpec))
+        unknown = sorted(set(overrides) - set(allowed))
         if unknown:
-            raise ValueError(f"unknown trace key(s) {unknown}; allowed: {sorted(base.trace.__dict__)}")
-        return base.with_trace(TraceSpec(**fields))
+            raise ValueError(f"unknown trace key(s) {unknown}; allowed: {allowed}")
+        lists_as_tuples = {k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}
+        return base.with_trace(dataclasses.replace(base.trace, **lists_as_tuples))
 
     def trace(self, preset: Preset) -> TraceSpec:
         return self._use(preset).trace
