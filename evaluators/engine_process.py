@@ -124,6 +124,8 @@ class _Runner:
                 self.add(message)
             elif op == "step" and self.engine is not None and self.spec.get("contract") == "generation":
                 self.step()
+            elif op == "abort" and self.engine is not None and self.spec.get("contract") == "generation":
+                self.abort(message)
             else:
                 return
 
@@ -229,6 +231,15 @@ class _Runner:
             self.send(op="raised", **_describe(exc))
             return
         self.send(op="stepped", events=events)
+
+    def abort(self, message: dict) -> None:
+        """Drop a request whose client went away (`GenerationEngine.abort`)."""
+        try:
+            self.engine.abort(int(message["request_id"]))
+        except BaseException as exc:  # noqa: BLE001 - reported, the judge decides
+            self.send(op="raised", **_describe(exc))
+            return
+        self.send(op="aborted")
 
     def _deliver(self, outputs: Any, slots: dict) -> str:
         """Copy the engine's outputs into the judge's arena; the problem with them, or ""."""

@@ -32,6 +32,7 @@ import numpy as np
 
 from evo.core.stream_metrics import RequestTimeline
 from evo.core.trace import TraceRequest
+from evo.workloads import sampling
 from evo.workloads.generation import GenerationEngine, GenerationRequest, TokenEvent
 
 
@@ -61,6 +62,12 @@ class ConfinedGenerator:
         _forbidden(reply)
         if reply.get("op") != "added":
             raise GenerationError(f"adding request {request.id}: {_why(reply)}")
+
+    def abort(self, request_id: int) -> None:
+        reply = self.process.abort(request_id, self._left())
+        _forbidden(reply)
+        if reply.get("op") != "aborted":
+            raise GenerationError(f"aborting request {request_id}: {_why(reply)}")
 
     def step(self) -> list[TokenEvent]:
         reply = self.process.step(self._left())
@@ -180,11 +187,11 @@ def score(result: Replay, reference_logits: Reference, tolerance: float, vocab: 
     prediction of tokens[i] from the prompt and tokens[:i] (one teacher-forced pass over the engine's own)."""
     problems = list(result.violations)
     for request, tokens in zip(result.requests, result.tokens):
-        problems += _request_problems(request, tokens, reference_logits, tolerance, vocab)
+        problems += request_problems(request, tokens, reference_logits, tolerance, vocab)
     return problems
 
 
-def _request_problems(request: GenerationRequest, tokens: Sequence[int], reference_logits: Reference,
+def request_problems(request: GenerationRequest, tokens: Sequence[int], reference_logits: Reference,
                       tolerance: float, vocab: int) -> list[str]:
     name = f"request {request.id}"
     if not tokens:
@@ -199,8 +206,7 @@ def _request_problems(request: GenerationRequest, tokens: Sequence[int], referen
         return [f"{name}: stopped after {len(tokens)} of {request.max_tokens} tokens without a stop id"]
     rows = np.asarray(reference_logits(request.prompt, tokens), dtype=np.float64)
     for step, (token, row) in enumerate(zip(tokens, rows)):
-        top = int(np.argmax(row))
-        if token != top and not (math.isfinite(row[token]) and row[top] - row[token] <= tolerance):
-            return [f"{name}: step {step}: token {token}, the reference's is {top} (logit {row[token]:.4g} vs "
-                    f"{row[top]:.4g}, beyond the near-tie tolerance {tolerance:g})"]
+        problem = sampling.check(row, token, request.temperature, request.top_p, request.seed, step, tolerance)
+        if problem:
+            return [f"{name}: step {step}: {problem}"]
     return []

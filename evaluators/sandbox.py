@@ -247,6 +247,10 @@ class EngineProcess:
         """One step of a generation engine; its answer (`stepped` with `events`, or `raised`)."""
         return self._ask({"op": "step"}, timeout_s)
 
+    def abort(self, request_id: int, timeout_s: float = math.inf) -> dict:
+        """Drop a request of a generation engine; its answer (`aborted` or `raised`)."""
+        return self._ask({"op": "abort", "request_id": int(request_id)}, timeout_s)
+
     def _ask(self, message: dict, timeout_s: float) -> dict:
         """One message and its answer, the candidate thawed only in between (as for a call)."""
         deadline = time.monotonic() + timeout_s

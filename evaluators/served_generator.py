@@ -8,8 +8,9 @@ the loop, owns the engine's channel: it hands the engine every request submitted
 steps while anything is in flight, and routes each token to its request's `Stream` as it arrives. A
 request's bounds are the verified domain's (prompt length, new tokens, vocabulary), checked before it
 reaches the engine; a full queue refuses a request at once (`Overloaded`) rather than holding it in
-memory. A cancelled request (its client went away) gets no more tokens; the engine finishes it and its
-slot frees then (the contract has no abort yet).
+memory. A cancelled request (its client went away) is aborted in the engine before its next step: it gets
+no more tokens and its slot frees for the next request. A finished request can be re-scored against the
+float64 reference later (`rescore`), off the request path.
 """
 from __future__ import annotations
 
@@ -19,15 +20,19 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
 
 from evaluators.evaluator import Evaluator
-from evaluators.replay import ConfinedGenerator, GenerationError
+from evaluators.replay import ConfinedGenerator, GenerationError, request_problems
 from evaluators.sandbox import EngineProcess, EngineProcessError
 from evaluators.settings import EvaluatorSettings
 from evo.workloads.generation import GenerationRequest
 
 STEP_TIMEOUT_S = 120.0  # one step of the engine; past it the engine process is killed
+# the sampling check's requests: (temperature, top_p) each, seeded afresh; an engine that passes serves them
+SAMPLING_CHECK = ((1.0, 1.0), (0.7, 0.9), (1.5, 0.5), (0.3, 0.95))
 DONE = None  # what a stream yields after its last token
 
 
@@ -53,12 +58,14 @@ class Token:
 
 
 class Stream:
-    """One request's tokens as the loop receives them: iterate (blocking) until the last; `cancel` when the
-    client goes away."""
+    """One request's tokens as the loop receives them: iterate (blocking) until the last, or have each item
+    handed to `sink` (a Token, an Exception, then DONE) from the loop's thread; `cancel` when the client goes away."""
 
-    def __init__(self, request: GenerationRequest) -> None:
+    def __init__(self, request: GenerationRequest, sink: Callable[[object], None] | None = None) -> None:
         self.request = request
         self.tokens: queue.Queue[Token | Exception | None] = queue.Queue()
+        if sink is not None:
+            self.tokens.put = sink  # type: ignore[method-assign] - the loop only ever puts
         self.cancelled = threading.Event()
 
     def cancel(self) -> None:
@@ -91,8 +98,10 @@ class ServedGenerator:
         self._inbox: queue.Queue[Stream] = queue.Queue()
         self._ids = itertools.count()
         self._open: dict[int, Stream] = {}
+        self.stats = {"requests": 0, "tokens": 0, "aborted": 0, "refused_busy": 0}
         self.ignored = 0  # tokens the engine sent for no open request (the judge's replays count them as breaches)
         self._stop = threading.Event()
+        self._draining = False
         self._failure: Exception | None = None
         self._process: EngineProcess | None = self.judge.engine_process(guarded=bool(spec.get("guarded")))
         try:
@@ -109,17 +118,60 @@ class ServedGenerator:
         problem, _ = self.judge.hold(self._process, spec, deadline)
         if problem is not None:
             raise ServedGeneratorError(f"engine {self.label} failed its check replay in the sandbox: {problem}")
+        self.sampling_check = self._check_sampling(deadline)
+        self.sampling = self.sampling_check == ""
+
+    def _check_sampling(self, deadline: float) -> str:
+        """Sampled requests (SAMPLING_CHECK) through the engine, scored by the judge's seeded rule: "" when every
+        token is the draw, else why (the engine then serves greedy requests only)."""
+        rng = np.random.default_rng()
+        requests = [GenerationRequest(-1 - i, tuple(rng.integers(0, self.vocab, int(rng.integers(1, self.max_prompt + 1)))
+                                                     .tolist()), min(self.max_tokens, 8), (), t, p,
+                                      int(rng.integers(0, 2 ** 62))) for i, (t, p) in enumerate(SAMPLING_CHECK)]
+        generator = ConfinedGenerator(self._process)
+        generator.deadline = deadline
+        made: dict[int, list[int]] = {r.id: [] for r in requests}
+        try:
+            for request in requests:
+                generator.add(request)
+            ended: set[int] = set()
+            while len(ended) < len(requests):
+                if time.perf_counter() > deadline:
+                    return "the sampling check ran out of time"
+                for event in generator.step():
+                    if event.request_id not in made or event.request_id in ended:
+                        return f"request {event.request_id}: a token it was not owed in the sampling check"
+                    made[event.request_id].append(event.token)
+                    ended.update([event.request_id] if event.finished else [])
+        except (GenerationError, EngineProcessError) as exc:
+            return f"the sampling check: {exc}"
+        for request in requests:
+            problem, _ = self.rescore(request, made[request.id])
+            if problem:
+                return f"the sampling check (temperature {request.temperature:g}, top_p {request.top_p:g}): {problem}"
+        return ""
 
     # ------------------------------------------------------------------ callers (any thread)
-    def submit(self, prompt: Sequence[int], max_tokens: int, stop_ids: Sequence[int] = ()) -> Stream:
+    def submit(self, prompt: Sequence[int], max_tokens: int, stop_ids: Sequence[int] = (),
+               sink: Callable[[object], None] | None = None, temperature: float = 0.0, top_p: float = 1.0,
+               seed: int = 0) -> Stream:
         """A request's stream; RequestError naming the field outside the verified domain, Overloaded when
         the queue is full, ServedGeneratorError when the engine serves no more."""
-        if self._failure is not None or self._stop.is_set():
+        if self._failure is not None or self._stop.is_set() or self._draining:
             raise ServedGeneratorError(f"engine {self.label} serves no more: {self._failure or 'closed'}")
         prompt, stop_ids = self._checked(prompt, max_tokens, stop_ids)
+        if (temperature != 0 or top_p != 1) and not self.sampling:
+            raise RequestError(f"temperature: this engine is verified for greedy decoding only (temperature 0, top_p "
+                               f"1): {self.sampling_check}")
         if self._inbox.qsize() + len(self._open) >= self.max_waiting:
+            self.stats["refused_busy"] += 1
             raise Overloaded(f"{self.max_waiting} requests are queued or running; try again shortly")
-        stream = Stream(GenerationRequest(next(self._ids), prompt, int(max_tokens), stop_ids))
+        try:
+            request = GenerationRequest(next(self._ids), prompt, int(max_tokens), stop_ids, float(temperature),
+                                        float(top_p), int(seed))
+        except ValueError as exc:
+            raise RequestError(f"temperature, top_p: {exc}") from None
+        stream = Stream(request, sink)
         self._inbox.put(stream)
         return stream
 
@@ -152,6 +204,9 @@ class ServedGenerator:
                         self._admit(generator, self._inbox.get_nowait())
                     except queue.Empty:
                         break
+                self._abort_cancelled(generator)
+                if not self._open:
+                    continue
                 generator.deadline = time.perf_counter() + STEP_TIMEOUT_S
                 self._route(generator.step())
         except (GenerationError, EngineProcessError) as exc:
@@ -160,9 +215,21 @@ class ServedGenerator:
             self._fail(ServedGeneratorError(f"engine loop of {self.label}: {type(exc).__name__}: {exc}"))
 
     def _admit(self, generator: ConfinedGenerator, stream: Stream) -> None:
+        if stream.cancelled.is_set():  # gone before it reached the engine
+            stream.tokens.put(DONE)
+            return
         generator.deadline = time.perf_counter() + STEP_TIMEOUT_S
         generator.add(stream.request)
         self._open[stream.request.id] = stream
+        self.stats["requests"] += 1
+
+    def _abort_cancelled(self, generator: ConfinedGenerator) -> None:
+        """Requests whose clients went away leave the engine (their slots free) before the next step."""
+        for rid in [rid for rid, stream in self._open.items() if stream.cancelled.is_set()]:
+            generator.deadline = time.perf_counter() + STEP_TIMEOUT_S
+            generator.abort(rid)
+            self._open.pop(rid).tokens.put(DONE)
+            self.stats["aborted"] += 1
 
     def _route(self, events) -> None:
         now = time.perf_counter()
@@ -172,6 +239,7 @@ class ServedGenerator:
                 self.ignored += 1
                 continue
             last = event.finished or event.token in stream.request.stop_ids
+            self.stats["tokens"] += 1
             if not stream.cancelled.is_set():
                 stream.tokens.put(Token(int(event.token), now, last))
             if last:
@@ -189,14 +257,26 @@ class ServedGenerator:
             except queue.Empty:
                 return
 
+    def rescore(self, request: GenerationRequest, tokens: Sequence[int]) -> tuple[str, float]:
+        """A finished request's tokens against the float64 reference (the judge's rule, near ties allowed):
+        (the first problem or "", 0.0)."""
+        judge = self.judge.generation
+        problems = request_problems(request, tokens, judge.reference, judge.tolerance, self.vocab)
+        return (problems[0] if problems else ""), 0.0
+
     # ------------------------------------------------------------------ lifecycle
     @property
     def running(self) -> int:
         """Requests the engine holds now (queued in it or decoding)."""
         return len(self._open)
 
-    def close(self) -> None:
-        """Stop the loop, tell waiting callers, kill the whole candidate."""
+    def close(self, drain_s: float = 0.0) -> None:
+        """Refuse new requests, let those in flight finish (at most `drain_s`: a hot swap's old engine), then stop
+        the loop, tell callers still waiting, kill the whole candidate."""
+        self._draining = True
+        deadline = time.perf_counter() + drain_s
+        while (self._open or not self._inbox.empty()) and self._failure is None and time.perf_counter() < deadline:
+            time.sleep(0.05)
         self._stop.set()
         loop = getattr(self, "_loop", None)
         if loop is not None and loop is not threading.current_thread():

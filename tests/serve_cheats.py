@@ -31,6 +31,9 @@ class _Wrapper:
     def step(self) -> list[TokenEvent]:
         return self.honest.step()
 
+    def abort(self, request_id: int) -> None:
+        self.honest.abort(request_id)
+
 
 class _OneShot(_Wrapper):
     """Answers every request from one parallel forward over its prompt and a guessed continuation (its last

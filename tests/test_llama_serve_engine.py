@@ -62,28 +62,28 @@ def _record_logits(generator) -> dict[int, list[torch.Tensor]]:
     tied-embedding model mostly repeats its last prompt token by a wide margin, so right tokens alone would
     not show a wrong mask or a misplaced row; the logits do."""
     runner, made = generator.runner, {}
-    greedy, prefill, decode = runner._greedy, runner.prefill, runner.decode
+    pick, prefill, decode = runner._pick, runner.prefill, runner.decode
     latest: list[torch.Tensor] = []
 
-    def keep(logits):
+    def keep(logits, picks):
         latest[:] = [logits.clone()]
-        return greedy(logits)
+        return pick(logits, picks)
 
-    def prefilled(row, tokens, pos, last):
-        token = prefill(row, tokens, pos, last)
+    def prefilled(row, tokens, pos, picked):
+        token = prefill(row, tokens, pos, picked)
         if token is not None:
             run = next(r for r in generator.prefilling if r.row == row)
             made.setdefault(run.request.id, []).append(latest[0][0])
         return token
 
-    def decoded(tokens, positions):
+    def decoded(tokens, positions, picks):
         ids = [run.request.id for run in generator.decoding]  # row order
-        out = decode(tokens, positions)
+        out = decode(tokens, positions, picks)
         for i, request_id in enumerate(ids):
             made[request_id].append(latest[0][i])
         return out
 
-    runner._greedy, runner.prefill, runner.decode = keep, prefilled, decoded
+    runner._pick, runner.prefill, runner.decode = keep, prefilled, decoded
     return made
 
 
@@ -208,3 +208,64 @@ def test_the_shared_genes_reach_the_model_engine():
     plan = generator.runner.engine.plan
     assert (plan.kv_layout, plan.attention, plan.decode_step) == ("BLHD", "matmul", "eager")
     assert generator.num_threads == SPACE.default()["threads"]
+
+
+def _drive(generator, requests, abort_after: dict[int, int] | None = None) -> dict[int, list[int]]:
+    """Add `requests`, step until each ended; abort request i once it made abort_after[i] tokens (0: before
+    its first step). Request id -> its tokens."""
+    abort_after = dict(abort_after or {})
+    made: dict[int, list[int]] = {r.id: [] for r in requests}
+    ended: set[int] = set()
+    for request in requests:
+        generator.add(request)
+    for rid in [i for i, n in abort_after.items() if n == 0]:
+        generator.abort(rid)
+        ended.add(rid)
+    for _ in range(200):
+        if len(ended) == len(requests):
+            return made
+        for event in generator.step():
+            assert event.request_id not in ended, f"a token for request {event.request_id} after it ended"
+            made[event.request_id].append(event.token)
+            if event.finished:
+                ended.add(event.request_id)
+            elif abort_after.get(event.request_id) == len(made[event.request_id]):
+                generator.abort(event.request_id)
+                ended.add(event.request_id)
+    raise AssertionError(f"requests {sorted(set(made) - ended)} never ended")
+
+
+def test_sampled_requests_are_the_seeded_draw_the_judge_checks():
+    """Temperature and top_p per request, batched with greedy ones: every token passes the judge's sampling check
+    against the float64 reference; the same seed draws the same tokens, another seed others."""
+    from evaluators.replay import request_problems
+
+    rng = np.random.default_rng(21)
+    prompts = [tuple(rng.integers(0, V, n).tolist()) for n in (5, 17, 1, 9)]
+    settings = [(1.0, 1.0, 3), (0.7, 0.9, 4), (1.5, 0.5, 5), (0.0, 1.0, 0)]
+    requests = [GenerationRequest(i, p, 12, (), t, top_p, seed) for i, (p, (t, top_p, seed)) in
+                enumerate(zip(prompts, settings))]
+    made = _drive(serve_engine.build(SPACE.default(), PRESET, CPU), requests)
+    for request in requests:
+        assert request_problems(request, made[request.id], lambda p, t: _reference(tuple(p), tuple(t)), 1e-4, V) == []
+    again = _drive(serve_engine.build(SPACE.make({"max_running": 1}), PRESET, CPU), requests)
+    assert again == made
+    reseeded = [GenerationRequest(r.id, r.prompt, r.max_tokens, (), r.temperature, r.top_p, r.seed + 100)
+                for r in requests]
+    other = _drive(serve_engine.build(SPACE.default(), PRESET, CPU), reseeded)
+    assert all(other[i] != made[i] for i in range(3)) and other[3] == made[3]
+    greedy = [GenerationRequest(r.id, r.prompt, r.max_tokens) for r in requests]
+    assert _drive(serve_engine.build(SPACE.default(), PRESET, CPU), greedy)[0] != made[0]
+
+
+@pytest.mark.parametrize("design", ["default", "paged_chunked_queue"])
+def test_an_aborted_request_gets_no_token_and_frees_its_row(design):
+    """Abort a request before its first step, one after its first token and one mid-decode: none gets a token
+    after, the others' tokens are unchanged, and every row is free at the end."""
+    generator = serve_engine.build(SPACE.make(DESIGNS[design]), PRESET, CPU)
+    requests = [GenerationRequest(i, tuple(p), 12) for i, p in enumerate(PROMPTS[:6])]
+    alone = _drive(serve_engine.build(SPACE.make(DESIGNS[design]), PRESET, CPU), requests)
+    made = _drive(generator, requests, abort_after={1: 3, 4: 0, 5: 1})
+    assert made[4] == [] and made[1] == alone[1][:3] and made[5] == alone[5][:1]
+    assert all(made[i] == alone[i] for i in (0, 2, 3))
+    assert generator.held == 0 and generator.free_rows == set(range(generator.plan.max_running))

@@ -92,3 +92,38 @@ def test_a_closed_engine_serves_no_more():
         tokens = None
     assert tokens is None or len(tokens) == 12  # or it had finished before the close
     assert engine._process is None
+
+
+def test_sampled_requests_are_served_once_the_engine_passed_the_sampling_check(served):
+    """The engine passed the seeded-sampling check at start; a sampled request's tokens are the draw the judge
+    checks (re-scored here against the float64 reference), and the same seed draws them again."""
+    assert served.sampling and served.sampling_check == ""
+    runs = [[t.token for t in served.submit([5, 9, 200], 12, temperature=0.9, top_p=0.8, seed=7)] for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == 12
+    request = served.submit([5, 9, 200], 12, temperature=0.9, top_p=0.8, seed=7).request
+    assert served.rescore(request, runs[0]) == ("", 0.0)
+    assert served.rescore(request, greedy([5, 9, 200], 12))[0] != ""  # greedy is not this draw
+    with pytest.raises(RequestError, match="temperature"):
+        served.submit([1], 2, temperature=-1.0)
+
+
+def test_a_cancelled_running_request_is_aborted_and_frees_its_slot(served):
+    """Four long requests fill the engine's rows (max_running 4); one is cancelled after its first token: it gets
+    nothing more, the engine aborts it (its row freed: the engine-level test checks the rows), and a fifth
+    request is served. On a loaded machine the loop may finish the request before it sees the cancel: tried
+    until one cancel lands mid-request."""
+    aborted = served.stats["aborted"]
+    for _ in range(5):
+        streams = [served.submit([1, 2, 3], 12) for _ in range(4)]
+        first = next(iter(streams[0]))
+        streams[0].cancel()
+        fifth = served.submit([4, 5], 3)
+        assert [t.token for t in fifth] == greedy([4, 5], 3)
+        rest = list(streams[0])
+        assert first.token == greedy([1, 2, 3], 1)[0]
+        for stream in streams[1:]:
+            assert [t.token for t in stream] == greedy([1, 2, 3], 12)
+        if len(rest) < 11:
+            break
+    assert served.stats["aborted"] > aborted and len(rest) < 11
+    assert served.running == 0 and served.ignored == 0

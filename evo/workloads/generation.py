@@ -19,19 +19,30 @@ from typing import Protocol
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One request: its prompt's token ids, at most `max_tokens` new tokens, greedy decoding (this
-    contract's first form; sampling comes with a seed per request), ending early only at a `stop_ids` token."""
+    """One request: its prompt's token ids, at most `max_tokens` new tokens, ending early only at a `stop_ids`
+    token. Greedy at `temperature` 0; above, seeded sampling by `evo.workloads.sampling.choose` (the same
+    draw the judge checks), over the `top_p` nucleus, keyed on `seed` and the output index."""
 
     id: int
     prompt: tuple[int, ...]
     max_tokens: int
     stop_ids: tuple[int, ...] = ()
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt:
             raise ValueError(f"request {self.id}: an empty prompt")
         if self.max_tokens < 1:
             raise ValueError(f"request {self.id}: max_tokens must be >= 1, got {self.max_tokens}")
+        if not (0 <= self.temperature <= 100 and 0 < self.top_p <= 1):
+            raise ValueError(f"request {self.id}: temperature must be in [0, 100] and top_p in (0, 1], got "
+                             f"{self.temperature}, {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,12 @@ class GenerationEngine(Protocol):
 
     def step(self) -> list[TokenEvent]:
         """Advance the admitted requests by one scheduling step; the tokens it produced, in order."""
+        ...
+
+    def abort(self, request_id: int) -> None:
+        """Drop a request (its client went away), waiting or running: no token of it after this returns, and
+        its memory (its KV rows or blocks, its place in the queue) is free for the next request. An id the
+        engine does not hold (finished, or never added) is ignored."""
         ...
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from evo.workloads import sampling
 from evo.workloads.generation import GenerationRequest, TokenEvent, check_fits
 from evo.workloads.llama.engine import KVCache, LlamaEngine
 
@@ -53,6 +54,10 @@ class LlamaGenerator:
                     del self.running[rid]
         return events
 
+    def abort(self, request_id: int) -> None:
+        self.waiting = deque(r for r in self.waiting if r.id != request_id)
+        self.running.pop(request_id, None)  # its cache goes with it
+
     def _cache(self, positions: int) -> KVCache:
         """A cache of the request's own (never the call engine's kept one: requests must not share one)."""
         s, engine = self.engine.spec, self.engine
@@ -66,4 +71,8 @@ class LlamaGenerator:
         else:
             tokens, pos = torch.tensor([[run.made[-1]]], device=device), len(run.request.prompt) + len(run.made) - 1
         logits = self.engine._forward(tokens, pos, run.cache)  # [1, V] of the last position
-        return int(logits[0].argmax())
+        if run.request.greedy:
+            return int(logits[0].argmax())
+        request = run.request
+        return sampling.choose(logits[0].float().cpu().numpy(), request.temperature, request.top_p, request.seed,
+                               len(run.made))

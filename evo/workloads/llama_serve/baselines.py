@@ -69,6 +69,12 @@ class OneAtATime:
             self.current = None
         return events
 
+    def abort(self, request_id: int) -> None:
+        self.waiting = deque(r for r in self.waiting if r.id != request_id)
+        if request_id == self.current:
+            self.generator.abort(request_id)
+            self.current = None
+
 
 def one_at_a_time(preset: ServePreset, device: DeviceInfo) -> OneAtATime:
     """`LlamaGenerator` over the llama workload's default genome (its gene space, as `get_workload("llama")` has it)."""
@@ -128,6 +134,16 @@ class HFStatic:
             batch.mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch.requests), 1)], 1)
         return events
 
+    def abort(self, request_id: int) -> None:
+        """Out of the queue; in the running batch its row rides along to the batch's end (static batching)."""
+        self.waiting = deque(r for r in self.waiting if r.id != request_id)
+        if self.batch is not None:
+            for row, request in enumerate(self.batch.requests):
+                if request.id == request_id:
+                    self.batch.done[row] = True
+            if all(self.batch.done):
+                self.batch = None
+
     def _open(self, requests: list[GenerationRequest]) -> _Batch:
         """The batch's prefill inputs: prompts left-padded (token 0, masked) to the longest."""
         from transformers import DynamicCache
@@ -185,6 +201,10 @@ class HFContinuous:
             events += self._new_tokens(output)
             output = self.manager.get_result(timeout=0)
         return events
+
+    def abort(self, request_id: int) -> None:
+        if self.running.pop(str(request_id), None) is not None:
+            self.manager.cancel_request(str(request_id))
 
     def _new_tokens(self, output) -> list[TokenEvent]:
         if output.request_id not in self.running:

@@ -11,7 +11,8 @@ apart the same way):
 - the model runner (`ModelRunner`): the `llama` workload's `LlamaEngine` layers, called once per prefill
   (chunk) and once per step for every decoding request together: B rows at B positions, each rotated at
   its own position, its K/V written at its own position, attending under a per-row mask made by one
-  comparison (a single decoding row runs as a one-token chunk, with no mask). Greedy.
+  comparison (a single decoding row runs as a one-token chunk, with no mask). Greedy, or each request's
+  seeded sampling (`evo.workloads.sampling`).
 
 Three parts in one module because this module is the engine; each is one class with one job, and the
 KV pools would move to a module of their own as soon as another engine uses them.
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 
 from evo.core.genome import Genome
+from evo.workloads import sampling
 from evo.workloads.base import NO_SOURCES, DeviceInfo
 from evo.workloads.generation import GenerationRequest, TokenEvent, check_fits
 from evo.workloads.llama import engine as _llama_engine
@@ -36,6 +38,7 @@ from evo.workloads.llama_serve.genes import ServePlan, gene_space, llama_genome
 from evo.workloads.llama_serve.presets import ServePreset
 
 KV = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # _layers' kv(i, k, v)
+Pick = tuple[GenerationRequest, int]  # how a row's token is chosen: its request, and the index of the token
 
 
 # ---------------------------------------------------------------------------------------------- KV pools
@@ -213,28 +216,28 @@ class ModelRunner:
         self.visible, self.hidden = (torch.tensor(x, dtype=engine.dtype, device=device) for x in (0.0, -math.inf))
         self.compiled = torch.compile(self._static_step, dynamic=False) if plan.decode_step == "compiled" else None
 
-    def prefill(self, row: int, tokens: tuple[int, ...], pos: int, last: bool) -> int | None:
-        """Prompt tokens at positions [pos, pos+T) of `row`; the greedy next token when they end the prompt."""
-        made = self._chunk(row, tokens, pos, logits=last)
-        return made[0] if last else None
+    def prefill(self, row: int, tokens: tuple[int, ...], pos: int, pick: Pick | None) -> int | None:
+        """Prompt tokens at positions [pos, pos+T) of `row`; with `pick` (they end the prompt), the next token."""
+        made = self._chunk(row, tokens, pos, None if pick is None else [pick])
+        return made[0] if pick is not None else None
 
-    def _chunk(self, row: int, tokens: tuple[int, ...], pos: int, logits: bool = True) -> list[int]:
+    def _chunk(self, row: int, tokens: tuple[int, ...], pos: int, picks: list[Pick] | None) -> list[int]:
         """Tokens at positions [pos, pos+T) of one row, attending to its keys [0, pos+T) (causal: the attention
-        stage's mask=None form); the greedy token after the last one."""
+        stage's mask=None form); the token after the last one (none without `picks`)."""
         engine, T = self.engine, len(tokens)
         x = engine.embed[torch.tensor(tokens, device=engine.device)][None]  # [1, T, D]
         h = engine._layers(x, engine._rotary(pos, T), self.pool.prefill_kv(row, pos, T), None)
-        return self._greedy(engine._logits(h[:, -1])) if logits else []
+        return self._pick(engine._logits(h[:, -1]), picks) if picks else []
 
-    def decode(self, tokens: list[int], positions: list[int]) -> list[int]:
-        """Rows [0, n) each feed tokens[r] at positions[r]; their greedy next tokens."""
+    def decode(self, tokens: list[int], positions: list[int], picks: list[Pick]) -> list[int]:
+        """Rows [0, n) each feed tokens[r] at positions[r]; their next tokens, each picked by its request."""
         if self.compiled is None and len(tokens) == 1:  # one row: a one-token chunk, no mask (~10% faster)
-            return self._chunk(0, (tokens[0],), positions[0])
+            return self._chunk(0, (tokens[0],), positions[0], picks)
         device = self.engine.device
         token, pos = torch.tensor(tokens, device=device), torch.tensor(positions, device=device)
         if self.compiled is not None:
-            return self._greedy(self._padded_step(token, pos))[:len(tokens)]
-        return self._greedy(self._eager_step(token, pos, max(positions) + 1))
+            return self._pick(self._padded_step(token, pos)[:len(tokens)], picks)
+        return self._pick(self._eager_step(token, pos, max(positions) + 1), picks)
 
     def _eager_step(self, token: torch.Tensor, pos: torch.Tensor, S: int) -> torch.Tensor:
         """token, pos [n]: one forward of rows [0, n), attending to keys [0, S); logits [n, V]."""
@@ -270,12 +273,18 @@ class ModelRunner:
         mask = torch.where(self.key_positions[:S] <= pos[:, None], self.visible, self.hidden)  # [n, S]
         return mask[:, None, None, None] if self.engine.plan.attention == "matmul" else mask[:, None, None]
 
-    def _greedy(self, logits: torch.Tensor) -> list[int]:
-        """Argmax of logits [n, V] (the first of equal maxima). On the CPU through numpy: torch's argmax over
-        rows is ~20x slower there (165 us vs 7 us at [16, 4096])."""
-        if logits.device.type == "cpu":
-            return np.argmax(logits.numpy(), 1).tolist()
-        return logits.argmax(-1).tolist()
+    @staticmethod
+    def _pick(logits: torch.Tensor, picks: list[Pick]) -> list[int]:
+        """Each row's token from logits [n, V]: greedy rows by argmax (the first of equal maxima; on the CPU
+        through numpy: torch's argmax over rows is ~20x slower there, 165 us vs 7 us at [16, 4096]), sampled
+        rows by `sampling.choose` with their request's temperature, top_p, seed and output index."""
+        rows = logits.float().numpy() if logits.device.type == "cpu" else None
+        tokens = np.argmax(rows, 1).tolist() if rows is not None else logits.argmax(-1).tolist()
+        for r, (request, index) in enumerate(picks):
+            if not request.greedy:
+                row = rows[r] if rows is not None else logits[r].float().cpu().numpy()
+                tokens[r] = sampling.choose(row, request.temperature, request.top_p, request.seed, index)
+        return tokens
 
 
 # ---------------------------------------------------------------------------------------------- the scheduler
@@ -322,6 +331,22 @@ class BatchedLlamaGenerator:
             self._admit()
             return events + self._prefill()
 
+    def abort(self, request_id: int) -> None:
+        """Drop the request wherever it is: out of the queue, or its row freed (decoding rows compacted)."""
+        self.waiting = deque(r for r in self.waiting if r.id != request_id)
+        run = next((r for r in self.prefilling if r.request.id == request_id), None)
+        if run is not None:
+            self.prefilling.remove(run)
+            self._free(run.row)
+        run = next((r for r in self.decoding if r.request.id == request_id), None)
+        if run is not None:
+            self._end([run])
+
+    @property
+    def held(self) -> int:
+        """Requests this engine holds (queued, prefilling or decoding)."""
+        return len(self.waiting) + len(self.prefilling) + len(self.decoding)
+
     def _admit(self) -> None:
         if self.plan.batching == "static" and (self.decoding or self.prefilling):
             return  # a new batch only once the whole running batch has finished
@@ -337,7 +362,8 @@ class BatchedLlamaGenerator:
             prompt, pos = run.request.prompt, run.prefilled
             T = len(prompt) - pos if self.plan.prefill == "whole" else min(self.plan.prefill_chunk, len(prompt) - pos)
             self.pool.reserve(run.row, pos + T)
-            token = self.runner.prefill(run.row, prompt[pos:pos + T], pos, last=pos + T == len(prompt))
+            last = pos + T == len(prompt)
+            token = self.runner.prefill(run.row, prompt[pos:pos + T], pos, (run.request, 0) if last else None)
             run.prefilled += T
             if token is None:
                 continue
@@ -356,7 +382,7 @@ class BatchedLlamaGenerator:
         positions = [run.cached for run in runs]
         for run, p in zip(runs, positions):
             self.pool.reserve(run.row, p + 1)
-        made = self.runner.decode([run.made[-1] for run in runs], positions)
+        made = self.runner.decode([run.made[-1] for run in runs], positions, [(run.request, len(run.made)) for run in runs])
         events, ended = [], []
         for run, token in zip(runs, made):
             run.made.append(token)
