@@ -126,7 +126,27 @@ class _SleepBurst(_Wrapper):
         return out
 
 
-CHEATS = ("one_shot", "precog", "batch_mate", "early_stop", "past_max", "sleep_burst")
+class _WrongAfter(_Wrapper):
+    """Honest for its first WRONG_AFTER requests (the judge's checks among them), then every token off by one."""
+
+    WRONG_AFTER = 16
+
+    def __init__(self, honest) -> None:
+        super().__init__(honest)
+        self.wrong: set[int] = set()
+
+    def add(self, request: GenerationRequest) -> None:
+        if len(self.requests) >= self.WRONG_AFTER:
+            self.wrong.add(request.id)
+        self.requests[len(self.requests)] = request  # a count: served request ids repeat the judge's
+        self.honest.add(request)
+
+    def step(self) -> list[TokenEvent]:
+        return [TokenEvent(e.request_id, (e.token + 1) % self.vocab, e.finished) if e.request_id in self.wrong
+                else e for e in self.honest.step()]
+
+
+CHEATS = ("one_shot", "precog", "batch_mate", "early_stop", "past_max", "sleep_burst", "wrong_after")
 
 
 class ServeCheats(LlamaServeWorkload):
@@ -152,8 +172,10 @@ class ServeCheats(LlamaServeWorkload):
 
             engine = build(llama.gene_space(preset, device).default(), preset, device, preset.max_positions)
             return _OneShot(honest, engine)
-        return {"precog": _Precog, "batch_mate": _BatchMate, "early_stop": _EarlyStop, "past_max": _PastMax,
-                "sleep_burst": _SleepBurst}[cheat](honest)
+        engine = {"precog": _Precog, "batch_mate": _BatchMate, "early_stop": _EarlyStop, "past_max": _PastMax,
+                  "sleep_burst": _SleepBurst, "wrong_after": _WrongAfter}[cheat](honest)
+        engine.vocab = preset.shape["V"]
+        return engine
 
 
 WORKLOAD = ServeCheats()

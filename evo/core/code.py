@@ -173,6 +173,12 @@ def check_sources(genome_values: Mapping[str, object], sources: Mapping[str, str
 
 
 _engine_code_allowed = False  # set in an engine's confined process only (evaluators.engine_process)
+MODULE_PREFIX = "evo_code_"  # the sys.modules names of loaded code genes
+
+
+def engine_code_allowed() -> bool:
+    """Whether this process may run a genome's code (an engine's confined process, or a trusted_code block)."""
+    return _engine_code_allowed
 
 
 def allow_engine_code() -> None:
@@ -202,7 +208,7 @@ def load_module(source: str, stage: OpenStage) -> types.ModuleType:
                         " a genome's code runs only inside a judge's confined engine process"
                         " (evaluators.engine_process), where the search, benchmarks and Serve build engines")
     check_source(source, stage)
-    name = f"evo_code_{stage.stage}_{code_hash(source)}"
+    name = f"{MODULE_PREFIX}{stage.stage}_{code_hash(source)}"
     filename = f"<evo-code {stage.gene} {code_hash(source)}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
     module = types.ModuleType(name)

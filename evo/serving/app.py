@@ -6,6 +6,19 @@
                      genome, hash, single timings (labelled so), device, MLflow run id
     GET  /healthz    200 when an engine is loaded and verified
 
+A generation engine (a workload of the generation contract) is served the way LLM clients call one, the
+OpenAI API (`evo.serving.generation`, `evo.serving.openai_api`; docs/serving.md):
+
+    POST /v1/completions       prompt as text (where the checkpoint folder has a tokenizer) or token ids
+    POST /v1/chat/completions  messages, through the tokenizer's chat template
+    GET  /v1/models            the one model this replica serves
+
+with `stream` (server-sent events, `data: [DONE]`), `usage`, `max_tokens`, `temperature`/`top_p`/`seed`
+(seeded sampling, where the engine passed its sampling check), `stop`/`stop_token_ids`/`ignore_eos`, and
+errors in OpenAI's shape naming the parameter. One engine loop per replica batches the requests of every
+connection (continuous batching across HTTP requests); a client that goes away frees its slot; a full
+queue is 429 with Retry-After.
+
 The engine is named by `user_config.engine` (any source `evo.serving.source.resolve` accepts). The
 replica never runs engine code itself: it is a client of the engine, as the judge is. It starts the
 engine in the same confined process kind the evaluator judges engines in (`evaluators.served`: zygote,
@@ -55,6 +68,10 @@ from evaluators.served import ServedEngine, ServedEngineError
 from evaluators.settings import EvaluatorSettings
 from evo.serving.codec import ENCODINGS, RequestError, decode_request, encode_outputs, parse_body, request_schema
 from evo.serving.example import example_body
+from evo.serving.generation import LoadedGenerator, load_generator
+from evo.serving.generation import answer as answer_completion
+from evo.serving.openai_api import OpenAIError
+from evo.serving.openai_api import models as models_body
 from evo.serving.rescoring import Rescorer
 from evo.serving.source import EngineRecord, resolve
 from evo.workloads import get_workload
@@ -72,7 +89,12 @@ USER_CONFIG_DEFAULTS: dict[str, Any] = {
     "batch_wait_timeout_s": 0.005,  # how long a batch waits to fill
     "rescore_fraction": 0.05,  # share of engine calls re-scored against the float64 reference, off the request path
     "sandbox": "strict",  # the engine process's confinement, as the evaluator's; "none" only for trusted engines
+    # generation engines (the OpenAI routes)
+    "served_model_name": None,  # the id clients name in `model`; None: the checkpoint folder's name, else WORKLOAD/PRESET
+    "max_waiting_requests": 256,  # requests queued or running in the engine; beyond, 429 with Retry-After
 }
+REBUILD_KEYS = ("engine", "sandbox", "served_model_name", "max_waiting_requests")  # a change starts a new engine
+DRAIN_S = 120.0  # how long a retired generation engine's in-flight requests may take to finish
 RETRY_AFTER_S = 1
 
 
@@ -90,7 +112,12 @@ def check_user_config(user_config: Any) -> dict[str, Any]:
                          f"runs:/RUN_ID or default:WORKLOAD/PRESET), got {config['engine']!r}")
     if config["tracking_uri"] is not None and not isinstance(config["tracking_uri"], str):
         raise ValueError(f"user_config 'tracking_uri' must be a string or null, got {config['tracking_uri']!r}")
-    for key, low in (("max_request_bytes", 1), ("max_inflight_bytes", 1), ("max_batch_size", 1)):
+    name = config["served_model_name"]
+    if name is not None and (not isinstance(name, str) or not name.strip() or len(name) > 256):
+        raise ValueError(f"user_config 'served_model_name' must be a non-empty string (the id clients send as "
+                         f"`model`), got {name!r}")
+    for key, low in (("max_request_bytes", 1), ("max_inflight_bytes", 1), ("max_batch_size", 1),
+                     ("max_waiting_requests", 1)):
         if key == "max_batch_size" and config[key] is None:
             continue  # the engine's largest verified B, filled in once the engine is known (check_batch)
         if type(config[key]) is not int or config[key] < low:
@@ -151,7 +178,10 @@ class LoadedEngine:
 
 def check_batch(config: dict[str, Any], loaded: LoadedEngine) -> dict[str, Any]:
     """`config` with max_batch_size filled in (unset: the largest verified B); refuse one that would merge
-    requests into batches no engine was verified at."""
+    requests into batches no engine was verified at. A generation engine batches requests itself: the option
+    is not used."""
+    if isinstance(loaded, LoadedGenerator):
+        return {**config, "max_batch_size": config["max_batch_size"] or 1}
     if config["max_batch_size"] is None:
         return {**config, "max_batch_size": loaded.max_batch}
     if config["max_batch_size"] > loaded.max_batch:
@@ -161,14 +191,21 @@ def check_batch(config: dict[str, Any], loaded: LoadedEngine) -> dict[str, Any]:
     return config
 
 
-def load_engine(source: str, tracking_uri: str | None = None, sandbox: str = "strict") -> LoadedEngine:
+def load_engine(source: str, tracking_uri: str | None = None, sandbox: str = "strict", max_waiting: int = 256,
+                served_name: str | None = None) -> LoadedEngine | LoadedGenerator:
     """Resolve the engine, start it in its own confined process, build and verify it there; raise
-    EngineRejected if anything of that fails."""
+    EngineRejected if anything of that fails. A generation engine is checked by the judge's replay and
+    served by one engine loop (`evo.serving.generation`)."""
     record = resolve(source, tracking_uri)
     workload = get_workload(record.workload)
     preset = workload.presets()[record.preset]
     if preset.device == "cuda" and not torch.cuda.is_available():
         raise EngineRejected(f"engine {record.genome.hash} is for the cuda preset {preset.name!r}; this replica has no GPU")
+    if workload.contract == "generation":
+        try:
+            return load_generator(record, sandbox, max_waiting, served_name)
+        except (RuntimeError, ValueError) as exc:
+            raise EngineRejected(f"engine {record.genome.hash} from {source}: {exc}") from exc
     try:
         specs, axes = request_schema(workload, preset)
     except NotImplementedError as exc:
@@ -264,8 +301,9 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
         return error_response("method", f"{request.method} is not allowed on {request.url.path}; allowed: "
                                         f"{allowed or 'see the HTTP API'}", 405, headers=exc.headers)
     if exc.status_code == 404:
-        return error_response("path", f"no route {request.url.path}; routes: POST /v1/infer, GET /v1/engine, "
-                                      f"GET /healthz", 404)
+        return error_response("path", f"no route {request.url.path}; routes: POST /v1/infer (call engines), "
+                                      f"POST /v1/completions, POST /v1/chat/completions, GET /v1/models (generation "
+                                      f"engines), GET /v1/engine, GET /healthz", 404)
     return error_response("request", str(exc.detail), exc.status_code, headers=exc.headers)
 
 
@@ -280,7 +318,7 @@ async def _server_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response("engine", f"internal error: {type(exc).__name__}: {exc}"[:500], 500)
 
 
-@serve.deployment(name="EngineServer", max_ongoing_requests=32, ray_actor_options={"num_cpus": 1})
+@serve.deployment(name="EngineServer", max_ongoing_requests=256, ray_actor_options={"num_cpus": 1})
 @serve.ingress(api)
 class EngineServer:
     def __init__(self, engine: str | None = None, **options: Any) -> None:
@@ -295,7 +333,8 @@ class EngineServer:
         self._budget: asyncio.Condition | None = None  # admission: waits for inflight_bytes to fit
         if engine is not None:  # plain `serve.run(EngineServer.bind(engine=...))` without user_config
             config = check_user_config({**options, "engine": engine})
-            self.loaded = load_engine(engine, config["tracking_uri"], config["sandbox"])
+            self.loaded = load_engine(engine, config["tracking_uri"], config["sandbox"], config["max_waiting_requests"],
+                                      config["served_model_name"])
             self._apply_options(check_batch(config, self.loaded))
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
@@ -305,11 +344,12 @@ class EngineServer:
         source = user_config.get("engine") if isinstance(user_config, dict) else None
         try:
             config = check_user_config(user_config)
-            if self.loaded is not None and all(config[k] == self.config[k] for k in ("engine", "sandbox")):
+            if self.loaded is not None and all(config[k] == self.config[k] for k in REBUILD_KEYS):
                 candidate = self.loaded  # options only
             else:  # build and verify off the event loop: requests keep being served meanwhile
                 candidate = await asyncio.to_thread(load_engine, config["engine"], config["tracking_uri"],
-                                                    config["sandbox"])
+                                                    config["sandbox"], config["max_waiting_requests"],
+                                                    config["served_model_name"])
             config = check_batch(config, candidate)
         except Exception as exc:
             if self.loaded is None:
@@ -327,8 +367,8 @@ class EngineServer:
             self.out_of_service = None
             self.last_swap = {"source": config["engine"], "ok": True, "from": previous,
                               "to": candidate.record.genome.hash, "at": started, "seconds": time.time() - started}
-            if retired is not None:  # waits for a call still running there, then kills its process
-                await asyncio.to_thread(retired.engine.close)
+            if retired is not None:  # waits for what still runs there, then kills its process
+                await asyncio.to_thread(_retire, retired)
 
     def _take_out_of_service(self, failed: LoadedEngine, why: str) -> None:
         """Live re-scoring found `failed` wrong: serve the previous engine where there is one, else nothing."""
@@ -375,6 +415,12 @@ class EngineServer:
     async def engine_info(self) -> JSONResponse:
         if self.loaded is None:
             return error_response("engine", "no engine loaded", 503)
+        if isinstance(self.loaded, LoadedGenerator):
+            return JSONResponse({
+                **engine_summary(self.loaded.record), **self.loaded.info(),
+                "serving_device": self.loaded.device, "verification": {"message": self.loaded.check_message},
+                "loaded_at": self.loaded.loaded_at, "last_swap": self.last_swap, "sandbox": self.config["sandbox"],
+                "rescoring": self._rescoring(), "replica": os.getpid()})
         return JSONResponse({
             **engine_summary(self.loaded.record),
             "serving_device": self.loaded.device,
@@ -382,9 +428,7 @@ class EngineServer:
             "loaded_at": self.loaded.loaded_at,
             "last_swap": self.last_swap,
             "sandbox": self.config["sandbox"],
-            "rescoring": {"fraction": self.config["rescore_fraction"], **self.rescorer.stats,
-                          "out_of_service": self.out_of_service,
-                          "previous": self.previous.record.genome.hash if self.previous else None},
+            "rescoring": self._rescoring(),
             "batching": {"max_batch_size": self.config["max_batch_size"],
                          "batch_wait_timeout_s": self.config["batch_wait_timeout_s"]},
             "limits": {"max_request_bytes": self.config["max_request_bytes"],
@@ -394,11 +438,66 @@ class EngineServer:
             "example_request": example_body(self.loaded.specs, self.loaded.axes),  # POST it to /v1/infer
         })
 
+    def _rescoring(self) -> dict[str, Any]:
+        return {"fraction": self.config["rescore_fraction"], **self.rescorer.stats, "out_of_service": self.out_of_service,
+                "previous": self.previous.record.genome.hash if self.previous else None}
+
+    # ------------------------------------------------------------------ generation engines: the OpenAI API
+    def _generator(self) -> LoadedGenerator:
+        """The generation engine that answers now; OpenAIError when none may."""
+        loaded, why = self.loaded, self._unavailable()
+        if why is not None:
+            raise OpenAIError(None, why, 503, "service_unavailable")
+        if not isinstance(loaded, LoadedGenerator):
+            raise OpenAIError(None, f"engine {loaded.record.genome.hash} ({loaded.record.workload}) takes tensors, not "
+                                    f"prompts: POST /v1/infer (GET /v1/engine has an example request)", 404,
+                              code="not_a_generation_engine")
+        return loaded
+
+    @api.get("/v1/models")
+    async def models(self) -> JSONResponse:
+        try:
+            loaded = self._generator()
+        except OpenAIError as exc:
+            return JSONResponse(exc.body(), exc.status)
+        return JSONResponse(models_body(loaded.limits.model, int(loaded.loaded_at)))
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._complete(request, chat=False)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._complete(request, chat=True)
+
+    async def _complete(self, request: Request, chat: bool):
+        limit = self.config["max_request_bytes"]
+        try:
+            loaded = self._generator()
+            _content_length(request, limit)
+            body = parse_body(await _read_capped(request, limit), max_bytes=limit)
+        except OpenAIError as exc:
+            return JSONResponse(exc.body(), exc.status)
+        except RequestError as exc:
+            return JSONResponse(OpenAIError(exc.field, exc.message, exc.status).body(), exc.status)
+        self.stats["requests"] += 1
+        return await answer_completion(loaded, body, chat, self._finished, self._failed)
+
+    def _finished(self, loaded: LoadedGenerator, request: Any, tokens: list[int]) -> None:
+        self.rescorer.offer(loaded, [(request, tokens)])  # re-scored against the reference off the request path
+
+    def _failed(self, loaded: LoadedGenerator, why: str) -> None:
+        logger.error("generation engine failed; taking it out of service: %s", why)
+        self._take_out_of_service(loaded, why)
+
     @api.post("/v1/infer")
     async def infer(self, request: Request) -> JSONResponse:
         loaded, why = self.loaded, self._unavailable()
         if why is not None:
             return error_response("engine", why, 503)
+        if isinstance(loaded, LoadedGenerator):
+            return error_response("path", f"engine {loaded.record.genome.hash} generates tokens: POST /v1/completions "
+                                          f"or /v1/chat/completions with model {loaded.limits.model!r}", 404)
         limit, budget = self.config["max_request_bytes"], self.config["max_inflight_bytes"]
         try:
             declared = _content_length(request, limit)
@@ -473,6 +572,15 @@ class EngineServer:
         self.stats["engine_calls"] += len(calls)
         self.rescorer.offer(loaded, calls)
         return results
+
+
+def _retire(loaded: LoadedEngine | LoadedGenerator) -> None:
+    """Kill a replaced engine's process: a call engine after the call still running there, a generation engine
+    after its in-flight requests finished (at most DRAIN_S)."""
+    if isinstance(loaded, LoadedGenerator):
+        loaded.engine.close(drain_s=DRAIN_S)
+    else:
+        loaded.engine.close()
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:

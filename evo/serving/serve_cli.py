@@ -67,7 +67,8 @@ def serve_forever(engine: str, host: str, port: int, name: str, max_batch_size: 
         engine = str(Path(engine).expanduser().resolve())
     try:
         record = resolve(engine, tracking_uri)
-        max_batch_size = batch_size(record, max_batch_size)
+        generation = _generates(record)
+        max_batch_size = None if generation else batch_size(record, max_batch_size)
     except (SourceError, ValueError) as exc:
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
@@ -98,14 +99,29 @@ def serve_forever(engine: str, host: str, port: int, name: str, max_batch_size: 
         if not stop.is_set():
             url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
             claim = record.claim()  # the claim before the numbers: the paired speedup with its interval
+            if generation:
+                from evo.serving.generation import snippet
+
+                routes = "the OpenAI API: POST /v1/completions, POST /v1/chat/completions, GET /v1/models"
+                try_it = snippet(record, url)
+            else:
+                routes, try_it = f"POST /v1/infer; max_batch_size {max_batch_size}", curl_for(record.workload,
+                                                                                              record.preset, url)
             print(f"serving engine {record.genome.hash} ({record.workload}/{record.preset}"
-                  f"{'; ' + claim['text'] if claim else ''}) at {url}  (POST /v1/infer, GET /v1/engine, GET /healthz;"
-                  f" max_batch_size {max_batch_size}); Ctrl-C stops", flush=True)
-            print(f"try it:\n  {curl_for(record.workload, record.preset, url)}", flush=True)
+                  f"{'; ' + claim['text'] if claim else ''}) at {url}  ({routes}; GET /v1/engine, GET /healthz);"
+                  f" Ctrl-C stops", flush=True)
+            print(f"try it:\n  {try_it}", flush=True)
             stop.wait()
     finally:
         _stop_serving(name, disconnect=own_ray)
     return 0
+
+
+def _generates(record: EngineRecord) -> bool:
+    """Whether the record's workload is of the generation contract (served by the OpenAI routes)."""
+    from evo.workloads import get_workload
+
+    return get_workload(record.workload).contract == "generation"
 
 
 def _deploy(app: Any, name: str, stop: threading.Event) -> str | None:

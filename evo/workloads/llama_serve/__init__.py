@@ -18,7 +18,7 @@ from evo.core.trace import TraceSpec
 from evo.workloads.base import NO_SOURCES, CheckCase, DeviceInfo, MachineRates, Preset, Roofline, Workload
 from evo.workloads.lazy import lazy
 from evo.workloads.llama import open_code as _open_code
-from evo.workloads.llama_serve.presets import PRESETS, ServePreset
+from evo.workloads.llama_serve.presets import PRESET_TABLE, ServePreset
 
 _baselines = lazy("evo.workloads.llama_serve.baselines", judge_only=True)
 _engine = lazy("evo.workloads.llama_serve.engine")
@@ -43,7 +43,7 @@ class LlamaServeWorkload(Workload):
         return preset
 
     def presets(self) -> dict[str, Preset]:
-        return dict(PRESETS)
+        return PRESET_TABLE
 
     def gene_space(self, preset: Preset, device: DeviceInfo) -> GeneSpace:
         return _genes.gene_space(self._use(preset), device)

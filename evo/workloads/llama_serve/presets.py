@@ -5,14 +5,20 @@ Shape: R (the most requests in flight the judge sends: the trace's concurrency, 
 longest prompt), N (the most new tokens a request may ask for), V (the vocabulary). An engine holds
 P + N positions per request. A config's `trace:` replaces the preset's trace within those bounds
 (`evo.driver.config`): a longer prompt or output, or more requests in flight, is another preset.
+
+Besides the fixed presets, `hf:<folder>[,R=4,P=24,N=12,count=12,dtype=float32,device=cpu]` names the Hugging
+Face checkpoint in that folder (the `llama` workload's reader, `evo.workloads.llama.model`) under a closed
+trace of `count` requests, R in flight, prompts 1 to P, outputs 1 to N; `PresetTable` resolves it when named.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from evo.core.trace import TraceSpec
 from evo.workloads.llama.model import PRESETS as MODEL_PRESETS
-from evo.workloads.llama.model import LlamaPreset, ModelSpec
+from evo.workloads.llama.model import CHECKPOINT_PREFIX, LlamaPreset, ModelSpec, read_checkpoint_spec
+from evo.workloads.llama.model import PresetTable as _LlamaPresetTable
 
 
 @dataclass(frozen=True)
@@ -60,3 +66,51 @@ PRESETS: dict[str, ServePreset] = {p.name: p for p in (
             TraceSpec("closed", count=256, concurrency=64, prompt_len=(128, 1024), output_len=(64, 256)),
             "bfloat16", "cuda"),
 )}
+
+
+CHECKPOINT_DEFAULTS: dict[str, object] = {"R": 4, "P": 24, "N": 12, "count": 12, "dtype": "float32", "device": "cpu"}
+_CHOICES = {"dtype": ("float32", "bfloat16"), "device": ("cpu", "cuda")}
+
+
+def checkpoint_preset(name: str) -> ServePreset:
+    """`hf:<folder>[,key=value...]` (keys and defaults: CHECKPOINT_DEFAULTS) -> the preset of that checkpoint,
+    judged on a closed trace of `count` requests, R in flight, prompts 1 to P, outputs 1 to N. ValueError names
+    the option that is wrong and what is allowed, or what the folder lacks."""
+    folder, *options = name[len(CHECKPOINT_PREFIX):].split(",")
+    settings = dict(CHECKPOINT_DEFAULTS)
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep or key not in settings:
+            raise ValueError(f"preset {name!r}: option {option!r} must be key=value with key one of "
+                             f"{', '.join(CHECKPOINT_DEFAULTS)} (defaults {_defaults()})")
+        if key in _CHOICES:
+            if value not in _CHOICES[key]:
+                raise ValueError(f"preset {name!r}: {key} must be one of {', '.join(_CHOICES[key])}, got {value!r}")
+            settings[key] = value
+        elif not (value.isdecimal() and int(value) >= 1):
+            raise ValueError(f"preset {name!r}: {key} must be an integer >= 1, got {value!r}")
+        else:
+            settings[key] = int(value)
+    if not folder:
+        raise ValueError(f"preset {name!r} names no folder: write hf:<folder>[,{_defaults()}]")
+    R, P, N, count = (int(settings[k]) for k in ("R", "P", "N", "count"))
+    trace = TraceSpec("closed", count=count, concurrency=R, prompt_len=(1, P), output_len=(1, N))
+    return _preset(name, read_checkpoint_spec(Path(folder)), trace, str(settings["dtype"]), str(settings["device"]))
+
+
+def _defaults() -> str:
+    return ",".join(f"{k}={v}" for k, v in CHECKPOINT_DEFAULTS.items())
+
+
+class PresetTable(_LlamaPresetTable):
+    """The fixed presets, plus `hf:<folder>[,R=..,P=..,N=..,count=..,dtype=..,device=..]` resolved (its
+    config.json read) when first named: the `llama` workload's table, with this workload's presets."""
+
+    def __missing__(self, name: str) -> ServePreset:
+        if not isinstance(name, str) or not name.startswith(CHECKPOINT_PREFIX):
+            raise KeyError(name)
+        self[name] = preset = checkpoint_preset(name)
+        return preset
+
+
+PRESET_TABLE = PresetTable(PRESETS)  # what the workload's presets() returns: PRESETS and hf: names

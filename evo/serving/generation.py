@@ -1,0 +1,181 @@
+"""A generation engine behind the Serve app's OpenAI-compatible routes (`evo.serving.app`).
+
+`load_generator` starts the engine as the judge does (`evaluators.served_generator.ServedGenerator`: its
+own confined process, the check replay and the seeded-sampling check, one engine loop batching every
+request the replica gets) and reads the checkpoint folder's tokenizer, if it has one, on the replica's
+side: text in and out, the chat template and the end-of-text ids are the replica's job, the engine only
+ever sees token ids. `answer` runs one `/v1/completions` or `/v1/chat/completions` request: parsed and
+bounded by the verified domain (`evo.serving.openai_api`), streamed as server-sent events or answered
+whole, refused with 429 and Retry-After when the engine's queue is full.
+"""
+# No `from __future__ import annotations`: FastAPI-facing types stay real.
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from evaluators.served_generator import Overloaded, RequestError, ServedGenerator, ServedGeneratorError
+from evaluators.settings import EvaluatorSettings
+from evo.core import code
+from evo.serving import openai_api
+from evo.serving.completion_stream import Piece, pieces
+from evo.serving.openai_api import Answer, Job, Limits, OpenAIError
+from evo.serving.source import EngineRecord
+from evo.serving.text import TextCodec
+from evo.workloads import get_workload
+
+RETRY_AFTER_S = 1
+
+
+@dataclass(frozen=True)
+class LoadedGenerator:
+    record: EngineRecord
+    engine: ServedGenerator  # the engine's confined process and its loop
+    limits: Limits
+    device: str
+    check_message: str
+    loaded_at: float
+    max_batch: int = 1  # no batch axis: the engine batches requests itself
+
+    @property
+    def text(self) -> Any:
+        return self.limits.text
+
+    def info(self) -> dict[str, Any]:
+        """What /v1/engine says of the generation engine besides the record and the claim."""
+        engine = self.engine
+        return {"contract": "generation",
+                "openai": {"model": self.limits.model, "routes": ["POST /v1/completions", "POST /v1/chat/completions",
+                                                                  "GET /v1/models"],
+                           "tokenizer": self.text.folder if self.text else None,
+                           "chat_template": bool(self.text and self.text.has_chat_template),
+                           "sampling": engine.sampling, "sampling_check": engine.sampling_check or "passed"},
+                "limits": {"max_prompt_tokens": self.limits.max_prompt, "max_tokens": self.limits.max_tokens,
+                           "vocab": self.limits.vocab, "max_waiting_requests": engine.max_waiting},
+                "running": engine.running, "stats": dict(engine.stats),
+                # a genome's code in this replica's interpreter: none, and none may be (it is the engine's client)
+                "replica_engine_code": {"allowed": code.engine_code_allowed(),
+                                        "loaded": sorted(m for m in sys.modules if m.startswith(code.MODULE_PREFIX))}}
+
+
+def _tokenizer(workload, preset) -> TextCodec | None:
+    """The tokenizer of the first folder the engine reads (its checkpoint) that has one."""
+    for folder in workload.engine_files(preset):
+        if os.path.isdir(folder):
+            codec = TextCodec.from_folder(folder)
+            if codec is not None:
+                return codec
+    return None
+
+
+def model_id(record: EngineRecord, codec: TextCodec | None, name: str | None) -> str:
+    """The id clients name in `model`: the configured name, else the checkpoint folder's name, else WORKLOAD/PRESET."""
+    if name:
+        return name
+    if codec is not None:
+        return os.path.basename(os.path.normpath(codec.folder))
+    return f"{record.workload}/{record.preset}"
+
+
+def load_generator(record: EngineRecord, sandbox: str, max_waiting: int, served_name: str | None) -> LoadedGenerator:
+    """Start, check and open the generation engine; ServedGeneratorError or ValueError when it will not serve."""
+    workload = get_workload(record.workload)
+    preset = workload.presets()[record.preset]
+    codec = _tokenizer(workload, preset)
+    engine = ServedGenerator(record.workload, record.preset, record.genome.to_json(), record.sources,
+                             EvaluatorSettings(sandbox=sandbox), max_waiting=max_waiting)
+    limits = Limits(model_id(record, codec, served_name), engine.max_prompt, engine.max_tokens, engine.vocab, codec,
+                    engine.sampling)
+    message = (f"passed the judge's check replay (every request scored against the float64 reference's tokens) in a "
+               f"{sandbox} sandbox; seeded sampling: {engine.sampling_check or 'passed'}")
+    return LoadedGenerator(record, engine, limits, engine.judge.device, message, time.time())
+
+
+def openai_error(exc: OpenAIError) -> JSONResponse:
+    return JSONResponse(exc.body(), exc.status, headers=exc.headers or None)
+
+
+def _refusal(exc: Exception) -> OpenAIError:
+    """What the engine's loop refused at submit, as OpenAI's error."""
+    if isinstance(exc, Overloaded):
+        return OpenAIError(None, f"the engine is busy: {exc}; retry after {RETRY_AFTER_S} s", 429,
+                           "rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, RequestError):
+        param = str(exc).split(":", 1)[0].split(",")[0].strip()
+        return OpenAIError(param, str(exc))
+    return OpenAIError(None, f"the engine serves no more: {exc}", 503, "service_unavailable")
+
+
+async def answer(loaded: LoadedGenerator, body: Any, chat: bool, on_done: Callable,
+                 on_failure: Callable[[LoadedGenerator, str], None]):
+    """The response to one completions request (see the module)."""
+    try:
+        job = openai_api.parse(body, loaded.limits, chat)
+    except OpenAIError as exc:
+        return openai_error(exc)
+    made = pieces(loaded.engine, job, loaded.text, lambda request, tokens: on_done(loaded, request, tokens))
+    try:
+        first = await made.__anext__()  # refusals at submit become their status before any byte is sent
+    except (Overloaded, RequestError) as exc:
+        return openai_error(_refusal(exc))
+    except ServedGeneratorError as exc:
+        on_failure(loaded, str(exc))
+        return openai_error(_refusal(exc))
+    answered = Answer.new(loaded.limits.model, chat)
+    if job.stream:
+        return StreamingResponse(_events(answered, job, first, made, loaded, on_failure), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    texts, tokens, finish = [first.text], list(first.token_ids), first.finish
+    try:
+        async for piece in made:
+            texts.append(piece.text)
+            tokens += piece.token_ids
+            finish = piece.finish
+    except ServedGeneratorError as exc:
+        on_failure(loaded, str(exc))
+        return openai_error(_refusal(exc))
+    return JSONResponse(openai_api.completion(answered, "".join(texts), tokens, finish or "length", len(job.prompt)))
+
+
+async def _events(answered: Answer, job: Job, first: Piece, rest: AsyncIterator[Piece], loaded: LoadedGenerator,
+                  on_failure: Callable) -> AsyncIterator[bytes]:
+    """The stream: one chunk per token (its text and id), the finish reason on the last, the usage chunk when
+    asked for, then [DONE]. A client that goes away cancels this generator, and with it the request."""
+    made = len(first.token_ids)
+    yield openai_api.sse(openai_api.chunk(answered, first.text, first.token_ids, first.finish, first=True))
+    try:
+        async for piece in rest:
+            made += len(piece.token_ids)
+            yield openai_api.sse(openai_api.chunk(answered, piece.text, piece.token_ids, piece.finish))
+    except ServedGeneratorError as exc:
+        on_failure(loaded, str(exc))
+        yield openai_api.sse(OpenAIError(None, f"the engine failed mid-stream: {exc}", 503, "service_unavailable").body())
+        return
+    finally:
+        await rest.aclose()
+    if job.include_usage:
+        yield openai_api.sse(openai_api.usage_chunk(answered, len(job.prompt), made))
+    yield openai_api.sse("[DONE]")
+
+
+def close(loaded: LoadedGenerator, drain_s: float) -> None:
+    """Retire the engine once its in-flight requests finished (at most `drain_s`), then kill it."""
+    loaded.engine.close(drain_s=drain_s)
+
+
+def snippet(record: EngineRecord, url: str, served_name: str | None = None) -> str:
+    """How to call the served generation engine: a streaming curl and the `openai` client, as `evo serve` prints."""
+    workload = get_workload(record.workload)
+    codec = _tokenizer(workload, workload.presets()[record.preset])
+    model = model_id(record, codec, served_name)
+    prompt = '"Once upon a time"' if codec is not None else "[1, 2, 3]"
+    curl = (f"curl -N {url}/v1/completions -H 'Content-Type: application/json' -d '{{\"model\": \"{model}\", "
+            f"\"prompt\": {prompt}, \"max_tokens\": 8, \"stream\": true}}'")
+    client = (f"python -c 'from openai import OpenAI; c = OpenAI(base_url=\"{url}/v1\", api_key=\"none\"); "
+              f"r = c.completions.create(model=\"{model}\", prompt={prompt}, max_tokens=8); "
+              f"print(r.choices[0].text, r.choices[0].model_extra[\"token_ids\"], r.usage)'")
+    return f"{curl}\n  {client}"
