@@ -1,5 +1,5 @@
 """Command line: `python -m evo run CONFIG [--out DIR] [--set key=value ...]`, and the other commands
-(`resume`, `compare`, `bench`, `ab`, `kernels`, `serve`, `genes`, `report`, `mlflow-sync`)."""
+(`resume`, `compare`, `bench`, `ab`, `kernels`, `serve`, `genes`, `report`, `mlflow-sync`, `loadtest`)."""
 from __future__ import annotations
 
 import argparse
@@ -108,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     sync_cmd.add_argument("run_dir", metavar="RUN_DIR", help="run directory holding mlflow_outbox.jsonl")
     sync_cmd.add_argument("--tracking-uri", default=None, help="MLflow store (default: the one the run used)")
     sync_cmd.add_argument("--wait", type=float, default=30.0, help="seconds to keep retrying an unreachable store")
+    loadtest_cmd = add("loadtest", help="load an OpenAI-compatible server as `vllm bench serve` does: TTFT, TPOT, ITL,"
+                                        " E2EL, throughput, goodput")
+    from evo.bench.loadtest import add_arguments as add_loadtest_arguments  # stdlib only; openai loads on run
+
+    add_loadtest_arguments(loadtest_cmd)
     report_cmd = add("report", help="print the best engine's ancestry and write the lineage page")
     report_cmd.add_argument("run", metavar="RUN_DIR|RUN_ID", help="run directory, or MLflow run id (runs:/ID)")
     report_cmd.add_argument("--out", default=None,
@@ -126,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
         return serve_forever(args.engine, host=args.host, port=args.port, name=args.name,
                              max_batch_size=args.max_batch_size, tracking_uri=args.tracking_uri,
                              sandbox=args.sandbox, rescore_fraction=args.rescore_fraction)
+    if args.command == "loadtest":
+        from evo.bench.loadtest import main as loadtest_main, options_from_args
+
+        return loadtest_main(options_from_args(args))
     if args.command == "resume":
         from evo.driver.resume import RunDirError, load_run
 

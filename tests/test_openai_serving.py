@@ -14,6 +14,8 @@ import json
 import shutil
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -172,6 +174,28 @@ def test_bad_requests_are_4xx_in_openais_shape_naming_the_parameter(client, chan
     error = caught.value
     assert error.status_code == status and error.body["param"] == param, error.body
     assert error.body["type"] and param in error.body["message"] or status == 404
+
+
+def test_a_full_queue_is_429_with_retry_after_and_the_rest_complete(server):
+    """40 requests at once against a queue of 24 (max_waiting_requests): the overflow is refused at once with
+    429 and Retry-After in OpenAI's error shape, every admitted one completes."""
+    body = json.dumps({"model": MODEL, "prompt": [9] * 8, "max_tokens": N, "temperature": 0, "ignore_eos": True})
+
+    def one(_):
+        request = urllib.request.Request(f"{server.url}/v1/completions", body.encode(), {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return response.status, None, json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, error.headers.get("Retry-After"), json.loads(error.read())
+
+    with concurrent.futures.ThreadPoolExecutor(40) as pool:
+        answers = list(pool.map(one, range(40)))
+    refused = [a for a in answers if a[0] == 429]
+    done = [a for a in answers if a[0] == 200]
+    assert refused and len(done) + len(refused) == 40, [a[0] for a in answers]
+    assert all(retry == "1" and a["error"]["type"] == "rate_limit_exceeded" for _, retry, a in refused), refused[0]
+    assert all(len(a["choices"][0]["token_ids"]) == N for _, _, a in done)
 
 
 def test_a_client_that_goes_away_frees_its_slot(server, client):
