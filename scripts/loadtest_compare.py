@@ -25,6 +25,7 @@ its row says so. Its stream carries no usage, so its output tokens are counted b
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -34,7 +35,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,7 @@ from evo.bench.loadtest import LoadtestError, LoadtestOptions, loadtest  # noqa:
 from evo.bench.loadtest_report import write_result  # noqa: E402
 
 ALT_DIR = Path(os.environ.get("ALT_DIR", "/work/alt"))
-SERVERS = ("ours", "transformers", "vllm", "llamacpp")
+SERVERS = ("ours", "transformers", "transformers_cb", "vllm", "llamacpp")
 HERE = Path(__file__).resolve().parent / "alternatives"
 
 
@@ -120,6 +121,14 @@ def build_servers(args: argparse.Namespace, port: int, max_len: int) -> dict[str
                                                      "max_new_tokens": args.output_len})},
         note="output length held by generation_config min_new_tokens (no ignore_eos field)",
         missing=None if "transformers" in overrides or venv.exists()
+        else f"{venv} missing: run scripts/alternatives/setup_transformers.sh")
+
+    # the same server with its continuous batching (paged attention) on: what a user would turn on for concurrency
+    servers["transformers_cb"] = dataclasses.replace(
+        servers["transformers"], name="transformers_cb",
+        argv=_fill(overrides.get("transformers_cb", f"{venv} serve {{checkpoint}} --host 127.0.0.1 --port {{port}} "
+                                                       "--device cpu --dtype float32 --continuous-batching"), **fill),
+        missing=None if "transformers_cb" in overrides or venv.exists()
         else f"{venv} missing: run scripts/alternatives/setup_transformers.sh")
 
     vllm = ALT_DIR / "vllm" / "bin" / "vllm"

@@ -3,7 +3,9 @@
 `pieces` submits a `Job` to the served generator (`evaluators.served_generator.ServedGenerator`) and
 yields `Piece`s as the engine makes tokens: the new token ids, the new text (detokenized incrementally,
 held back while it could still become a stop string) and, on the last, why it finished. The engine's
-loop thread hands tokens over with `call_soon_threadsafe`, so no thread waits per token. However the
+loop thread hands tokens over with `call_soon_threadsafe`, so no thread waits per token; tokens that
+arrived while the previous piece was being sent go out together as one piece (a client or proxy that fell
+behind gets fewer, larger chunks). However the
 caller stops iterating (a client that went away cancels the handler; a stop string ends it early), the
 request is cancelled and the engine aborts it, freeing its slot. A request that ran to its end is
 offered to the live re-scoring (`on_done(request, tokens)`).
@@ -73,26 +75,34 @@ async def pieces(generator, job: Job, codec, on_done: Callable[[object, list[int
     ended = False
     try:
         while True:
-            item = await inbox.get()
-            if item is DONE:
-                ended = True
+            items = [await inbox.get()]
+            while not inbox.empty():  # the client fell behind the engine: what waits goes out as one chunk
+                items.append(inbox.get_nowait())
+            made: list[int] = []
+            delta = ""
+            for item in items:
+                if item is DONE:
+                    ended = True
+                    break
+                if isinstance(item, Exception):
+                    ended = True
+                    raise item
+                assert isinstance(item, Token)
+                tokens.append(item.token)
+                made.append(item.token)
+                delta += text.push(item.token)
+                if text.stopped:  # a stop string: the text ends before it; the engine need not go on
+                    yield Piece(tuple(made), delta, "stop")
+                    return
+                if item.finished:
+                    ended = True
+                    on_done(stream.request, list(tokens))
+                    yield Piece(tuple(made), delta + text.finish(), "stop" if item.token in job.stop_ids else "length")
+                    return
+            if made:
+                yield Piece(tuple(made), delta)
+            if ended:
                 return
-            if isinstance(item, Exception):
-                ended = True
-                raise item
-            assert isinstance(item, Token)
-            tokens.append(item.token)
-            delta = text.push(item.token)
-            if text.stopped:  # a stop string: the text ends before it; the engine need not go on
-                yield Piece((item.token,), delta, "stop")
-                return
-            if item.finished:
-                ended = True
-                finish = "stop" if item.token in job.stop_ids else "length"
-                on_done(replace(stream.request, max_tokens=stream.request.max_tokens), list(tokens))
-                yield Piece((item.token,), delta + text.finish(), finish)
-                return
-            yield Piece((item.token,), delta)
     finally:
         if not ended:
             stream.cancel()  # the client went away, or a stop string ended it: the engine aborts it
