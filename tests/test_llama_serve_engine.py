@@ -18,6 +18,7 @@ from evo.workloads.llama.reference import generate
 from evo.workloads.llama_serve import engine as serve_engine
 from evo.workloads.llama_serve.genes import gene_space
 from evo.workloads.llama_serve.presets import PRESETS
+from tests.generation_driver import drive
 
 CPU = DeviceInfo("cpu", "cpu", 1)
 PRESET = PRESETS["cpu_small"]
@@ -210,31 +211,6 @@ def test_the_shared_genes_reach_the_model_engine():
     assert generator.num_threads == SPACE.default()["threads"]
 
 
-def _drive(generator, requests, abort_after: dict[int, int] | None = None) -> dict[int, list[int]]:
-    """Add `requests`, step until each ended; abort request i once it made abort_after[i] tokens (0: before
-    its first step). Request id -> its tokens."""
-    abort_after = dict(abort_after or {})
-    made: dict[int, list[int]] = {r.id: [] for r in requests}
-    ended: set[int] = set()
-    for request in requests:
-        generator.add(request)
-    for rid in [i for i, n in abort_after.items() if n == 0]:
-        generator.abort(rid)
-        ended.add(rid)
-    for _ in range(200):
-        if len(ended) == len(requests):
-            return made
-        for event in generator.step():
-            assert event.request_id not in ended, f"a token for request {event.request_id} after it ended"
-            made[event.request_id].append(event.token)
-            if event.finished:
-                ended.add(event.request_id)
-            elif abort_after.get(event.request_id) == len(made[event.request_id]):
-                generator.abort(event.request_id)
-                ended.add(event.request_id)
-    raise AssertionError(f"requests {sorted(set(made) - ended)} never ended")
-
-
 def test_sampled_requests_are_the_seeded_draw_the_judge_checks():
     """Temperature and top_p per request, batched with greedy ones: every token passes the judge's sampling check
     against the float64 reference; the same seed draws the same tokens, another seed others."""
@@ -245,17 +221,17 @@ def test_sampled_requests_are_the_seeded_draw_the_judge_checks():
     settings = [(1.0, 1.0, 3), (0.7, 0.9, 4), (1.5, 0.5, 5), (0.0, 1.0, 0)]
     requests = [GenerationRequest(i, p, 12, (), t, top_p, seed) for i, (p, (t, top_p, seed)) in
                 enumerate(zip(prompts, settings))]
-    made = _drive(serve_engine.build(SPACE.default(), PRESET, CPU), requests)
+    made = drive(serve_engine.build(SPACE.default(), PRESET, CPU), requests)
     for request in requests:
         assert request_problems(request, made[request.id], lambda p, t: _reference(tuple(p), tuple(t)), 1e-4, V) == []
-    again = _drive(serve_engine.build(SPACE.make({"max_running": 1}), PRESET, CPU), requests)
+    again = drive(serve_engine.build(SPACE.make({"max_running": 1}), PRESET, CPU), requests)
     assert again == made
     reseeded = [GenerationRequest(r.id, r.prompt, r.max_tokens, (), r.temperature, r.top_p, r.seed + 100)
                 for r in requests]
-    other = _drive(serve_engine.build(SPACE.default(), PRESET, CPU), reseeded)
+    other = drive(serve_engine.build(SPACE.default(), PRESET, CPU), reseeded)
     assert all(other[i] != made[i] for i in range(3)) and other[3] == made[3]
     greedy = [GenerationRequest(r.id, r.prompt, r.max_tokens) for r in requests]
-    assert _drive(serve_engine.build(SPACE.default(), PRESET, CPU), greedy)[0] != made[0]
+    assert drive(serve_engine.build(SPACE.default(), PRESET, CPU), greedy)[0] != made[0]
 
 
 @pytest.mark.parametrize("design", ["default", "paged_chunked_queue"])
@@ -264,8 +240,8 @@ def test_an_aborted_request_gets_no_token_and_frees_its_row(design):
     after, the others' tokens are unchanged, and every row is free at the end."""
     generator = serve_engine.build(SPACE.make(DESIGNS[design]), PRESET, CPU)
     requests = [GenerationRequest(i, tuple(p), 12) for i, p in enumerate(PROMPTS[:6])]
-    alone = _drive(serve_engine.build(SPACE.make(DESIGNS[design]), PRESET, CPU), requests)
-    made = _drive(generator, requests, abort_after={1: 3, 4: 0, 5: 1})
+    alone = drive(serve_engine.build(SPACE.make(DESIGNS[design]), PRESET, CPU), requests)
+    made = drive(generator, requests, abort_after={1: 3, 4: 0, 5: 1})
     assert made[4] == [] and made[1] == alone[1][:3] and made[5] == alone[5][:1]
     assert all(made[i] == alone[i] for i in (0, 2, 3))
     assert generator.held == 0 and generator.free_rows == set(range(generator.plan.max_running))

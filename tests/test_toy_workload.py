@@ -162,7 +162,7 @@ def test_optional_hooks_have_declared_defaults():
 
 def test_a_module_path_names_a_workload_and_anything_else_is_refused_with_the_reason(toy):
     assert type(get_workload(TOY)).__name__ == "ToyWorkload"
-    with pytest.raises(ValueError, match="unknown workload 'no_such_toyload'; available: \\['kda', 'llama', 'llama_serve'\\]"):
+    with pytest.raises(ValueError, match="unknown workload 'no_such_toyload'; available: \\['kda', 'kimi_linear', 'llama', 'llama_serve'\\]"):
         get_workload("no_such_toyload")
     (toy / "not_a_workload_xyz.py").write_text("WORKLOAD = object()\n")
     try:

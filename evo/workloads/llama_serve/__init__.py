@@ -10,12 +10,11 @@ workload keeps the teacher-forced call contract (one batch per call).
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, Mapping
 
 from evo.core.genome import GeneSpace, Genome
-from evo.core.trace import TraceSpec
-from evo.workloads.base import NO_SOURCES, CheckCase, DeviceInfo, MachineRates, Preset, Roofline, Workload
+from evo.workloads.base import NO_SOURCES, DeviceInfo, MachineRates, Preset, Roofline
+from evo.workloads.generation_workload import GenerationWorkload
 from evo.workloads.lazy import lazy
 from evo.workloads.llama import open_code as _open_code
 from evo.workloads.llama_serve.presets import PRESET_TABLE, ServePreset
@@ -29,18 +28,9 @@ _llama_reference = lazy("evo.workloads.llama.reference", judge_only=True)
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-class LlamaServeWorkload(Workload):
+class LlamaServeWorkload(GenerationWorkload):
     name = "llama_serve"
-    contract = "generation"
-    input_names = ("prompt",)
-    output_names = ("tokens",)
-    reference_baseline = None  # the fastest baseline of the run (transformers' static or continuous batching)
-
-    @staticmethod
-    def _use(preset: Preset) -> ServePreset:
-        if not isinstance(preset, ServePreset):
-            raise TypeError(f"a llama_serve preset is a ServePreset (evo.workloads.llama_serve.presets), got {preset!r}")
-        return preset
+    preset_type = ServePreset
 
     def presets(self) -> dict[str, Preset]:
         return PRESET_TABLE
@@ -48,36 +38,8 @@ class LlamaServeWorkload(Workload):
     def gene_space(self, preset: Preset, device: DeviceInfo) -> GeneSpace:
         return _genes.gene_space(self._use(preset), device)
 
-    def check_cases(self, preset: Preset) -> list[list[CheckCase]]:
-        return []  # the judge's check replay covers the domain's edges (evaluators.generation_judge)
-
-    def timing_case(self, preset: Preset) -> CheckCase:
-        return CheckCase(f"trace:{preset.name}", dict(preset.shape), "uniform")
-
-    def make_inputs(self, case: CheckCase, dtype: str, device: str, seed: int) -> dict:
-        raise TypeError("llama_serve engines take requests, not input tensors: the judge draws their prompts")
-
-    def reference(self, inputs: dict) -> dict:
-        raise TypeError("the llama_serve oracle scores an engine's own tokens: call reference_logits(preset, prompt, tokens)")
-
     def reference_logits(self, preset: Preset, prompt, tokens):
         return _reference.continuation_logits(self._use(preset).model, prompt, tokens)
-
-    def with_trace(self, preset: Preset, overrides: Mapping[str, Any]) -> Preset:
-        base = self._use(preset)
-        allowed = sorted(f.name for f in dataclasses.fields(TraceSpec))
-        unknown = sorted(set(overrides) - set(allowed))
-        if unknown:
-            raise ValueError(f"unknown trace key(s) {unknown}; allowed: {allowed}")
-        lists_as_tuples = {k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}
-        return base.with_trace(dataclasses.replace(base.trace, **lists_as_tuples))
-
-    def trace(self, preset: Preset) -> TraceSpec:
-        return self._use(preset).trace
-
-    def engine_files(self, preset: Preset) -> tuple[str, ...]:
-        checkpoint = self._use(preset).model.checkpoint
-        return (str(checkpoint),) if checkpoint else ()
 
     def forbidden_callables(self) -> list[tuple[object, str]]:
         """The float64 oracles and every baseline: their answers would pass the check for free."""
@@ -87,9 +49,6 @@ class LlamaServeWorkload(Workload):
 
     def open_stages(self, preset: Preset, device: DeviceInfo):
         return _open_code.open_stages(preset, device)
-
-    def build(self, genome: Genome, preset: Preset, device: DeviceInfo, sources: Mapping[str, str] = NO_SOURCES):
-        raise TypeError("llama_serve engines generate: build them with build_generator (the generation contract)")
 
     def build_generator(self, genome: Genome, preset: Preset, device: DeviceInfo,
                         sources: Mapping[str, str] = NO_SOURCES):

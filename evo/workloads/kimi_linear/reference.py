@@ -1,0 +1,142 @@
+"""The Kimi Linear oracle: float64, layer by layer, as plain as the math; judge-only (an engine's process
+never loads it). Written from transformers 5.24's `modeling_kimi_linear.py`, checked against it in
+tests/test_kimi_linear_reference.py; it imports nothing of transformers.
+
+For a sequence of T tokens, x = embed[tokens] [T, D], then per layer
+    x = x + mixer(rmsnorm(x) * w_in) ;  x = x + ffn(rmsnorm(x) * w_post)
+and logits = (rmsnorm(x) * w_final) W_head^T [T, V]. The mixers:
+
+KDA (`linear_attention`), H heads of K = V dims:
+    q, k, v = silu(causal_conv([x Wq^T | x Wk^T | x Wv^T]))   (depthwise, `conv_kernel` taps, zero history)
+    g = -exp(A_log_h) softplus((x Wfa^T) Wfb^T + dt_bias)      [T, H, K], log decay per channel
+    beta = sigmoid(x Wb^T)                                     [T, H]
+    o = the KDA recurrence (evo.workloads.kda.reference.recurrent_kda, token by token: q, k l2-normalised,
+        q scaled by K^-0.5, S <- diag(exp g_t) S, S <- S + beta_t k_t (v_t - S^T k_t)^T, o_t = S^T q_t)
+    out = (rmsnorm_per_head(o) * w_onorm * sigmoid((x Wga^T) Wgb^T)) Wo^T
+MLA (`full_attention`), Hm heads, no rotary embedding anywhere (NoPE):
+    q = x Wq^T (or (rmsnorm(x Wqa^T) * w_qa) Wqb^T)            [T, Hm, nope + rope]
+    [c, k_rope] = x Wkva^T ;  [k_nope, v] = (rmsnorm(c) * w_kva) Wkvb^T  per head; k = [k_nope, k_rope] (k_rope
+    shared by every head) ;  o_t = softmax_{s <= t}(q_t k_s / sqrt(nope + rope)) v_s ;  out = o Wo^T
+The feed-forwards: dense = (silu(x Wg^T) * x Wu^T) Wd^T; sparse (MoE) = shared(x) + sum over the chosen experts
+e of w_e expert_e(x), with s = sigmoid(x Wr^T) [E], the choice made on s + bias: the n_group groups scored by
+the sum of their top two, the best topk_group groups kept, the top_k experts among them; w_e = s_e (divided
+by their sum + 1e-20 when renormalised) times routed_scaling_factor.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from evo.workloads.kda.reference import recurrent_kda
+from evo.workloads.kimi_linear.model import DENSE, KDA, LATENT_NORM_EPS, KimiSpec, load_weights
+from evo.workloads.kimi_linear.presets import KimiPreset
+
+
+@functools.lru_cache(maxsize=2)
+def float64_weights(spec: KimiSpec) -> dict[str, torch.Tensor]:
+    """The model's weights in float64, converted once per judge process (the last two models kept)."""
+    return {name: w.to(torch.float64) for name, w in load_weights(spec).items()}
+
+
+def _rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
+
+
+def _swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    return (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
+
+
+def _causal_conv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal convolution: x [T, C], w [C, taps] -> out[t] = sum_j w[:, j] x[t - taps + 1 + j]
+    (positions before 0 are zero)."""
+    taps = w.shape[1]
+    padded = F.pad(x, (0, 0, taps - 1, 0))  # [T + taps - 1, C]
+    return sum(w[:, j] * padded[j: j + x.shape[0]] for j in range(taps))
+
+
+def _kda(spec: KimiSpec, w: dict, p: str, x: torch.Tensor) -> torch.Tensor:
+    T, H, K = x.shape[0], spec.kda_heads, spec.kda_head_dim
+    qkv = torch.cat([x @ w[p + n + "_proj.weight"].T for n in ("q", "k", "v")], -1)  # [T, 3HK]
+    qkv = F.silu(_causal_conv(qkv, w[p + "conv1d.weight"][:, 0]))
+    q, k, v = (z.reshape(1, T, H, K) for z in qkv.split(H * K, -1))  # [1, T, H, K]
+    f = (x @ w[p + "forget_gate.f_a_proj.weight"].T) @ w[p + "forget_gate.f_b_proj.weight"].T  # [T, HK]
+    # softplus: its default threshold (x > 20 -> x) is transformers' too
+    g = -w[p + "forget_gate.A_log"].exp().reshape(H, 1) * F.softplus(f + w[p + "forget_gate.dt_bias"]).view(T, H, K)
+    beta = torch.sigmoid(x @ w[p + "b_proj.weight"].T)  # [T, H]
+    o = recurrent_kda({"q": q, "k": k, "v": v, "g": g[None], "beta": beta[None]}, torch.float64)["o"][0]  # [T, H, K]
+    gate = ((x @ w[p + "g_a_proj.weight"].T) @ w[p + "g_b_proj.weight"].T).view(T, H, K)
+    o = _rmsnorm(o, w[p + "o_norm.weight"], spec.rms_eps) * torch.sigmoid(gate)
+    return o.reshape(T, H * K) @ w[p + "o_proj.weight"].T
+
+
+def _mla(spec: KimiSpec, w: dict, p: str, x: torch.Tensor) -> torch.Tensor:
+    T, H, nope, R = x.shape[0], spec.mla_heads, spec.qk_nope_dim, spec.kv_lora_rank
+    if spec.q_lora_rank is None:
+        q = x @ w[p + "q_proj.weight"].T
+    else:
+        q_latent = _rmsnorm(x @ w[p + "q_a_proj.weight"].T, w[p + "q_a_layernorm.weight"], LATENT_NORM_EPS)
+        q = q_latent @ w[p + "q_b_proj.weight"].T
+    q = q.view(T, H, spec.qk_head_dim)  # [T, H, nope + rope]
+    latent, k_rope = (x @ w[p + "kv_a_proj_with_mqa.weight"].T).split([R, spec.qk_rope_dim], -1)  # [T, R], [T, rope]
+    kv = (_rmsnorm(latent, w[p + "kv_a_layernorm.weight"], LATENT_NORM_EPS) @ w[p + "kv_b_proj.weight"].T)
+    k_nope, v = kv.view(T, H, nope + spec.v_head_dim).split([nope, spec.v_head_dim], -1)  # [T, H, nope], [T, H, dv]
+    k = torch.cat([k_nope, k_rope[:, None].expand(T, H, spec.qk_rope_dim)], -1)  # [T, H, nope + rope]
+    scores = torch.einsum("thd,shd->hts", q, k) * spec.qk_head_dim**-0.5  # [H, T, T]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    o = torch.einsum("hts,shd->thd", scores.masked_fill(~causal, float("-inf")).softmax(-1), v)  # [T, H, dv]
+    return o.reshape(T, H * spec.v_head_dim) @ w[p + "o_proj.weight"].T
+
+
+def _moe(spec: KimiSpec, w: dict, p: str, x: torch.Tensor) -> torch.Tensor:
+    T, E, G = x.shape[0], spec.experts, spec.expert_groups
+    scores = torch.sigmoid(x @ w[p + "gate.weight"].T)  # [T, E]
+    choice = scores + w[p + "gate.e_score_correction_bias"]
+    group_score = choice.view(T, G, E // G).topk(2, -1).values.sum(-1)  # [T, G]
+    kept = torch.zeros(T, G, dtype=torch.bool)
+    kept.scatter_(1, group_score.topk(spec.topk_groups, -1).indices, True)
+    choice = choice.masked_fill(~kept.repeat_interleave(E // G, 1), float("-inf"))
+    chosen = choice.topk(spec.top_k, -1).indices  # [T, top_k]
+    weight = scores.gather(1, chosen)  # the scores, not the biased choice
+    if spec.renormalize:
+        weight = weight / (weight.sum(-1, keepdim=True) + 1e-20)
+    weight = weight * spec.routed_scaling
+    out = _swiglu(x, w[p + "shared_experts.gate_proj.weight"], w[p + "shared_experts.up_proj.weight"],
+                  w[p + "shared_experts.down_proj.weight"])
+    I = spec.moe_intermediate
+    for e in range(E):
+        rows, slot = (chosen == e).nonzero(as_tuple=True)
+        if rows.numel():
+            gate_up = w[p + "experts.gate_up_proj"][e]  # [2I, D]: gate rows, then up rows
+            y = _swiglu(x[rows], gate_up[:I], gate_up[I:], w[p + "experts.down_proj"][e])
+            out = out.index_add(0, rows, weight[rows, slot, None] * y)
+    return out
+
+
+def logits(spec: KimiSpec, weights: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced float64 logits [T, V] of token ids [T]: row t predicts token t + 1. `weights` in float64."""
+    w, eps = weights, spec.rms_eps
+    x = w["model.embed_tokens.weight"][tokens.cpu()]  # [T, D]
+    with torch.inference_mode():
+        for i, (mixer, ffn) in enumerate(zip(spec.layer_types, spec.mlp_types)):
+            p = f"model.layers.{i}."
+            h = _rmsnorm(x, w[p + "input_layernorm.weight"], eps)
+            x = x + (_kda if mixer == KDA else _mla)(spec, w, p + "self_attn.", h)
+            h = _rmsnorm(x, w[p + "post_attention_layernorm.weight"], eps)
+            if ffn == DENSE:
+                x = x + _swiglu(h, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"], w[p + "mlp.down_proj.weight"])
+            else:
+                x = x + _moe(spec, w, p + "mlp.", h)
+        return _rmsnorm(x, w["model.norm.weight"], eps) @ w["lm_head.weight"].T
+
+
+def continuation_logits(preset: KimiPreset, prompt: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
+    """Float64 logits [len(tokens), V]: row i predicts tokens[i] from the prompt and tokens[:i]."""
+    spec = preset.model
+    if not len(tokens):
+        return np.zeros((0, spec.vocab))
+    ids = torch.tensor([*prompt, *tokens[:-1]], dtype=torch.long)
+    return logits(spec, float64_weights(spec), ids)[len(prompt) - 1:].numpy()

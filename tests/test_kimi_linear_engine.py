@@ -1,0 +1,257 @@
+"""The kimi_linear generation engine, replayed by the judge's own client (evaluators.replay) on the cpu_small
+trace and scored on its own tokens against the float64 reference: every gene value decodes the reference's
+tokens from logits within float32 rounding of it, batch mates change no request's tokens, an abort frees its
+row, seeded sampling is the draw the judge checks; the baselines are right on the same trace; and one
+evaluation through the real judge in the strict sandbox is ok."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from evaluators.replay import replay, request_problems, score
+from evo.core.trace import TraceRequest, TraceSpec, draw
+from evo.workloads import get_workload
+from evo.workloads.base import DeviceInfo
+from evo.workloads.generation import GenerationRequest
+from evo.workloads.kimi_linear import engine as kimi_engine
+from evo.workloads.kimi_linear import reference
+from evo.workloads.kimi_linear.genes import gene_space
+from evo.workloads.kimi_linear.presets import PRESETS
+from tests.generation_driver import drive
+
+CPU = DeviceInfo("cpu", "cpu", 1)
+PRESET = PRESETS["cpu_small"]
+V = PRESET.model.vocab
+SPACE = gene_space(PRESET, CPU)
+WORKLOAD = get_workload("kimi_linear")
+TRACE = draw(TraceSpec("closed", count=10, concurrency=4, prompt_len=(1, 24), output_len=(1, 12)),
+             np.random.default_rng(11))
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    """Fresh ids for the trace's prompts, the vocabulary's two ends among them."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, V, t.prompt_len).tolist() for t in TRACE]
+    prompts[0][0], prompts[1][-1] = 0, V - 1
+    return prompts
+
+
+PROMPTS = _prompts(12)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(prompt: tuple[int, ...], tokens: tuple[int, ...]) -> np.ndarray:
+    return reference.continuation_logits(PRESET, prompt, tokens)
+
+
+def _ref(prompt, tokens) -> np.ndarray:
+    return _reference(tuple(prompt), tuple(tokens))
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _record(monkeypatch) -> dict[int, list[torch.Tensor]]:
+    """From now on, request id -> the logits rows its tokens were picked from, in order (a right token alone
+    could hide a wrong state: the logits show it)."""
+    seen: dict[int, list[torch.Tensor]] = {}
+    pick = kimi_engine.pick_tokens.__wrapped__ if hasattr(kimi_engine.pick_tokens, "__wrapped__") else kimi_engine.pick_tokens
+
+    def keep(logits, picks):
+        for row, (request, index) in zip(logits, picks):
+            assert len(seen.setdefault(request.id, [])) == index
+            seen[request.id].append(row.clone())
+        return pick(logits, picks)
+
+    keep.__wrapped__ = pick
+    monkeypatch.setattr(kimi_engine, "pick_tokens", keep)
+    return seen
+
+
+@pytest.fixture
+def logits_seen(monkeypatch) -> dict[int, list[torch.Tensor]]:
+    return _record(monkeypatch)
+
+
+def _replay(generator, prompts=PROMPTS, stop_ids: tuple[int, ...] = ()):
+    return replay(generator, TRACE, prompts, concurrency=4, stop_ids=stop_ids, deadline_s=120)
+
+
+def _assert_logits_match(result, seen, rel: float = 1e-5) -> None:
+    for request, tokens in zip(result.requests, result.tokens):
+        ours = torch.stack(seen[request.id]).double().numpy()
+        ref = _ref(request.prompt, tokens)
+        assert np.abs(ours - ref).max() / np.abs(ref).max() < rel, request.id
+
+
+# every value of every gene (threads has one value on a 1-thread device), and a queue with them together
+DESIGNS = {
+    "default": {},
+    "compressed": {"mla_cache": "compressed"},
+    "grouped": {"moe_dispatch": "grouped"},
+    "dense": {"moe_dispatch": "dense"},
+    "fused": {"fused_projections": True},
+    "chunked": {"kda_prefill": "chunked"},
+    "one_running": {"max_running": 1},
+    "queue_all": {"max_running": 2, "mla_cache": "compressed", "moe_dispatch": "grouped", "kda_prefill": "chunked",
+                  "fused_projections": True},
+    "eight_running": {"max_running": 8},
+}
+
+
+def test_every_gene_value_is_exercised():
+    for gene in SPACE.genes:
+        used = {DESIGNS[d].get(gene.name, gene.default) for d in DESIGNS}
+        assert set(gene.values) <= used | ({1, 2, 4, 8} if gene.name == "max_running" else set()), gene.name
+
+
+@pytest.mark.parametrize("design", sorted(DESIGNS))
+def test_each_design_decodes_its_own_tokens_as_the_float64_reference_does(design, logits_seen):
+    generator = kimi_engine.build(SPACE.make(DESIGNS[design]), PRESET, CPU)
+    result = _replay(generator)
+    assert score(result, _ref, tolerance=1e-4, vocab=V) == []
+    assert [len(t) for t in result.tokens] == [r.max_tokens for r in result.requests]
+    _assert_logits_match(result, logits_seen)
+    assert generator.held == 0 and not generator.running
+
+
+def test_the_chunked_prefill_is_exact_under_the_models_strong_decay():
+    """kda_prefill=chunked reuses the KDA workload's engine; this model's log decays reach -40, where that
+    workload's factored exponent forms overflow: the form it is built with stays within float32 rounding."""
+    from evo.workloads.kda.reference import recurrent_kda
+
+    gen = torch.Generator().manual_seed(3)
+    H, K, T = PRESET.model.kda_heads, PRESET.model.kda_head_dim, 40
+    q, k, v = torch.randn(3, 1, T, H, K, generator=gen).unbind(0)
+    g, beta = -40 * torch.rand(1, T, H, K, generator=gen), torch.rand(1, T, H, generator=gen)
+    ours = kimi_engine._chunked_kda(PRESET, CPU)(q, k, v, g, beta)
+    ref = recurrent_kda({"q": q, "k": k, "v": v, "g": g, "beta": beta}, torch.float64)
+    for name in ("o", "final_state"):
+        assert (ours[name].double() - ref[name]).abs().max() < 1e-4 * ref[name].abs().max(), name
+
+
+def test_a_bfloat16_state_at_a_bfloat16_preset_runs_within_bfloat16_rounding():
+    """cpu_small in bfloat16 (its weights stored in bfloat16, so the reference reads the same ones): a bfloat16
+    state is offered there only; the engine serves a replay and its first tokens' logits lie within bfloat16
+    rounding of the float64 reference (~2% of the largest logit: bfloat16 activations through four layers)."""
+    preset = dataclasses.replace(PRESET, dtype="bfloat16",
+                                 model=dataclasses.replace(PRESET.model, storage_dtype="bfloat16"))
+    space = gene_space(preset, CPU)
+    assert space.gene("state_dtype").values == ("float32", "bfloat16")
+    assert SPACE.gene("state_dtype").values == ("float32",)  # a float32 preset keeps a float32 state
+    generator = kimi_engine.build(space.make({"state_dtype": "bfloat16", "mla_cache": "compressed"}), preset, CPU)
+    assert generator.pool.tensors[0][0].dtype == torch.bfloat16
+    result = _replay(generator)
+    assert not result.violations and [len(t) for t in result.tokens] == [r.max_tokens for r in result.requests]
+    for prompt in PROMPTS[:4]:
+        with torch.inference_mode():
+            ours = generator.model.prefill(0, tuple(prompt))[0].double().numpy()
+        ref = reference.continuation_logits(preset, prompt, [0])[0]
+        assert np.abs(ours - ref).max() / np.abs(ref).max() < 5e-2
+
+
+def test_a_requests_tokens_do_not_depend_on_its_batch_mates(monkeypatch):
+    """The same requests one at a time and four together: the same tokens, from the same logits."""
+    runs = {}
+    for m in (1, 4):
+        seen = _record(monkeypatch)
+        runs[m] = (_replay(kimi_engine.build(SPACE.make({"max_running": m}), PRESET, CPU), _prompts(13)).tokens, seen)
+    assert runs[1][0] == runs[4][0]
+    for request_id, rows in runs[1][1].items():
+        a, b = torch.stack(rows), torch.stack(runs[4][1][request_id])
+        assert (a - b).abs().max() <= 1e-5 * a.abs().max(), request_id
+
+
+@pytest.mark.parametrize("design", ["default", "queue_all"])
+def test_an_aborted_request_gets_no_token_and_frees_its_row(design):
+    """Abort a request before its first step, one after its first token and one mid-decode: none gets a token
+    after, the others' tokens are unchanged (their rows moved into the freed ones), and every row is free."""
+    requests = [GenerationRequest(i, tuple(p), 12) for i, p in enumerate(PROMPTS[:6])]
+    alone = drive(kimi_engine.build(SPACE.make(DESIGNS[design]), PRESET, CPU), requests)
+    generator = kimi_engine.build(SPACE.make(DESIGNS[design]), PRESET, CPU)
+    made = drive(generator, requests, abort_after={1: 3, 4: 0, 5: 1})
+    assert made[4] == [] and made[1] == alone[1][:3] and made[5] == alone[5][:1]
+    assert all(made[i] == alone[i] for i in (0, 2, 3))
+    assert generator.held == 0 and not generator.running
+
+
+def test_a_stop_id_ends_its_request_and_a_request_too_long_is_refused():
+    prompts = PROMPTS[:4]
+    trace = [TraceRequest(i, 0.0, len(p), 12) for i, p in enumerate(prompts)]
+    plain = replay(kimi_engine.build(SPACE.default(), PRESET, CPU), trace, prompts, deadline_s=120)
+    stops = (plain.tokens[0][0], plain.tokens[1][5])
+    result = replay(kimi_engine.build(SPACE.default(), PRESET, CPU), trace, prompts, stop_ids=stops, deadline_s=120)
+    assert score(result, _ref, tolerance=1e-4, vocab=V) == [] and not result.violations
+    for tokens, stopped in zip(plain.tokens, result.tokens):
+        first = next((i for i, t in enumerate(tokens) if t in stops), len(tokens) - 1)
+        assert stopped == tokens[:first + 1]
+    generator = kimi_engine.build(SPACE.default(), PRESET, CPU)
+    bound = PRESET.max_positions
+    generator.add(GenerationRequest(0, (1,) * (bound - 1), 1))  # exactly fits
+    with pytest.raises(ValueError, match=f"over the {bound} positions"):
+        generator.add(GenerationRequest(1, (1,) * bound, 1))
+
+
+def test_sampled_requests_are_the_seeded_draw_the_judge_checks():
+    rng = np.random.default_rng(21)
+    prompts = [tuple(rng.integers(0, V, n).tolist()) for n in (5, 17, 1, 9)]
+    settings = [(1.0, 1.0, 3), (0.7, 0.9, 4), (1.5, 0.5, 5), (0.0, 1.0, 0)]
+    requests = [GenerationRequest(i, p, 12, (), t, top_p, seed) for i, (p, (t, top_p, seed)) in
+                enumerate(zip(prompts, settings))]
+    made = drive(kimi_engine.build(SPACE.make(DESIGNS["queue_all"]), PRESET, CPU), requests)
+    for request in requests:
+        assert request_problems(request, made[request.id], _ref, 1e-4, V) == []
+    assert drive(kimi_engine.build(SPACE.make({"max_running": 1}), PRESET, CPU), requests) == made
+    reseeded = [dataclasses.replace(r, seed=r.seed + 100) for r in requests]
+    other = drive(kimi_engine.build(SPACE.default(), PRESET, CPU), reseeded)
+    assert all(other[i] != made[i] for i in range(3)) and other[3] == made[3]
+
+
+def test_the_baselines_decode_the_references_tokens():
+    baselines = WORKLOAD.baselines(PRESET)
+    assert "one_at_a_time" in baselines
+    for name, make in baselines.items():
+        assert score(_replay(make(CPU)), _ref, tolerance=1e-3, vocab=V) == [], name
+
+
+def test_the_workload_hooks():
+    assert WORKLOAD.contract == "generation" and WORKLOAD.presets()["cpu_small"] is PRESET
+    assert SPACE.default().values()["max_running"] >= PRESET.shape["R"]
+    assert {g.name for g in SPACE.genes} == {"max_running", "kda_prefill", "threads", "mla_cache", "state_dtype",
+                                             "moe_dispatch", "fused_projections"}
+    with pytest.raises(TypeError, match="build_generator"):
+        WORKLOAD.build(SPACE.default(), PRESET, CPU)
+    with pytest.raises(TypeError):
+        WORKLOAD.make_inputs(WORKLOAD.timing_case(PRESET), "float32", "cpu", 0)
+    assert WORKLOAD.with_trace(PRESET, {"concurrency": 2}).trace.concurrency == 2
+    with pytest.raises(ValueError, match="unknown trace key"):
+        WORKLOAD.with_trace(PRESET, {"nope": 1})
+    from evo.workloads.base import MachineRates
+    roof = WORKLOAD.roofline(PRESETS["cpu"], MachineRates(145e9, 4e9))
+    assert roof.floor_ms > 0 and roof.flops == 2 * PRESETS["cpu"].model.active_parameters()
+    assert "kimi_linear" in WORKLOAD.label(SPACE.default()) and WORKLOAD.engine_files(PRESET) == ()
+
+
+def test_one_evaluation_through_the_judge_in_the_strict_sandbox_is_ok():
+    from evaluators.evaluator import Evaluator
+    from evaluators.settings import EvaluatorSettings
+    from evo.core.records import OK
+
+    evaluator = Evaluator("kimi_linear", "cpu_small", EvaluatorSettings(replays=1, build_timeout_s=120,
+                                                                        eval_timeout_s=240), seed=30, name="kimi-judge")
+    try:
+        genome = evaluator.workload.gene_space(evaluator.preset, evaluator.device_info()).default()
+        result = evaluator.evaluate(genome.to_json())
+    finally:
+        evaluator.close()
+    assert result.status == OK, result.message
+    assert result.serving["completed"] == PRESET.trace.count
