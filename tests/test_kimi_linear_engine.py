@@ -101,6 +101,9 @@ DESIGNS = {
     "dense": {"moe_dispatch": "dense"},
     "fused": {"fused_projections": True},
     "chunked": {"kda_prefill": "chunked"},
+    "chunked_c32_forward": {"kda_prefill": "chunked", "chunk_size": 32, "intra_algorithm": "forward_substitution"},
+    "chunked_c64_triangular": {"kda_prefill": "chunked", "chunk_size": 64, "intra_algorithm": "triangular_solve"},
+    "chunked_c128": {"kda_prefill": "chunked", "chunk_size": 128},
     "one_running": {"max_running": 1},
     "queue_all": {"max_running": 2, "mla_cache": "compressed", "moe_dispatch": "grouped", "kda_prefill": "chunked",
                   "fused_projections": True},
@@ -227,7 +230,7 @@ def test_the_workload_hooks():
     assert WORKLOAD.contract == "generation" and WORKLOAD.presets()["cpu_small"] is PRESET
     assert SPACE.default().values()["max_running"] >= PRESET.shape["R"]
     assert {g.name for g in SPACE.genes} == {"max_running", "kda_prefill", "threads", "mla_cache", "state_dtype",
-                                             "moe_dispatch", "fused_projections"}
+                                             "moe_dispatch", "fused_projections", "chunk_size", "intra_algorithm"}
     with pytest.raises(TypeError, match="build_generator"):
         WORKLOAD.build(SPACE.default(), PRESET, CPU)
     with pytest.raises(TypeError):

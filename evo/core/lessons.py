@@ -8,12 +8,14 @@ effects the search reads back. A warm-started run's lessons include
 the earlier runs' evidence, so lessons accumulate run after run.
 
 `python -m evo run CONFIG --warm-start SOURCE` reads lessons from a run directory, a lessons file,
-or an MLflow experiment (the newest run of the same workload and preset that logged lessons).
+or an MLflow experiment (the newest run of the same workload and preset that logged lessons). Lessons of
+another workload on the same device warm-start a run only on the genes both declare (`Lessons.shared_with`:
+e.g. a run on one model's layers for a hybrid model whose layers of that kind take that workload's genes).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ from typing import Any
 import yaml
 
 from evo.core.code import CodeStore, code_hash, is_code_hash
-from evo.core.effects import GeneEffects
+from evo.core.effects import GeneEffects, ValueEvidence, value_key
 from evo.core.genome import GeneSpace, Genome, GenomeError
 
 FORMAT = 1
@@ -45,9 +47,37 @@ class Lessons:
     sources: tuple[str, ...] = ()  # runs this evidence comes from, oldest first
     evaluations: int = 0
     code: dict[str, str] = field(default_factory=dict, compare=False)  # code hash -> source, for `best`
+    shared: tuple[str, ...] = ()  # another workload's lessons: the genes kept, those this run declares too
+    used: tuple[str, ...] = ()  # ... and what those lessons say about them (pays_off, slow, fails lines)
 
     def describe(self) -> str:
-        return f"{self.workload}/{self.preset} on {self.device} from {', '.join(self.sources) or '?'}"
+        text = f"{self.workload}/{self.preset} on {self.device} from {', '.join(self.sources) or '?'}"
+        if self.shared:
+            text += (f", on the genes shared with this run only ({', '.join(self.shared)}): lessons used: "
+                     + ("; ".join(self.used) or "none yet, evidence counts only"))
+        return text
+
+    def shared_with(self, space: GeneSpace) -> Lessons:
+        """These lessons (of another workload) as far as they hold in `space`: the per-value evidence (tries,
+        failures and their messages) of the genes `space` declares under the same name, on values legal there.
+        Latencies stay behind (another workload times another thing: its milliseconds are not this run's), as
+        do its best genomes (they build no engine here) and its agents' move statistics."""
+        legal = {g.name: {value_key(v) for v in g.values} for g in space.genes}
+        effects = GeneEffects()
+        for gene, values in self.effects.values.items():
+            kept = {k: ValueEvidence(ev.tries, ev.ok, 0.0, dict(ev.failures), dict(ev.messages))
+                    for k, ev in values.items() if k in legal.get(gene, ())}
+            if kept:
+                effects.values[gene] = kept
+        said = self.to_dict()
+
+        def on_shared(line: str) -> bool:  # "gene=value: ..."
+            gene, _, value = line.partition(":")[0].partition("=")
+            return value in effects.values.get(gene, {})
+
+        used = tuple(line for key in ("pays_off", "slow", "fails") for line in said[key] if on_shared(line))
+        return replace(self, best=(), agent_stats={}, yields={}, effects=effects, code={},
+                       shared=tuple(sorted(effects.values)), used=used)
 
     def legal_best(self, space: GeneSpace) -> list[tuple[int, Genome, float]]:
         """(rank, genome, latency) of the best genomes that are legal in `space` (a config may restrict it)."""
@@ -64,7 +94,8 @@ class Lessons:
             raise LessonsError(
                 f"{where}: lessons are for workload={self.workload!r} preset={self.preset!r} device={self.device!r}, "
                 f"this run is workload={workload!r} preset={preset!r} device={device!r}; warm-start only from runs "
-                f"of the same workload, preset and device")
+                f"of the same workload, preset and device, or of another workload on the same device (the genes "
+                f"both declare)")
         return self
 
     # -- the file -------------------------------------------------------------------------------
@@ -95,6 +126,7 @@ class Lessons:
                            "moves": {k: list(v) for k, v in sorted(self.agent_stats.get(a, {}).items())}}
                        for a in sorted(set(self.yields) | set(self.agent_stats))},
             "gene_effects": self.effects.to_dict(),
+            **({"shared_genes": list(self.shared), "used": list(self.used)} if self.shared else {}),
         }
 
     @classmethod
@@ -112,7 +144,7 @@ class Lessons:
                 yields={a: [int(s["children"]), int(s["beat_parent"])] for a, s in agents.items()},
                 effects=GeneEffects.from_dict(data["gene_effects"]),
                 sources=tuple(data.get("sources") or ()), evaluations=int(data.get("evaluations") or 0),
-                code=code)
+                code=code, shared=tuple(data.get("shared_genes") or ()), used=tuple(data.get("used") or ()))
         except (KeyError, TypeError, ValueError) as exc:
             raise LessonsError(f"{where}: lessons file is corrupt ({type(exc).__name__}: {exc})") from exc
 
@@ -205,14 +237,21 @@ WARM_FILE = "warm_start.yaml"  # the lessons a run was warm-started with, kept s
 
 
 def for_run(run_dir: Path, lessons: Lessons | None, resumed: bool, workload: str, preset: str,
-            device: str) -> Lessons | None:
+            device: str, space: GeneSpace | None = None) -> Lessons | None:
     """The lessons a run starts from: on resume, the ones it was started with; else `lessons`, checked
-    against this run's workload, preset and device and copied into the run directory."""
+    against this run's workload, preset and device (another workload's on this device: kept to the genes
+    `space` shares with it) and copied into the run directory."""
     saved = Path(run_dir) / WARM_FILE
     if resumed:
         return read(saved) if saved.exists() else None
     if lessons is None:
         return None
-    lessons.check(workload, preset, device, "--warm-start")
+    if space is not None and lessons.workload != workload and lessons.device == device:
+        lessons = lessons.shared_with(space)
+        if not lessons.shared:
+            raise LessonsError(f"--warm-start: lessons of workload {lessons.workload!r} hold no evidence on a gene "
+                               f"of this {workload!r} run (its genes: {', '.join(g.name for g in space.genes)})")
+    else:
+        lessons.check(workload, preset, device, "--warm-start")
     write(saved, lessons)
     return lessons

@@ -109,14 +109,14 @@ def assemble(config: RunConfig, run_dir: Path, resume: SavedRun | None, lessons:
     if resume:
         check_device(resume, pool.device_type)
     device = pool.device_info()
-    lessons = warm_lessons(run_dir, lessons, resume is not None, config.workload, config.preset,
-                           f"{device.kind}:{device.name}")
-    if lessons:
-        say(f"warm start: lessons of {lessons.describe()} ({len(lessons.best)} best genomes, "
-            f"{lessons.evaluations} evaluations)")
     gene_space = workload.gene_space(preset, device)
     if config.genes:
         gene_space = gene_space.restrict(config.genes)
+    lessons = warm_lessons(run_dir, lessons, resume is not None, config.workload, config.preset,
+                           f"{device.kind}:{device.name}", gene_space)
+    if lessons:
+        say(f"warm start: lessons of {lessons.describe()} ({len(lessons.best)} best genomes, "
+            f"{lessons.evaluations} evaluations)")
     store = CodeStore(run_dir / CODE_DIR)
     for source in (lessons.code.values() if lessons else ()):  # warm-start genomes that carry code
         store.put(source)

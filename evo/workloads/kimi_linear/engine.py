@@ -452,16 +452,16 @@ CHUNKED_KDA_GENES = {"exponent_form": "pairwise", "chunk_size": 16}  # the rest:
 # g ~ -40 U(0, 1): factored_subchunk NaN, pairwise C=16 error 1e-7 in 40 ms, C=64 8e-7 in 140 ms)
 
 
-def _chunked_kda(preset: KimiPreset, device: DeviceInfo):
-    """The KDA workload's engine for this model's heads (CHUNKED_KDA_GENES): q, k, v, g, beta in (it normalises
-    q and k itself), o and the final state out, float32."""
-    from evo.workloads.kda import genes as kda_genes
+def _chunked_kda(preset: KimiPreset, device: DeviceInfo, **kda_genes):
+    """The KDA workload's engine for this model's heads (CHUNKED_KDA_GENES, with the genome's KDA genes): q, k,
+    v, g, beta in (it normalises q and k itself), o and the final state out, float32."""
     from evo.workloads.kda.engine import build as build_kda
+    from evo.workloads.kda.genes import gene_space as kda_gene_space
 
     s = preset.model
     kda_preset = Preset(f"{preset.name}:kda", {"B": 1, "T": preset.max_positions, "H": s.kda_heads,
                                                "K": s.kda_head_dim, "V": s.kda_head_dim}, "float32", device.kind)
-    return build_kda(kda_genes.gene_space(kda_preset, device).make(CHUNKED_KDA_GENES), kda_preset, device)
+    return build_kda(kda_gene_space(kda_preset, device).make({**CHUNKED_KDA_GENES, **kda_genes}), kda_preset, device)
 
 
 def build(genome: Genome, preset: KimiPreset, device: DeviceInfo,
@@ -472,7 +472,8 @@ def build(genome: Genome, preset: KimiPreset, device: DeviceInfo,
     torch_device = torch.device("cuda" if device.kind == "cuda" else "cpu")
     dtype = getattr(torch, preset.dtype)
     pool = StatePool(preset.model, plan, preset.max_positions, dtype, torch_device)
-    chunked = _chunked_kda(preset, device) if plan.kda_prefill == "chunked" else None
+    chunked = (_chunked_kda(preset, device, chunk_size=plan.chunk_size, intra_algorithm=plan.intra_algorithm)
+               if plan.kda_prefill == "chunked" else None)
     model = KimiModel(preset.model, plan, pool, load_weights(preset.model), preset.max_positions, dtype, torch_device,
                       chunked)
     return KimiGenerator(model, pool, plan, preset.max_positions)

@@ -10,10 +10,16 @@ The default genome is the plainest correct engine: recurrent prefill, expanded c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from evo.core.genome import Gene, GeneSpace, Genome
+from evo.core.genome import Gene, GeneSpace, Genome, Ignored
 from evo.workloads.base import DeviceInfo
+from evo.workloads.kda import genes as _kda
 from evo.workloads.kimi_linear.presets import KimiPreset
 from evo.workloads.llama import genes as _llama
+
+# the KDA workload's genes the chunked prefill reads, by the KDA workload's names and values, so a KDA run's
+# lessons on them carry over (`evo.core.lessons.Lessons.shared_with`); its exponent form stays pairwise (the
+# factored forms overflow under this model's decay: evo.workloads.kimi_linear.engine.CHUNKED_KDA_GENES)
+KDA_GENES = ("chunk_size", "intra_algorithm")
 
 MAX_RUNNING = (1, 2, 4, 8, 16, 32, 64)
 
@@ -32,6 +38,7 @@ def _scheduling_genes(preset: KimiPreset, device: DeviceInfo) -> list[Gene]:
              "the KDA workload's chunked engine (by import: the WY form, chunks of 16, pairwise exponents, "
              "stable under this model's strong decay) from a zero state, returning the final state"),
         threads,
+        *(g for g in _kda._scheduling_genes(device) if g.name in KDA_GENES),
     ]
 
 
@@ -66,7 +73,9 @@ def gene_space(preset: KimiPreset, device: DeviceInfo) -> GeneSpace:
     genes = _scheduling_genes(preset, device) + _memory_genes(preset) + _fusion_genes()
     # no cross-gene rule: every combination is a correct engine (a bfloat16 state exists only where the
     # preset is bfloat16, by its gene's values, as the llama workload offers weight_dtype)
-    return GeneSpace("kimi_linear", tuple(genes))
+    chunked_only = Ignored(KDA_GENES, lambda v: v.get("kda_prefill") != "chunked",
+                           "the KDA workload's genes are read by the chunked prefill only")
+    return GeneSpace("kimi_linear", tuple(genes), ignored=(chunked_only,))
 
 
 @dataclass(frozen=True)
@@ -80,10 +89,13 @@ class KimiPlan:
     state_dtype: str
     moe_dispatch: str
     fused_projections: bool
+    chunk_size: int = 16  # the chunked prefill's KDA genes (read when kda_prefill is chunked)
+    intra_algorithm: str = "blocked_inverse"
 
     @classmethod
     def from_genome(cls, genome: Genome) -> KimiPlan:
         v = genome.values()
         return cls(max_running=int(v["max_running"]), kda_prefill=str(v["kda_prefill"]), threads=int(v["threads"]),
                    mla_cache=str(v["mla_cache"]), state_dtype=str(v["state_dtype"]),
-                   moe_dispatch=str(v["moe_dispatch"]), fused_projections=bool(v["fused_projections"]))
+                   moe_dispatch=str(v["moe_dispatch"]), fused_projections=bool(v["fused_projections"]),
+                   chunk_size=int(v["chunk_size"]), intra_algorithm=str(v["intra_algorithm"]))
