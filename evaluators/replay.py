@@ -199,6 +199,8 @@ def request_problems(request: GenerationRequest, tokens: Sequence[int], referenc
     outside = next((step for step, t in enumerate(tokens) if not 0 <= t < vocab), None)
     if outside is not None:
         return [f"{name}: step {outside}: token {tokens[outside]} outside the vocabulary [0, {vocab - 1}]"]
+    if len(tokens) > request.max_tokens:
+        return [f"{name}: {len(tokens)} tokens, more than its max_tokens {request.max_tokens}"]
     stops = [i for i, t in enumerate(tokens) if t in request.stop_ids]
     if stops and stops[0] < len(tokens) - 1:
         return [f"{name}: tokens after the stop id at step {stops[0]}"]

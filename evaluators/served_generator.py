@@ -19,7 +19,7 @@ import queue
 import secrets
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
@@ -67,6 +67,7 @@ class Stream:
         if sink is not None:
             self.tokens.put = sink  # type: ignore[method-assign] - the loop only ever puts
         self.cancelled = threading.Event()
+        self.made = 0  # tokens the loop received for it
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -98,10 +99,12 @@ class ServedGenerator:
         self._inbox: queue.Queue[Stream] = queue.Queue()
         self._ids = itertools.count()
         self._open: dict[int, Stream] = {}
+        self._unfinished: list[int] = []  # ended here, not marked finished by the engine: to abort there
         self.stats = {"requests": 0, "tokens": 0, "aborted": 0, "refused_busy": 0}
         self.ignored = 0  # tokens the engine sent for no open request (the judge's replays count them as breaches)
         self._stop = threading.Event()
         self._draining = False
+        self._lock = threading.Lock()
         self._failure: Exception | None = None
         self._process: EngineProcess | None = self.judge.engine_process(guarded=bool(spec.get("guarded")))
         try:
@@ -118,33 +121,48 @@ class ServedGenerator:
         problem, _ = self.judge.hold(self._process, spec, deadline)
         if problem is not None:
             raise ServedGeneratorError(f"engine {self.label} failed its check replay in the sandbox: {problem}")
-        self.sampling_check = self._check_sampling(deadline)
+        try:
+            self.sampling_check = self._check_sampling(time.perf_counter() + settings.eval_timeout_s)
+        except (GenerationError, EngineProcessError) as exc:  # incl. a forbidden call: the engine serves nothing
+            raise ServedGeneratorError(f"engine {self.label} failed its serving check in the sandbox: {exc}") from exc
         self.sampling = self.sampling_check == ""
 
     def _check_sampling(self, deadline: float) -> str:
-        """Sampled requests (SAMPLING_CHECK) through the engine, scored by the judge's seeded rule: "" when every
-        token is the draw, else why (the engine then serves greedy requests only)."""
+        """Sampled requests (SAMPLING_CHECK) through the engine, scored by the judge's seeded rule, beside a greedy
+        one aborted after its first token (every disconnect is an abort): "" when every sampled token is the draw,
+        else why (the engine then serves greedy requests only). An abort that fails, a token after the abort or
+        a wrong greedy token raise GenerationError: such an engine serves nothing."""
         rng = np.random.default_rng()
-        requests = [GenerationRequest(-1 - i, tuple(rng.integers(0, self.vocab, int(rng.integers(1, self.max_prompt + 1)))
-                                                     .tolist()), min(self.max_tokens, 8), (), t, p,
-                                      int(rng.integers(0, 2 ** 62))) for i, (t, p) in enumerate(SAMPLING_CHECK)]
+
+        def prompt() -> tuple[int, ...]:
+            return tuple(rng.integers(0, self.vocab, int(rng.integers(1, self.max_prompt + 1))).tolist())
+
+        n = min(self.max_tokens, 8)
+        requests = [GenerationRequest(-1 - i, prompt(), n, (), t, p, int(rng.integers(0, 2 ** 62)))
+                    for i, (t, p) in enumerate(SAMPLING_CHECK)]
+        aborted = GenerationRequest(-1 - len(requests), prompt(), self.max_tokens)
         generator = ConfinedGenerator(self._process)
         generator.deadline = deadline
-        made: dict[int, list[int]] = {r.id: [] for r in requests}
-        try:
-            for request in requests:
-                generator.add(request)
-            ended: set[int] = set()
-            while len(ended) < len(requests):
-                if time.perf_counter() > deadline:
-                    return "the sampling check ran out of time"
-                for event in generator.step():
-                    if event.request_id not in made or event.request_id in ended:
-                        return f"request {event.request_id}: a token it was not owed in the sampling check"
-                    made[event.request_id].append(event.token)
-                    ended.update([event.request_id] if event.finished else [])
-        except (GenerationError, EngineProcessError) as exc:
-            return f"the sampling check: {exc}"
+        made: dict[int, list[int]] = {r.id: [] for r in (*requests, aborted)}
+        ended: set[int] = set()
+        for request in (*requests, aborted):
+            generator.add(request)
+        while len(ended) < len(made):
+            if time.perf_counter() > deadline:
+                raise GenerationError("the serving check ran out of time")
+            for event in generator.step():
+                if event.request_id not in made or event.request_id in ended:
+                    raise GenerationError(f"request {event.request_id}: a token it was not owed in the serving check"
+                                          f"{' (after its abort)' if event.request_id == aborted.id else ''}")
+                made[event.request_id].append(event.token)
+                if event.finished:
+                    ended.add(event.request_id)
+                elif event.request_id == aborted.id:
+                    generator.abort(aborted.id)
+                    ended.add(aborted.id)
+        problem, _ = self.rescore(replace(aborted, max_tokens=len(made[aborted.id])), made[aborted.id])
+        if problem:
+            raise GenerationError(f"the serving check: {problem}")
         for request in requests:
             problem, _ = self.rescore(request, made[request.id])
             if problem:
@@ -172,7 +190,10 @@ class ServedGenerator:
         except ValueError as exc:
             raise RequestError(f"temperature, top_p: {exc}") from None
         stream = Stream(request, sink)
-        self._inbox.put(stream)
+        with self._lock:  # _fail drains the inbox under the same lock: no stream is left without an answer
+            if self._failure is not None or self._stop.is_set():
+                raise ServedGeneratorError(f"engine {self.label} serves no more: {self._failure or 'closed'}")
+            self._inbox.put(stream)
         return stream
 
     def _checked(self, prompt: Sequence[int], max_tokens: int,
@@ -224,7 +245,11 @@ class ServedGenerator:
         self.stats["requests"] += 1
 
     def _abort_cancelled(self, generator: ConfinedGenerator) -> None:
-        """Requests whose clients went away leave the engine (their slots free) before the next step."""
+        """Requests whose clients went away leave the engine (their slots free) before the next step, as do
+        requests the engine ran to their end without marking it."""
+        while self._unfinished:
+            generator.deadline = time.perf_counter() + STEP_TIMEOUT_S
+            generator.abort(self._unfinished.pop())
         for rid in [rid for rid, stream in self._open.items() if stream.cancelled.is_set()]:
             generator.deadline = time.perf_counter() + STEP_TIMEOUT_S
             generator.abort(rid)
@@ -238,24 +263,35 @@ class ServedGenerator:
             if stream is None:  # past a request's end (e.g. a stop id the engine did not mark): no client gets it
                 self.ignored += 1
                 continue
-            last = event.finished or event.token in stream.request.stop_ids
+            if not 0 <= event.token < self.vocab:
+                raise GenerationError(f"request {event.request_id}: token {event.token} outside the vocabulary "
+                                      f"[0, {self.vocab - 1}]")
+            stream.made += 1
+            last = event.finished or event.token in stream.request.stop_ids or stream.made >= stream.request.max_tokens
             self.stats["tokens"] += 1
             if not stream.cancelled.is_set():
                 stream.tokens.put(Token(int(event.token), now, last))
             if last:
                 stream.tokens.put(DONE)
                 del self._open[event.request_id]
+                if not event.finished:  # the engine would go on: its last token was not marked; it leaves now
+                    self._unfinished.append(event.request_id)
 
     def _fail(self, error: Exception) -> None:
-        self._failure = error
-        for stream in list(self._open.values()):
-            stream.tokens.put(error)
-        self._open.clear()
-        while True:
+        with self._lock:
+            self._failure = error
+            waiting = list(self._open.values())
+            self._open.clear()
+            while True:
+                try:
+                    waiting.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+        for stream in waiting:
             try:
-                self._inbox.get_nowait().tokens.put(error)
-            except queue.Empty:
-                return
+                stream.tokens.put(error)
+            except Exception:  # noqa: BLE001 - a caller's sink that is gone (its event loop closed)
+                pass
 
     def rescore(self, request: GenerationRequest, tokens: Sequence[int]) -> tuple[str, float]:
         """A finished request's tokens against the float64 reference (the judge's rule, near ties allowed):

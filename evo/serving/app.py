@@ -52,6 +52,7 @@ import asyncio
 import ctypes
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -290,6 +291,25 @@ def _plain(value: Any) -> Any:
     return value if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
 
 
+# Above the deployment class: Serve pickles the class when it is decorated, with the module globals its methods
+# name that exist by then.
+def _retire(loaded: LoadedEngine | LoadedGenerator) -> None:
+    """Kill a replaced engine's process: a call engine after the call still running there, a generation engine
+    after its in-flight requests finished (at most DRAIN_S)."""
+    if isinstance(loaded, LoadedGenerator):
+        loaded.engine.close(drain_s=DRAIN_S)
+    else:
+        loaded.engine.close()
+
+
+def _kill(loaded: LoadedEngine | LoadedGenerator) -> None:
+    """Close an engine found wrong: nothing more of it is served, its in-flight requests fail."""
+    try:
+        loaded.engine.close()
+    except Exception:  # noqa: BLE001 - it was failing already; the replica goes on
+        logger.exception("closing a failed engine")
+
+
 api = FastAPI(title="engine-factory", description="Serves the best engine a search found.")
 
 
@@ -318,7 +338,7 @@ async def _server_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response("engine", f"internal error: {type(exc).__name__}: {exc}"[:500], 500)
 
 
-@serve.deployment(name="EngineServer", max_ongoing_requests=256, ray_actor_options={"num_cpus": 1})
+@serve.deployment(name="EngineServer", max_ongoing_requests=512, ray_actor_options={"num_cpus": 1})
 @serve.ingress(api)
 class EngineServer:
     def __init__(self, engine: str | None = None, **options: Any) -> None:
@@ -371,17 +391,20 @@ class EngineServer:
                 await asyncio.to_thread(_retire, retired)
 
     def _take_out_of_service(self, failed: LoadedEngine, why: str) -> None:
-        """Live re-scoring found `failed` wrong: serve the previous engine where there is one, else nothing."""
+        """Live re-scoring found `failed` wrong (or it failed a call): serve the previous engine where there is one,
+        else nothing. An engine swapped away is killed off the request path (once: only here is it dropped)."""
         if failed is self.previous:
             self.previous = None
+            threading.Thread(target=_kill, args=(failed,), name="retire-failed", daemon=True).start()
             return
         if failed is not self.loaded:
             return
         fallback = self.previous
-        if fallback is not None:
-            self.previous, self.loaded = None, fallback
+        if fallback is not None:  # (on the re-scoring thread: why first, then the swap readers see)
             self.last_swap = {"source": fallback.record.source, "ok": True, "from": failed.record.genome.hash,
                               "to": fallback.record.genome.hash, "at": time.time(), "reason": why}
+            self.previous, self.loaded = None, fallback
+            threading.Thread(target=_kill, args=(failed,), name="retire-failed", daemon=True).start()
         else:
             self.out_of_service = {"hash": failed.record.genome.hash, "reason": why, "at": time.time()}
 
@@ -572,15 +595,6 @@ class EngineServer:
         self.stats["engine_calls"] += len(calls)
         self.rescorer.offer(loaded, calls)
         return results
-
-
-def _retire(loaded: LoadedEngine | LoadedGenerator) -> None:
-    """Kill a replaced engine's process: a call engine after the call still running there, a generation engine
-    after its in-flight requests finished (at most DRAIN_S)."""
-    if isinstance(loaded, LoadedGenerator):
-        loaded.engine.close(drain_s=DRAIN_S)
-    else:
-        loaded.engine.close()
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:

@@ -68,8 +68,14 @@ async def pieces(generator, job: Job, codec, on_done: Callable[[object, list[int
     fails midway."""
     loop = asyncio.get_running_loop()
     inbox: asyncio.Queue = asyncio.Queue()
-    stream = generator.submit(job.prompt, job.max_tokens, job.stop_ids, sink=lambda item: loop.call_soon_threadsafe(
-        inbox.put_nowait, item), temperature=job.temperature, top_p=job.top_p, seed=job.seed)
+    def sink(item: object) -> None:  # on the engine loop's thread
+        try:
+            loop.call_soon_threadsafe(inbox.put_nowait, item)
+        except RuntimeError:  # this request's event loop is closed: nobody waits for it any more
+            pass
+
+    stream = generator.submit(job.prompt, job.max_tokens, job.stop_ids, sink=sink, temperature=job.temperature,
+                              top_p=job.top_p, seed=job.seed)
     text = TextOutput(codec, job.stop_texts, job.stop_ids)
     tokens: list[int] = []
     ended = False
@@ -97,7 +103,9 @@ async def pieces(generator, job: Job, codec, on_done: Callable[[object, list[int
                 if item.finished:
                     ended = True
                     on_done(stream.request, list(tokens))
-                    yield Piece(tuple(made), delta + text.finish(), "stop" if item.token in job.stop_ids else "length")
+                    delta += text.finish()  # a stop string may complete only once held-back bytes are flushed
+                    stopped = text.stopped or item.token in job.stop_ids
+                    yield Piece(tuple(made), delta, "stop" if stopped else "length")
                     return
             if made:
                 yield Piece(tuple(made), delta)

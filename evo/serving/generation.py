@@ -88,6 +88,10 @@ def load_generator(record: EngineRecord, sandbox: str, max_waiting: int, served_
     codec = _tokenizer(workload, preset)
     engine = ServedGenerator(record.workload, record.preset, record.genome.to_json(), record.sources,
                              EvaluatorSettings(sandbox=sandbox), max_waiting=max_waiting)
+    if codec is not None and any(not 0 <= t < engine.vocab for t in codec.eos_ids):
+        engine.close()
+        raise ValueError(f"the tokenizer in {codec.folder!r} ends text with ids {list(codec.eos_ids)}, outside the "
+                         f"model's vocabulary [0, {engine.vocab - 1}]: fix its tokenizer or generation_config.json")
     limits = Limits(model_id(record, codec, served_name), engine.max_prompt, engine.max_tokens, engine.vocab, codec,
                     engine.sampling)
     message = (f"passed the judge's check replay (every request scored against the float64 reference's tokens) in a "
@@ -99,13 +103,14 @@ def openai_error(exc: OpenAIError) -> JSONResponse:
     return JSONResponse(exc.body(), exc.status, headers=exc.headers or None)
 
 
-def _refusal(exc: Exception) -> OpenAIError:
-    """What the engine's loop refused at submit, as OpenAI's error."""
+def _refusal(exc: Exception, chat: bool = False) -> OpenAIError:
+    """What the engine's loop refused at submit, as OpenAI's error (the field named as the client sent it)."""
     if isinstance(exc, Overloaded):
         return OpenAIError(None, f"the engine is busy: {exc}; retry after {RETRY_AFTER_S} s", 429,
                            "rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(exc, RequestError):
         param = str(exc).split(":", 1)[0].split(",")[0].strip()
+        param = {"prompt": "messages" if chat else "prompt", "stop": "stop_token_ids"}.get(param, param)
         return OpenAIError(param, str(exc))
     return OpenAIError(None, f"the engine serves no more: {exc}", 503, "service_unavailable")
 
@@ -121,7 +126,7 @@ async def answer(loaded: LoadedGenerator, body: Any, chat: bool, on_done: Callab
     try:
         first = await made.__anext__()  # refusals at submit become their status before any byte is sent
     except (Overloaded, RequestError) as exc:
-        return openai_error(_refusal(exc))
+        return openai_error(_refusal(exc, chat))
     except ServedGeneratorError as exc:
         on_failure(loaded, str(exc))
         return openai_error(_refusal(exc))

@@ -15,8 +15,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from evo.workloads.generation import MIN_TEMPERATURE
+
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 MAX_STOP_STRINGS = 4
+MAX_CHARS_PER_TOKEN = 64  # a text past P times this is refused before it is tokenized
 # parameters OpenAI defines that this server does not implement: refused unless absent, null or the default
 UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
                "suffix": (None,), "logit_bias": (None,), "tools": (None,), "tool_choice": (None, "none"),
@@ -97,8 +100,12 @@ def _prompt(body: Mapping, limits: Limits, chat: bool) -> list[int]:
             raise OpenAIError("messages", f"model {limits.model!r} has no chat template (its checkpoint folder has "
                                           f"{'no tokenizer' if limits.text is None else 'a tokenizer without one'}); "
                                           f"use /v1/completions")
+        messages = body.get("messages")
+        if isinstance(messages, list) and sum(len(str(m)) for m in messages) > limits.max_prompt * MAX_CHARS_PER_TOKEN:
+            raise OpenAIError("messages", f"the messages are far longer than the {limits.max_prompt} prompt tokens this "
+                                          f"engine is verified for")
         try:
-            ids = limits.text.chat(body.get("messages"))
+            ids = limits.text.chat(messages)
         except ValueError as exc:
             raise OpenAIError("messages", str(exc)) from None
         where = "messages"
@@ -110,8 +117,14 @@ def _prompt(body: Mapping, limits: Limits, chat: bool) -> list[int]:
             if limits.text is None:
                 raise OpenAIError("prompt", f"model {limits.model!r} has no tokenizer: send the prompt as a list of "
                                             f"token ids in [0, {limits.vocab - 1}]")
+            if len(prompt) > limits.max_prompt * MAX_CHARS_PER_TOKEN:  # refused before the tokenizer reads it
+                raise OpenAIError("prompt", f"the prompt is {len(prompt)} characters, far more than the "
+                                            f"{limits.max_prompt} tokens this engine is verified for")
             ids = limits.text.encode(prompt)
         elif isinstance(prompt, list) and prompt and not isinstance(prompt[0], (str, list)):
+            if len(prompt) > limits.max_prompt:
+                raise OpenAIError("prompt", f"the prompt is {len(prompt)} tokens; this engine is verified for prompts "
+                                            f"of 1 to {limits.max_prompt} tokens")
             ids = _token_ids(prompt, limits.vocab, "prompt")
         else:
             raise OpenAIError("prompt", f"'prompt' must be a string{' or' if limits.text else ''} a list of token ids "
@@ -136,7 +149,7 @@ def _stops(body: Mapping, limits: Limits) -> tuple[tuple[str, ...], tuple[int, .
     if not isinstance(ids, list):
         raise OpenAIError("stop_token_ids", f"'stop_token_ids' must be a list of token ids, got {ids!r}")
     ids = _token_ids(ids, limits.vocab, "stop_token_ids")
-    ignore_eos = body.get("ignore_eos", False)
+    ignore_eos = body.get("ignore_eos") or False
     if type(ignore_eos) is not bool:
         raise OpenAIError("ignore_eos", f"'ignore_eos' must be true or false, got {ignore_eos!r}")
     if not ignore_eos and limits.text is not None:
@@ -155,13 +168,15 @@ def parse(body: Any, limits: Limits, chat: bool) -> Job:
     for name, defaults in UNSUPPORTED.items():
         if name in body and body[name] not in defaults:
             raise OpenAIError(name, f"'{name}' is not supported by this server; leave it out")
-    if body.get("n", 1) != 1:
+    if body.get("n") not in (None, 1) or isinstance(body.get("n"), bool):
         raise OpenAIError("n", f"'n' must be 1 (one choice per request), got {body.get('n')!r}")
     prompt = _prompt(body, limits, chat)
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _integer(body, key, 1, limits.max_tokens,
                           limits.max_tokens if chat else min(DEFAULT_COMPLETION_TOKENS, limits.max_tokens))
     temperature = _number(body, "temperature", 0.0, 2.0, 1.0 if limits.sampling else 0.0)
+    if temperature < MIN_TEMPERATURE:
+        temperature = 0.0  # greedy in all but name
     top_p = _number(body, "top_p", 0.0, 1.0, 1.0)
     if top_p == 0.0:
         raise OpenAIError("top_p", "'top_p' must be above 0 (up to 1)")
@@ -172,12 +187,13 @@ def parse(body: Any, limits: Limits, chat: bool) -> Job:
     seed = body.get("seed")
     if seed is not None and (type(seed) is not int or not 0 <= seed < 2 ** 63):
         raise OpenAIError("seed", f"'seed' must be an integer from 0 to 2**63 - 1, got {seed!r}")
-    stream = body.get("stream", False)
+    stream = body.get("stream") or False
     if type(stream) is not bool:
         raise OpenAIError("stream", f"'stream' must be true or false, got {stream!r}")
     options = body.get("stream_options") or {}
-    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
-        raise OpenAIError("stream_options", f"'stream_options' may hold 'include_usage', got {options!r}")
+    if (not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}
+            or any(type(v) not in (bool, type(None)) for v in options.values())):
+        raise OpenAIError("stream_options", f"'stream_options' may hold 'include_usage': true or false, got {options!r}")
     texts, ids = _stops(body, limits)
     if seed is None:
         seed = uuid.uuid4().int % 2 ** 63  # unseeded sampling: a fresh draw

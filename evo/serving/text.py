@@ -56,7 +56,10 @@ class TextCodec:
         if not self.has_chat_template:
             raise ValueError(f"messages: the tokenizer in {self.folder!r} has no chat template; send a text prompt "
                              f"to /v1/completions instead")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        try:  # a template may raise on what it does not take (e.g. a system message, roles out of turn)
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # noqa: BLE001 - jinja2's TemplateError and what a template raises
+            raise ValueError(f"messages: the chat template refused them: {type(exc).__name__}: {exc}"[:500]) from None
         return list(self.tokenizer.encode(text, add_special_tokens=False))  # the template writes bos itself
 
     def detokenizer(self) -> Detokenizer:
@@ -102,11 +105,11 @@ def _generation_eos(folder: Path) -> list[int]:
 
 
 def _check_messages(messages: object) -> None:
-    allowed = f'a list of {{"role": {"|".join(ROLES)}, "content": str}}'
+    allowed = f'a list of {{"role": {"|".join(ROLES)}, "content": str, optional "name": str}}'
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"messages must be a non-empty list, got {type(messages).__name__}; allowed: {allowed}")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or set(m) != {"role", "content"}:
+        if not isinstance(m, dict) or not {"role", "content"} <= set(m) <= {"role", "content", "name"}:
             keys = sorted(m) if isinstance(m, dict) else type(m).__name__
             raise ValueError(f"messages[{i}] must be an object with role and content, got {keys}; allowed: {allowed}")
         if m.get("role") not in ROLES:

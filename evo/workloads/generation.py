@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+MIN_TEMPERATURE = 1e-3  # below, a request would be greedy in all but name (evo.workloads.sampling)
+
 
 @dataclass(frozen=True)
 class GenerationRequest:
@@ -36,9 +38,9 @@ class GenerationRequest:
             raise ValueError(f"request {self.id}: an empty prompt")
         if self.max_tokens < 1:
             raise ValueError(f"request {self.id}: max_tokens must be >= 1, got {self.max_tokens}")
-        if not (0 <= self.temperature <= 100 and 0 < self.top_p <= 1):
-            raise ValueError(f"request {self.id}: temperature must be in [0, 100] and top_p in (0, 1], got "
-                             f"{self.temperature}, {self.top_p}")
+        if not ((self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= 100) and 0 < self.top_p <= 1):
+            raise ValueError(f"request {self.id}: temperature must be 0 or in [{MIN_TEMPERATURE}, 100] and top_p in "
+                             f"(0, 1], got {self.temperature}, {self.top_p}")
 
     @property
     def greedy(self) -> bool:

@@ -46,8 +46,10 @@ def choose(logits, temperature: float, top_p: float, seed: int, index: int) -> i
 
 def check(reference: np.ndarray, token: int, temperature: float, top_p: float, seed: int, index: int,
           tolerance: float) -> str:
-    """Why `token` is not what the rule picks from the float64 reference's logits [V], or "" when it is
-    (its score within `tolerance` / T of the best, and inside the nucleus within TOP_P_SLACK)."""
+    """Why `token` is not what the rule picks from the float64 reference's logits [V], or "" when it is: its
+    score within `tolerance` / T of the best among the tokens surely in the nucleus, and itself possibly in it.
+    An engine's logits may differ from the reference's by `tolerance`, which moves probabilities by up to a
+    factor exp(2 tolerance / T) and may swap near-tied ranks: the nucleus's edge is judged with that slack."""
     if temperature == 0:
         top = int(np.argmax(reference))
         if token == top or (math.isfinite(reference[token]) and reference[top] - reference[token] <= tolerance):
@@ -55,13 +57,28 @@ def check(reference: np.ndarray, token: int, temperature: float, top_p: float, s
         return (f"token {token}, the reference's is {top} (logit {reference[token]:.4g} vs {reference[top]:.4g}, "
                 f"beyond the near-tie tolerance {tolerance:g})")
     scaled = np.asarray(reference, dtype=np.float64) / temperature
+    slack = tolerance / temperature
     scores = scaled + gumbel(seed, index, len(scaled))
-    before = _preceding_mass(scaled) if top_p < 1 else np.zeros_like(scaled)
-    if before[token] >= top_p + TOP_P_SLACK:
-        return f"token {token} lies outside the top_p {top_p:g} nucleus (mass {before[token]:.4f} ranks above it)"
-    inside = before < max(top_p - TOP_P_SLACK, 1e-12)  # surely in the nucleus (the top token always is)
+    if top_p < 1:
+        p = np.exp(scaled - scaled.max())
+        p /= p.sum()
+        order = np.argsort(scaled, kind="stable")
+        ascending = scaled[order]
+        mass_from = np.concatenate([np.cumsum(p[order][::-1])[::-1], [0.0]])  # [i]: of ascending[i:]
+
+        def above(threshold: np.ndarray) -> np.ndarray:  # mass of tokens whose scaled logit exceeds threshold
+            return mass_from[np.searchsorted(ascending, threshold, side="right")]
+        factor = math.exp(2 * slack)
+        surely_above = above(scaled + slack)  # an engine ranks these above the token whatever its error
+        maybe_above = above(scaled - slack) - p  # ... and at most these
+        if surely_above[token] / factor >= top_p + TOP_P_SLACK:
+            return f"token {token} lies outside the top_p {top_p:g} nucleus (mass {surely_above[token]:.4f} ranks above it)"
+        inside = maybe_above * factor < max(top_p - TOP_P_SLACK, 1e-12)  # surely in the nucleus
+        inside[int(np.argmax(scaled))] = True
+    else:
+        inside = np.ones(len(scaled), dtype=bool)
     best = int(np.argmax(np.where(inside, scores, -math.inf)))
-    if scores[token] < scores[best] - tolerance / temperature:
+    if scores[token] < scores[best] - slack:
         return (f"token {token}, the seeded draw picks {best} (score {scores[token]:.4g} vs {scores[best]:.4g} at "
                 f"temperature {temperature:g}, beyond the near-tie tolerance)")
     return ""
