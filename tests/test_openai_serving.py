@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -249,7 +250,9 @@ def test_the_printed_snippet_works(server, checkpoint):
     assert streamed.returncode == 0 and streamed.stdout.rstrip().endswith("data: [DONE]"), streamed.stdout[-500:]
     assert client_line.startswith("python -c ")  # as a user with the openai package types it; here: this venv's
     printed = subprocess.run(client_line.replace("python", sys.executable, 1), shell=True, capture_output=True, text=True, timeout=120, env=ENV)
-    assert printed.returncode == 0 and "completion_tokens=8" in printed.stdout, printed.stdout + printed.stderr
+    # the snippet leaves temperature at OpenAI's default (1: seeded sampling), which may end at end-of-text early
+    usage = re.search(r"CompletionUsage\(completion_tokens=(\d+)", printed.stdout)
+    assert printed.returncode == 0 and usage and 1 <= int(usage.group(1)) <= 8, printed.stdout + printed.stderr
 
 
 def test_nothing_listens_beyond_loopback_unless_it_wants_the_token(server):
