@@ -1,5 +1,22 @@
-"""Driving a generation engine by hand in tests: add requests, step, abort some along the way."""
+"""Driving a generation engine by hand in tests: the cpu_small presets' trace and its prompts; add requests,
+step, abort some along the way."""
 from __future__ import annotations
+
+import numpy as np
+
+from evo.core.trace import TraceSpec, draw
+
+# ten requests, four in flight: the engine tests' replay of a cpu_small preset
+TRACE = draw(TraceSpec("closed", count=10, concurrency=4, prompt_len=(1, 24), output_len=(1, 12)),
+             np.random.default_rng(11))
+
+
+def trace_prompts(vocab: int, seed: int, trace=TRACE) -> list[list[int]]:
+    """Fresh ids for the trace's prompts, the vocabulary's two ends among them."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, vocab, t.prompt_len).tolist() for t in trace]
+    prompts[0][0], prompts[1][-1] = 0, vocab - 1
+    return prompts
 
 
 def drive(generator, requests, abort_after: dict[int, int] | None = None) -> dict[int, list[int]]:

@@ -11,29 +11,23 @@ import torch
 
 from evaluators.replay import replay, score
 from evo.core.genome import GenomeError
-from evo.core.trace import TraceRequest, TraceSpec, draw
+from evo.core.trace import TraceRequest
 from evo.workloads.base import DeviceInfo
 from evo.workloads.generation import GenerationRequest
 from evo.workloads.llama.reference import generate
 from evo.workloads.llama_serve import engine as serve_engine
 from evo.workloads.llama_serve.genes import gene_space
 from evo.workloads.llama_serve.presets import PRESETS
-from tests.generation_driver import drive
+from tests.generation_driver import TRACE, drive, trace_prompts
 
 CPU = DeviceInfo("cpu", "cpu", 1)
 PRESET = PRESETS["cpu_small"]
 V = PRESET.model.vocab
 SPACE = gene_space(PRESET, CPU)
-TRACE = draw(TraceSpec("closed", count=10, concurrency=4, prompt_len=(1, 24), output_len=(1, 12)),
-             np.random.default_rng(11))
 
 
 def _prompts(seed: int) -> list[list[int]]:
-    """Fresh ids for the trace's prompts, the vocabulary's two ends among them."""
-    rng = np.random.default_rng(seed)
-    prompts = [rng.integers(0, V, t.prompt_len).tolist() for t in TRACE]
-    prompts[0][0], prompts[1][-1] = 0, V - 1
-    return prompts
+    return trace_prompts(V, seed)
 
 
 PROMPTS = _prompts(12)

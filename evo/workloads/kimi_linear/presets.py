@@ -14,14 +14,11 @@ outputs 1 to N; `PresetTable` resolves it when named.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from evo.core.trace import TraceSpec
 from evo.workloads.base import Preset
 from evo.workloads.kimi_linear.model import DENSE, KDA, MLA, SPARSE, KimiSpec, read_checkpoint_spec
-from evo.workloads.llama.model import CHECKPOINT_PREFIX
-from evo.workloads.llama.model import PresetTable as _LlamaPresetTable
-from evo.workloads.llama_serve.presets import CHECKPOINT_DEFAULTS, ServePreset
+from evo.workloads.llama_serve.presets import PresetTable, ServePreset, checkpoint_options
 
 
 @dataclass(frozen=True)
@@ -80,42 +77,11 @@ PRESETS: dict[str, KimiPreset] = {p.name: p for p in (
 )}
 
 
-_CHOICES = {"dtype": ("float32", "bfloat16"), "device": ("cpu", "cuda")}
-
-
 def checkpoint_preset(name: str) -> KimiPreset:
-    """`hf:<folder>[,key=value...]` (keys and defaults: llama_serve's CHECKPOINT_DEFAULTS) -> the preset of that
-    Kimi Linear checkpoint, judged on a closed trace of `count` requests, R in flight, prompts 1 to P, outputs
-    1 to N. ValueError names the option that is wrong and what is allowed, or what the folder lacks."""
-    folder, *options = name[len(CHECKPOINT_PREFIX):].split(",")
-    defaults = ",".join(f"{k}={v}" for k, v in CHECKPOINT_DEFAULTS.items())
-    settings = dict(CHECKPOINT_DEFAULTS)
-    for option in options:
-        key, sep, value = option.partition("=")
-        if not sep or key not in settings:
-            raise ValueError(f"preset {name!r}: option {option!r} must be key=value with key one of "
-                             f"{', '.join(CHECKPOINT_DEFAULTS)} (defaults {defaults})")
-        if key in _CHOICES and value not in _CHOICES[key]:
-            raise ValueError(f"preset {name!r}: {key} must be one of {', '.join(_CHOICES[key])}, got {value!r}")
-        if key not in _CHOICES and not (value.isdecimal() and int(value) >= 1):
-            raise ValueError(f"preset {name!r}: {key} must be an integer >= 1, got {value!r}")
-        settings[key] = value if key in _CHOICES else int(value)
-    if not folder:
-        raise ValueError(f"preset {name!r} names no folder: write hf:<folder>[,{defaults}]")
-    R, P, N, count = (int(settings[k]) for k in ("R", "P", "N", "count"))
-    trace = TraceSpec("closed", count=count, concurrency=R, prompt_len=(1, P), output_len=(1, N))
-    return _preset(name, read_checkpoint_spec(Path(folder)), trace, str(settings["dtype"]), str(settings["device"]))
+    """`hf:<folder>[,key=value...]` (llama_serve's `checkpoint_options`: the same keys, defaults and trace) -> the
+    preset of that Kimi Linear checkpoint; ValueError names the option that is wrong, or what the folder lacks."""
+    options = checkpoint_options(name)
+    return _preset(name, read_checkpoint_spec(options.folder), options.trace, options.dtype, options.device)
 
 
-class PresetTable(_LlamaPresetTable):
-    """The fixed presets, plus `hf:<folder>[,R=..,P=..,N=..,count=..,dtype=..,device=..]` resolved (its
-    config.json read) when first named: the `llama` workload's table, with this workload's presets."""
-
-    def __missing__(self, name: str) -> KimiPreset:
-        if not isinstance(name, str) or not name.startswith(CHECKPOINT_PREFIX):
-            raise KeyError(name)
-        self[name] = preset = checkpoint_preset(name)
-        return preset
-
-
-PRESET_TABLE = PresetTable(PRESETS)  # what the workload's presets() will return: PRESETS and hf: names
+PRESET_TABLE = PresetTable(PRESETS, checkpoint_preset)  # what the workload's presets() will return: PRESETS and hf: names

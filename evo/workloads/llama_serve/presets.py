@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from evo.core.trace import TraceSpec
+from evo.workloads.base import Preset
 from evo.workloads.llama.model import PRESETS as MODEL_PRESETS
 from evo.workloads.llama.model import CHECKPOINT_PREFIX, LlamaPreset, ModelSpec, read_checkpoint_spec
 from evo.workloads.llama.model import PresetTable as _LlamaPresetTable
@@ -72,10 +73,20 @@ CHECKPOINT_DEFAULTS: dict[str, object] = {"R": 4, "P": 24, "N": 12, "count": 12,
 _CHOICES = {"dtype": ("float32", "bfloat16"), "device": ("cpu", "cuda")}
 
 
-def checkpoint_preset(name: str) -> ServePreset:
-    """`hf:<folder>[,key=value...]` (keys and defaults: CHECKPOINT_DEFAULTS) -> the preset of that checkpoint,
-    judged on a closed trace of `count` requests, R in flight, prompts 1 to P, outputs 1 to N. ValueError names
-    the option that is wrong and what is allowed, or what the folder lacks."""
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """What an `hf:` preset name says besides its model: the folder, the trace, dtype and device."""
+
+    folder: Path
+    trace: TraceSpec
+    dtype: str
+    device: str
+
+
+def checkpoint_options(name: str) -> CheckpointOptions:
+    """`hf:<folder>[,key=value...]` (keys and defaults: CHECKPOINT_DEFAULTS) -> its folder, and a closed trace of
+    `count` requests, R in flight, prompts 1 to P, outputs 1 to N. ValueError names the option that is wrong and
+    what is allowed. Every generation workload's `hf:` presets are named this way."""
     folder, *options = name[len(CHECKPOINT_PREFIX):].split(",")
     settings = dict(CHECKPOINT_DEFAULTS)
     for option in options:
@@ -95,7 +106,13 @@ def checkpoint_preset(name: str) -> ServePreset:
         raise ValueError(f"preset {name!r} names no folder: write hf:<folder>[,{_defaults()}]")
     R, P, N, count = (int(settings[k]) for k in ("R", "P", "N", "count"))
     trace = TraceSpec("closed", count=count, concurrency=R, prompt_len=(1, P), output_len=(1, N))
-    return _preset(name, read_checkpoint_spec(Path(folder)), trace, str(settings["dtype"]), str(settings["device"]))
+    return CheckpointOptions(Path(folder), trace, str(settings["dtype"]), str(settings["device"]))
+
+
+def checkpoint_preset(name: str) -> ServePreset:
+    """The preset `hf:<folder>[,key=value...]` names (`checkpoint_options`); ValueError also for what the folder lacks."""
+    options = checkpoint_options(name)
+    return _preset(name, read_checkpoint_spec(options.folder), options.trace, options.dtype, options.device)
 
 
 def _defaults() -> str:
@@ -104,12 +121,17 @@ def _defaults() -> str:
 
 class PresetTable(_LlamaPresetTable):
     """The fixed presets, plus `hf:<folder>[,R=..,P=..,N=..,count=..,dtype=..,device=..]` resolved (its
-    config.json read) when first named: the `llama` workload's table, with this workload's presets."""
+    config.json read) when first named by `resolve`: the `llama` workload's table, with a generation workload's
+    presets (kimi_linear passes its own checkpoint_preset)."""
 
-    def __missing__(self, name: str) -> ServePreset:
+    def __init__(self, presets: dict, resolve=checkpoint_preset) -> None:
+        super().__init__(presets)
+        self.resolve = resolve  # hf: name -> preset (a workload's own checkpoint_preset)
+
+    def __missing__(self, name: str) -> Preset:
         if not isinstance(name, str) or not name.startswith(CHECKPOINT_PREFIX):
             raise KeyError(name)
-        self[name] = preset = checkpoint_preset(name)
+        self[name] = preset = self.resolve(name)
         return preset
 
 
