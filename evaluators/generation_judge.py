@@ -184,13 +184,17 @@ class GenerationJudge:
 
     def _score(self, timed: list[_Timed], what: str) -> tuple[str, str] | None:
         for one in timed:
-            problems = score(one.result, self.reference, self.tolerance, self.vocab)
+            problems = score(one.result, self.reference, self.tolerance, self.vocab, self.alternatives)
             if problems:
                 return INCORRECT, _first(what, problems)
         return None
 
     def reference(self, prompt, tokens) -> np.ndarray:
         return self.workload.reference_logits(self.preset, prompt, tokens)
+
+    def alternatives(self, prompt, tokens):
+        """The reference's other readings of the same tokens (near-tied routings), asked when the first fails."""
+        return self.workload.reference_alternatives(self.preset, prompt, tokens)
 
     def _median(self, timed: list[_Timed]) -> float:
         return float(np.median([objective_of(t.metrics, self.objective) for t in timed]))

@@ -26,7 +26,7 @@ import math
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -178,21 +178,26 @@ def _breach(flight: _Flight | None, request_id: int, step: int) -> str:
 
 
 Reference = Callable[[Sequence[int], Sequence[int]], np.ndarray]
+Alternatives = Callable[[Sequence[int], Sequence[int]], Iterable[np.ndarray]]
 
 
-def score(result: Replay, reference_logits: Reference, tolerance: float, vocab: int) -> list[str]:
+def score(result: Replay, reference_logits: Reference, tolerance: float, vocab: int,
+          alternatives: Alternatives | None = None) -> list[str]:
     """Each request's problems with its own tokens (see the module); [] when every request is right.
     `vocab`: tokens must lie in [0, vocab), checked before the reference is handed any of them.
     `reference_logits(prompt, tokens)`: the float64 reference's logits [len(tokens), V], row i the
-    prediction of tokens[i] from the prompt and tokens[:i] (one teacher-forced pass over the engine's own)."""
+    prediction of tokens[i] from the prompt and tokens[:i] (one teacher-forced pass over the engine's own).
+    `alternatives(prompt, tokens)`: the reference's other readings of the same tokens, each as those logits, where
+    a discrete choice inside the model (an MoE router's) was a near tie that an engine's rounding may take the
+    other way; asked only when the first reading fails, and the tokens pass if any reading passes them all."""
     problems = list(result.violations)
     for request, tokens in zip(result.requests, result.tokens):
-        problems += request_problems(request, tokens, reference_logits, tolerance, vocab)
+        problems += request_problems(request, tokens, reference_logits, tolerance, vocab, alternatives)
     return problems
 
 
 def request_problems(request: GenerationRequest, tokens: Sequence[int], reference_logits: Reference,
-                      tolerance: float, vocab: int) -> list[str]:
+                      tolerance: float, vocab: int, alternatives: Alternatives | None = None) -> list[str]:
     name = f"request {request.id}"
     if not tokens:
         return [f"{name}: no token"]
@@ -206,9 +211,22 @@ def request_problems(request: GenerationRequest, tokens: Sequence[int], referenc
         return [f"{name}: tokens after the stop id at step {stops[0]}"]
     if not stops and len(tokens) < request.max_tokens:
         return [f"{name}: stopped after {len(tokens)} of {request.max_tokens} tokens without a stop id"]
-    rows = np.asarray(reference_logits(request.prompt, tokens), dtype=np.float64)
+    problem = _first_problem(request, tokens, reference_logits(request.prompt, tokens), tolerance)
+    if not problem:
+        return []
+    readings = 0
+    for rows in (alternatives(request.prompt, tokens) if alternatives is not None else ()):
+        readings += 1
+        if not _first_problem(request, tokens, rows, tolerance):
+            return []
+    also = f" (and under each of {readings} readings routing near-tied experts the other way)" if readings else ""
+    return [f"{name}: {problem}{also}"]
+
+
+def _first_problem(request: GenerationRequest, tokens: Sequence[int], logits, tolerance: float) -> str:
+    rows = np.asarray(logits, dtype=np.float64)
     for step, (token, row) in enumerate(zip(tokens, rows)):
         problem = sampling.check(row, token, request.temperature, request.top_p, request.seed, step, tolerance)
         if problem:
-            return [f"{name}: step {step}: {problem}"]
-    return []
+            return f"step {step}: {problem}"
+    return ""

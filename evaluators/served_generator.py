@@ -297,7 +297,8 @@ class ServedGenerator:
         """A finished request's tokens against the float64 reference (the judge's rule, near ties allowed):
         (the first problem or "", 0.0)."""
         judge = self.judge.generation
-        problems = request_problems(request, tokens, judge.reference, judge.tolerance, self.vocab)
+        problems = request_problems(request, tokens, judge.reference, judge.tolerance, self.vocab,
+                                    judge.alternatives)
         return (problems[0] if problems else ""), 0.0
 
     # ------------------------------------------------------------------ lifecycle

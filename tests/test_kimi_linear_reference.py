@@ -181,3 +181,53 @@ def test_the_original_checkpoint_config_form_reads_as_transformers_does():
     assert (ours.kda_heads, ours.kda_head_dim, ours.conv_kernel) == (2, 32, 3)
     with pytest.raises(ValueError, match="linear_attn_config.full_attn_layers"):
         km.spec_from_config({**original, "linear_attn_config": {"kda_layers": [1, 2, 3, 4], "full_attn_layers": [6]}})
+
+
+def test_a_router_near_tie_taken_the_other_way_is_read_as_rounding_and_no_other_choice_is():
+    """An MoE router's top-k is a cliff: an honest float32 engine whose scores sit 1e-6 from the float64 ones
+    picks the other expert where two are that close, and its next token may then differ from the first reading's
+    by far more than the logits' near-tie tolerance (measured at cpu: 5 choices in 18000 within 1e-5, and one
+    such flip failed a final re-timing). Tokens decoded greedily under the nearest tie flipped pass only through
+    the reference's other readings, and only while that gap counts as a tie."""
+    from evo.workloads.generation import GenerationRequest
+    from evaluators.replay import request_problems
+
+    preset, w, n = PRESETS["cpu_small"], reference.float64_weights(SMALL), 8
+    moe_layers = [i for i, ffn in enumerate(SMALL.mlp_types) if ffn != DENSE]
+
+    def greedy(prompt, routing=lambda: None):
+        tokens = []
+        for _ in range(n):
+            row = reference.logits(SMALL, w, torch.tensor([*prompt, *tokens]), routing())[-1]
+            tokens.append(int(row.argmax()))
+        return tokens
+
+    rng = np.random.default_rng(5)
+    for _ in range(40):  # prompts until the nearest tie at a generated position changes a greedy token
+        prompt = rng.integers(0, SMALL.vocab, 6).tolist()
+        first = greedy(prompt)
+        noted = {i: reference._Routing(tie=1.0) for i in moe_layers}
+        reference.logits(SMALL, w, torch.tensor([*prompt, *first[:-1]]), noted)
+        gap, layer, t = min((gap, i, t) for i, r in noted.items() for gap, t in r.ties if t >= len(prompt) - 1)
+        flipped = greedy(prompt, lambda: {i: reference._Routing(frozenset([t] if i == layer else [])) for i in moe_layers})
+        if flipped != first:
+            break
+    else:
+        pytest.fail("no near tie changed a greedy token in 40 prompts")
+    request = GenerationRequest(0, tuple(prompt), n)
+
+    def judged(tie: float) -> list[str]:
+        saved = dict(reference.ROUTING_TIE)
+        reference.ROUTING_TIE["float32"] = tie
+        try:
+            return request_problems(request, flipped, lambda p, s: reference.continuation_logits(preset, p, s), 1e-3,
+                                    SMALL.vocab, lambda p, s: reference.continuation_alternatives(preset, p, s))
+        finally:
+            reference.ROUTING_TIE.update(saved)
+
+    assert request_problems(request, flipped, lambda p, s: reference.continuation_logits(preset, p, s), 1e-3,
+                            SMALL.vocab)  # the first reading alone rejects them
+    assert judged(gap * 1.0001) == []  # that gap a tie: read the other way, they pass
+    rejected = judged(gap * 0.9999)  # not a tie: no reading excuses them
+    assert rejected and "step" in rejected[0], rejected
+    assert first == [int(np.argmax(r)) for r in reference.continuation_logits(preset, prompt, first)]

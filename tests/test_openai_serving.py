@@ -264,7 +264,7 @@ def test_nothing_listens_beyond_loopback_unless_it_wants_the_token(server):
     assert exposed(processes) == []
 
 
-def test_an_engine_that_turns_wrong_is_taken_out_of_service(server, client, checkpoint, tmp_path):  # last: swaps
+def test_an_engine_that_turns_wrong_is_taken_out_of_service(server, client, checkpoint, tmp_path):  # swaps
     """Honest through its checks and first requests, wrong later: every finished request is re-scored against
     the float64 reference, and the replica falls back to the engine the swap replaced."""
     honest = get(server, "/v1/engine")[1]["hash"]
@@ -296,3 +296,42 @@ def _cpu():
     from evo.workloads.base import DeviceInfo
 
     return DeviceInfo("cpu", "cpu", 1)
+
+
+def test_a_kimi_linear_checkpoint_is_served_by_the_same_routes(server, client, checkpoint, codec):  # last: swaps
+    """Issue 32's model through the same app: a Kimi Linear checkpoint saved by transformers (cpu_small's hybrid:
+    3 KDA + 1 MLA layers, MoE) with this module's tokenizer, swapped in by `serve deploy`; its completions are
+    the float64 Kimi reference's greedy tokens, and streamed chats run concurrently through its engine loop."""
+    pytest.importorskip("transformers.models.kimi_linear", reason="transformers >= 5.24 ships KimiLinearForCausalLM")
+    from evo.workloads.kimi_linear.baselines import hf_model
+    from evo.workloads.kimi_linear.presets import PRESETS as KIMI_PRESETS
+
+    folder = checkpoint.parent / "kimi-small"
+    hf_model(KIMI_PRESETS["cpu_small"], _cpu()).save_pretrained(folder)  # the same vocabulary (256) as the tokenizer
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(checkpoint / name, folder / name)
+    for path in [folder, *folder.iterdir()]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    kimi = get_workload("kimi_linear")
+    preset = kimi.presets()[f"hf:{folder},R={R},P={P},N={N}"]
+    server.deploy(f"default:kimi_linear/{preset.name}", "kimi", max_waiting_requests=24)
+    wait_for(lambda: get(server, "/v1/engine")[1].get("workload") == "kimi_linear", 400,
+             "the swap to the kimi_linear engine", SERVER_NOT_READY)
+    assert [m.id for m in client.models.list().data] == ["kimi-small"]
+
+    prompt = codec.encode("the cat sat on the")
+    want: list[int] = []
+    while len(want) < N:
+        want.append(int(np.argmax(kimi.reference_logits(preset, prompt, [*want, 0])[-1])))
+    reply = client.completions.create(model="kimi-small", prompt="the cat sat on the", max_tokens=N, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert reply.choices[0].model_extra["token_ids"] == want and reply.usage.completion_tokens == N
+
+    def chat(i: int) -> str:
+        stream = client.chat.completions.create(model="kimi-small", max_tokens=N, stream=True, temperature=0,
+                                                messages=[{"role": "user", "content": f"Count to {i}."}])
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(chat, range(4)))
+    assert len(replies) == 4 and get(server, "/v1/engine")[1]["workload"] == "kimi_linear"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -183,6 +183,13 @@ class Workload:
         """Float64 logits [len(tokens), V]: row i predicts tokens[i] from the prompt and tokens[:i] (the
         reference teacher-forced over an engine's own tokens, which it was never handed)."""
         raise NotImplementedError(f"workload {self.name!r} has no generation reference")
+
+    def reference_alternatives(self, preset: Preset, prompt, tokens) -> Iterable[np.ndarray]:
+        """The reference's other readings of the same tokens, each as `reference_logits`'s: where the model makes
+        a discrete choice (an MoE router's top-k) between near-tied options, an honest engine's rounding may take
+        either, and the judge accepts tokens that any reading explains. Asked only when the first reading
+        fails. Default: none (a model without discrete choices)."""
+        return ()
 
     def tie_tolerance(self, preset: Preset) -> float:
         """How far below the reference's top logit another token may be and still count as a near tie."""

@@ -40,9 +40,13 @@ class KimiLinearWorkload(GenerationWorkload):
     def reference_logits(self, preset: Preset, prompt, tokens):
         return _reference.continuation_logits(self._use(preset), prompt, tokens)
 
+    def reference_alternatives(self, preset: Preset, prompt, tokens):
+        return _reference.continuation_alternatives(self._use(preset), prompt, tokens)
+
     def forbidden_callables(self) -> list[tuple[object, str]]:
         """The float64 oracle and every baseline: their answers would pass the check for free."""
-        return [(_reference, "continuation_logits"), (_reference, "logits"), (_reference, "float64_weights"),
+        return [(_reference, "continuation_logits"), (_reference, "continuation_alternatives"), (_reference, "logits"),
+                (_reference, "float64_weights"),
                 (_baselines, "baselines"), (_baselines, "HFStaticKimi.step"), (_baselines, "OneAtATime.step")]
 
     def build_generator(self, genome: Genome, preset: Preset, device: DeviceInfo,

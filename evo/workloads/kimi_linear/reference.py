@@ -25,7 +25,7 @@ by their sum + 1e-20 when renormalised) times routed_scaling_factor.
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -91,7 +91,7 @@ def _mla(spec: KimiSpec, w: dict, p: str, x: torch.Tensor) -> torch.Tensor:
     return o.reshape(T, H * spec.v_head_dim) @ w[p + "o_proj.weight"].T
 
 
-def _moe(spec: KimiSpec, w: dict, p: str, x: torch.Tensor) -> torch.Tensor:
+def _moe(spec: KimiSpec, w: dict, p: str, x: torch.Tensor, route: _Routing) -> torch.Tensor:
     T, E, G = x.shape[0], spec.experts, spec.expert_groups
     scores = torch.sigmoid(x @ w[p + "gate.weight"].T)  # [T, E]
     choice = scores + w[p + "gate.e_score_correction_bias"]
@@ -99,7 +99,8 @@ def _moe(spec: KimiSpec, w: dict, p: str, x: torch.Tensor) -> torch.Tensor:
     kept = torch.zeros(T, G, dtype=torch.bool)
     kept.scatter_(1, group_score.topk(spec.topk_groups, -1).indices, True)
     choice = choice.masked_fill(~kept.repeat_interleave(E // G, 1), float("-inf"))
-    chosen = choice.topk(spec.top_k, -1).indices  # [T, top_k]
+    ranked = choice.topk(min(spec.top_k + 1, E), -1)  # the chosen and the first left out
+    chosen = route.choose(ranked, spec.top_k)  # [T, top_k]
     weight = scores.gather(1, chosen)  # the scores, not the biased choice
     if spec.renormalize:
         weight = weight / (weight.sum(-1, keepdim=True) + 1e-20)
@@ -116,9 +117,30 @@ def _moe(spec: KimiSpec, w: dict, p: str, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def logits(spec: KimiSpec, weights: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
-    """Teacher-forced float64 logits [T, V] of token ids [T]: row t predicts token t + 1. `weights` in float64."""
-    w, eps = weights, spec.rms_eps
+class _Routing:
+    """One MoE layer's choice of experts: the top_k by the float64 choice scores, except at the `flips` positions,
+    where the last chosen expert gives way to the first left out; the positions whose gap between those two is
+    under `tie` are noted in `ties` as (gap, position)."""
+
+    def __init__(self, flips: frozenset[int] = frozenset(), tie: float = 0.0) -> None:
+        self.flips, self.tie, self.ties = flips, tie, []
+
+    def choose(self, ranked, top_k: int) -> torch.Tensor:
+        chosen = ranked.indices[:, :top_k].clone()
+        if ranked.values.shape[1] > top_k:
+            gap = ranked.values[:, top_k - 1] - ranked.values[:, top_k]  # -inf beyond the kept groups: no tie
+            self.ties += [(float(gap[t]), t) for t in (gap < self.tie).nonzero()[:, 0].tolist()]
+            for t in self.flips:
+                if t < len(chosen):  # a flip beyond this sequence's positions (a shorter prefix) waits for them
+                    chosen[t, top_k - 1] = ranked.indices[t, top_k]
+        return chosen
+
+
+def logits(spec: KimiSpec, weights: dict[str, torch.Tensor], tokens: torch.Tensor,
+           routing: dict[int, _Routing] | None = None) -> torch.Tensor:
+    """Teacher-forced float64 logits [T, V] of token ids [T]: row t predicts token t + 1. `weights` in float64;
+    `routing`: per MoE layer index, its `_Routing` (default: the top_k everywhere)."""
+    w, eps, routing = weights, spec.rms_eps, routing or {}
     x = w["model.embed_tokens.weight"][tokens.cpu()]  # [T, D]
     with torch.inference_mode():
         for i, (mixer, ffn) in enumerate(zip(spec.layer_types, spec.mlp_types)):
@@ -129,7 +151,7 @@ def logits(spec: KimiSpec, weights: dict[str, torch.Tensor], tokens: torch.Tenso
             if ffn == DENSE:
                 x = x + _swiglu(h, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"], w[p + "mlp.down_proj.weight"])
             else:
-                x = x + _moe(spec, w, p + "mlp.", h)
+                x = x + _moe(spec, w, p + "mlp.", h, routing.get(i) or _Routing())
         return _rmsnorm(x, w["model.norm.weight"], eps) @ w["lm_head.weight"].T
 
 
@@ -140,3 +162,28 @@ def continuation_logits(preset: KimiPreset, prompt: Sequence[int], tokens: Seque
         return np.zeros((0, spec.vocab))
     ids = torch.tensor([*prompt, *tokens[:-1]], dtype=torch.long)
     return logits(spec, float64_weights(spec), ids)[len(prompt) - 1:].numpy()
+
+
+# The gap between the last chosen expert's choice score and the first left out's under which an engine's rounding
+# may pick the other one: float32 scores sit within ~1e-6 of float64's at these presets (the router is float32 in
+# every engine), so 1e-4 bounds them with room; bfloat16 activations move scores by ~1e-2.
+ROUTING_TIE = {"float32": 1e-4, "bfloat16": 2e-2}
+MAX_READINGS = 8  # other readings tried for one request: the single flips of the nearest ties, then pairs
+
+
+def continuation_alternatives(preset: KimiPreset, prompt: Sequence[int], tokens: Sequence[int]) -> Iterator[np.ndarray]:
+    """`continuation_logits` under other routings of the same tokens: each MoE choice whose gap is under
+    ROUTING_TIE[dtype] flipped alone (the nearest ties first), then two at a time; at most MAX_READINGS."""
+    spec = preset.model
+    if not len(tokens):
+        return
+    ids = torch.tensor([*prompt, *tokens[:-1]], dtype=torch.long)
+    w, tie = float64_weights(spec), ROUTING_TIE.get(preset.dtype, ROUTING_TIE["bfloat16"])
+    noted = {i: _Routing(tie=tie) for i, ffn in enumerate(spec.mlp_types) if ffn != DENSE}
+    logits(spec, w, ids, noted)
+    ties = sorted((gap, layer, t) for layer, route in noted.items() for gap, t in route.ties)
+    singles = [((layer, t),) for _, layer, t in ties]
+    pairs = [(a, b) for i, (a,) in enumerate(singles) for (b,) in singles[i + 1:]]
+    for flips in (singles + pairs)[:MAX_READINGS]:
+        routing = {layer: _Routing(frozenset(t for l, t in flips if l == layer)) for layer in noted}
+        yield logits(spec, w, ids, routing)[len(prompt) - 1:].numpy()
