@@ -10,6 +10,10 @@ Parts, in order (BUDGET_S seconds in all, default 420, so the whole script fits 
   warm-up    fla's kernels autotuned once at the preset shape, their configs cached in the output folder
   engines    the reference baseline, the genomes, the other baselines: one row printed and appended to
              table.md as each finishes; whatever the budget does not reach is listed as "not reached"
+  model      the generation workload kimi_linear, its share kept from the end of the budget: hf_static (the
+             reference), our default genome, one_at_a_time, rows numbered on from the engines'. On the GPU
+             configs/kimi_linear_h200.yaml at h200 on a small trace (16 requests, 16 in flight, prompts 128-512,
+             outputs 16-64, one timed replay), on the dry run configs/kimi_linear_smoke.yaml at cpu_small
 A part that overruns is stopped and the next one starts; nothing ends the check before the table.
 Neither Ray nor MLflow is needed (the H200 machine has neither). The parts live in
 scripts/gpu_preflight.py and scripts/gpu_engines.py; this file runs them and writes the table.
@@ -32,28 +36,39 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpu_engines import engines, markdown_row, warmup  # torch is imported inside the parts only
+from gpu_engines import MODEL_BASELINES, engines, markdown_row, model, model_label, warmup  # torch: in the parts only
 from gpu_preflight import ISOLATION_ITEMS, PREFLIGHT_ITEMS, preflight
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARES = {"preflight": 0.10, "tests": 0.23, "warm-up": 0.25}  # of the budget; the engines get the rest
+# of the budget; the model part's is kept from its end, the engines get the rest
+SHARES = {"preflight": 0.10, "tests": 0.18, "warm-up": 0.22, "model": 0.20}
 FLOORS = {"preflight": 20.0}  # seconds a part gets even from a tiny budget (imports alone take seconds)
 RESERVE_S = 10.0  # kept for the table at the end
 STOP_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this
-ENGINES_SLACK_S = 15.0  # the engines part's own deadline comes this long before it is stopped: an
+ENGINES_SLACK_S = 15.0  # the engines and model parts' own deadlines come this long before they are stopped: an
 # evaluation's launch, calibration, rate measurement and close lie outside its eval_timeout_s
+MODEL_MIN_S = 30.0  # the model part starts only with this long left: its imports and evaluator take ~10 s,
+# its deadline comes ENGINES_SLACK_S before its stop, and a candidate needs MIN_CANDIDATE_S
 # The gpu-marked tests; on the dry run they skip (the plumbing is what is rehearsed): the interpreter
 # tests of the kernels run in the ordinary suite (TESTS="tests/test_kda_triton.py" runs them here).
 GPU_TESTS = ("-m gpu tests/test_kda_triton.py tests/test_kda_triton_code.py tests/test_kda_reference.py"
              " tests/test_arena.py tests/test_cuda_memory.py tests/test_gpu_check.py")
 GPU = {"config": "configs/kda_h200.yaml", "preset": "h200", "genomes": "configs/bench_h200_genomes.json",
        "tests": GPU_TESTS,
-       "settings": ["evaluator.warmup=3", "evaluator.repeats=15"]}
+       "settings": ["evaluator.warmup=3", "evaluator.repeats=15"],
+       # the h200 model (4.3 G parameters) on a trace small enough for the model part's share
+       "model": {"config": "configs/kimi_linear_h200.yaml", "preset": "h200",
+                 "settings": ["evaluator.trace.count=16", "evaluator.trace.concurrency=16",
+                              "evaluator.trace.prompt_len=[128,512]", "evaluator.trace.output_len=[16,64]",
+                              "evaluator.replays=1"]}}
 DRY = {"config": "configs/kda_cpu.yaml", "preset": "cpu_small", "genomes": "configs/bench_cpu_triton_genomes.json",
        "tests": GPU_TESTS, "baselines": "chunk_pairwise_c64,eager_recurrent",
        # the interpreter runs each Triton program in numpy: minutes per genome (the budget still bounds them)
        "settings": ["evaluator.warmup=0", "evaluator.repeats=3", "evaluator.eval_timeout_s=600",
-                    "evaluator.build_timeout_s=600"]}
+                    "evaluator.build_timeout_s=600"],
+       # hf_static's torch fallbacks take ~40 s even on 4 short requests here
+       "model": {"config": "configs/kimi_linear_smoke.yaml", "preset": "cpu_small",
+                 "settings": ["evaluator.trace.count=4", "evaluator.trace.output_len=[1,8]", "evaluator.replays=1"]}}
 # fla's two kernels are named even where they do not import (the check then says why, loudly);
 # eager_recurrent (~1.3 s a call at h200) and the compiled pairwise baseline (minutes of compile) only when named.
 DEFAULT_BASELINES = "fla_chunk_kda,fla_fused_recurrent_kda,chunk_pairwise_c64"
@@ -100,6 +115,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="config overrides for the engines part (after the check's own)")
     p.add_argument("--part", choices=sorted(PARTS), help=argparse.SUPPRESS)  # a child process's part
     p.add_argument("--deadline", type=float, default=math.inf, help=argparse.SUPPRESS)  # time.time() seconds
+    p.add_argument("--first-index", type=int, default=1, help=argparse.SUPPRESS)  # the model part's first row
     return p
 
 
@@ -108,7 +124,8 @@ def orchestrate(args: argparse.Namespace) -> int:
     mode = DRY if args.dry_run else GPU
     out = Path(args.out or ROOT / "runs" / f"gpu-check-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     out.mkdir(parents=True, exist_ok=True)
-    for stale in ("rows.jsonl", "plan.json", "preflight.json", "warmup.json", "judge.json", "table.md"):
+    for stale in ("rows.jsonl", "plan.json", "model_plan.json", "preflight.json", "warmup.json", "judge.json",
+                  "table.md"):
         (out / stale).unlink(missing_ok=True)
     end = start + args.budget_s
     env = _child_env(out, args.dry_run)
@@ -139,17 +156,35 @@ def orchestrate(args: argparse.Namespace) -> int:
 
     _write_header(out, args, start, pre, preflight, tests, warm, warmup, baselines)
     overrides = [*mode["settings"], *_sandbox_override(preflight), *args.overrides]
-    engines = None
+    engines = model = None
     if exclusive:
-        print("engines: skipped: the GPU is in EXCLUSIVE_PROCESS compute mode (see preflight)", flush=True)
+        print("engines, model: skipped: the GPU is in EXCLUSIVE_PROCESS compute mode (see preflight)", flush=True)
     else:
+        engines_end = end - RESERVE_S - SHARES["model"] * args.budget_s  # the model part's share kept
         cmd = [*_me(), "--part", "engines", *common, "--genomes", args.genomes or mode["genomes"],
-               "--baselines", baselines, "--deadline", str(end - RESERVE_S - ENGINES_SLACK_S),
+               "--baselines", baselines, "--deadline", str(engines_end - ENGINES_SLACK_S),
                *[f"--set={o}" for o in overrides]]
-        engines = _run("engines", cmd, max(end - RESERVE_S - time.time(), 1.0), env, out)
-    ran = [part for part in (pre, tests.get("part"), warm, engines) if part is not None]
-    failures = _finish(out, start, args, tests, engines, exclusive, ran, preflight)
+        engines = _run("engines", cmd, max(engines_end - time.time(), 1.0), env, out)
+        model = _model_part(args, mode, preflight, end, env, out)
+    ran = [part for part in (pre, tests.get("part"), warm, engines, model) if part is not None]
+    failures = _finish(out, start, args, tests, {"engines": engines, "model": model}, exclusive, ran, preflight)
     return 1 if failures else 0
+
+
+def _model_part(args: argparse.Namespace, mode: dict, preflight: list[dict], end: float, env: dict[str, str],
+                out: Path) -> Part | None:
+    """The model part in what is left before the table's reserve (its share, more if the engines ended
+    early); None when less than MODEL_MIN_S is left (its rows are then "not reached")."""
+    left = end - RESERVE_S - time.time()
+    if left < MODEL_MIN_S:
+        print(f"-- model: skipped: {left:.0f} s left, it needs >= {MODEL_MIN_S:.0f} s", flush=True)
+        return None
+    spec = mode["model"]
+    settings = [*spec["settings"], *_sandbox_override(preflight)]
+    cmd = [*_me(), "--part", "model", "--out", str(out), "--config", spec["config"], "--preset", spec["preset"],
+           "--first-index", str(len(_engines_plan(out, args)) + 1),
+           "--deadline", str(end - RESERVE_S - ENGINES_SLACK_S), *[f"--set={o}" for o in settings]]
+    return _run("model", cmd, left, env, out)
 
 
 def _me() -> list[str]:
@@ -279,8 +314,8 @@ def _write_header(out: Path, args: argparse.Namespace, start: float, pre: Part, 
     shares = ", ".join(f"{k} {v:.0%}" + (f" (>= {FLOORS[k]:.0f} s)" if k in FLOORS else "") for k, v in SHARES.items())
     lines = [f"### GPU check {time.strftime('%Y-%m-%d %H:%M', time.localtime(start))}"
              f"{' (dry run: CPU, Triton interpreter)' if args.dry_run else ''}", "",
-             f"- budget: {args.budget_s:.0f} s ({shares}, the engines the rest; {RESERVE_S:.0f} s kept for the table;"
-             " a part's unused time goes to the next)"]
+             f"- budget: {args.budget_s:.0f} s ({shares}, the engines the rest; the model's share kept from the end,"
+             f" {RESERVE_S:.0f} s for the table; a part's unused time goes to the next)"]
     for item in preflight:
         lines.append(f"- preflight {item['item']}: {item['status']}: {item['detail']}")
     if pre.stopped:
@@ -298,39 +333,40 @@ def _write_header(out: Path, args: argparse.Namespace, start: float, pre: Part, 
     else:
         lines.append("- fla warm-up: skipped (no fla baseline named, or fla's kernels do not load here)")
     lines.append(f"- baselines: {baselines}")
+    spec = (DRY if args.dry_run else GPU)["model"]
+    lines.append(f"- model: kimi_linear at {spec['preset']} ({spec['config']}; {' '.join(spec['settings'])})")
     lines += ["", "| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
     (out / "table.md").write_text("\n".join(lines) + "\n")
 
 
-def _finish(out: Path, start: float, args: argparse.Namespace, tests: dict, engines: Part | None,
+def _finish(out: Path, start: float, args: argparse.Namespace, tests: dict, parts: dict[str, Part | None],
             exclusive: bool, ran: list[Part], preflight: list[dict]) -> list[str]:
-    """Rows for what the engines part did not reach, the notes, table.json; the table printed.
+    """Rows for what the engines and model parts did not reach, the notes, table.json; the table printed.
     Returns the failures that make the check's exit code 1."""
     rows = _read_rows(out / "rows.jsonl")
-    plan = _read_json(out / "plan.json", None) or _fallback_plan(args)
     done = {row["index"] for row in rows}
-    why = ("EXCLUSIVE_PROCESS compute mode" if exclusive else "the engines part stopped at its budget"
-           if engines is not None and engines.stopped else "the budget ended")
-    missing = [{"index": i, "engine": p["engine"], "source": p["source"], "status": "not reached", "message": why}
-               for i, p in enumerate(plan, 1) if i not in done]
+    planned = _engines_plan(out, args)
+    model_plan = _read_json(out / "model_plan.json", None) or _fallback_model_plan(args, len(planned) + 1)
+    planned = [(i, p, "engines") for i, p in enumerate(planned, 1)] + [(p["index"], p, "model") for p in model_plan]
+    missing = [{"index": i, "engine": p["engine"], "source": p["source"], "status": "not reached",
+                "message": _not_reached_why(name, parts[name], exclusive)} for i, p, name in planned if i not in done]
+    crashed = {name: part for name, part in parts.items() if part is not None and part.rc not in (0, None)}
+    all_rows = sorted(rows + missing, key=lambda r: r.get("index", 0))
+    _rewrite_rows(out / "table.md", all_rows)
     with open(out / "table.md", "a") as table:
-        for row in missing:
-            table.write(markdown_row(row) + "\n")
         judge = _read_json(out / "judge.json", {})
         table.write("\n")
         if judge:
             table.write(f"- judge's cost per candidate: {judge['summary']}\n")
-        if engines is not None and engines.rc not in (0, None):
-            table.write(f"- engines part FAILED (exit {engines.rc}): {engines.tail.strip()[-600:]}\n")
+        for name, part in crashed.items():
+            table.write(f"- {name} part FAILED (exit {part.rc}): {part.tail.strip()[-600:]}\n")
         used = ", ".join(f"{p.name} {p.seconds:.0f} of {p.allowed_s:.0f} s{' (stopped)' if p.stopped else ''}" for p in ran)
         table.write(f"- wall time: {time.time() - start:.0f} s of a {args.budget_s:.0f} s budget ({used})\n")
     failures = [f"tests: {tests['summary']}"] if tests.get("failed") else []
     failures += [f"preflight {i['item']}: {i['detail']}" for i in preflight
                  if i.get("item") in ISOLATION_ITEMS and i.get("status") == "FAIL"]
     failures += [f"{r['engine']}: {r['message']}" for r in rows if r.get("status") == "missing"]
-    if engines is not None and engines.rc not in (0, None):
-        failures.append(f"engines part exit {engines.rc}")
-    all_rows = sorted(rows + missing, key=lambda r: r.get("index", 0))
+    failures += [f"{name} part exit {part.rc}" for name, part in crashed.items()]
     (out / "table.json").write_text(json.dumps({"rows": all_rows, "failures": failures, "wall_s": time.time() - start,
                                                 "budget_s": args.budget_s}, indent=1, default=str))
     print(f"\n== table ({out / 'table.md'}) ==")
@@ -338,6 +374,27 @@ def _finish(out: Path, start: float, args: argparse.Namespace, tests: dict, engi
     if failures:
         print("gpu check: FAILED: " + "; ".join(failures), flush=True)
     return failures
+
+
+def _rewrite_rows(table: Path, rows: list[dict]) -> None:
+    """The table's rows in the plan's order (the parts appended each as it finished; rows.jsonl is whole
+    where a stopped part cut a line of table.md)."""
+    lines = table.read_text().splitlines()
+    head = lines[:lines.index("|" + " --- |" * len(COLUMNS)) + 1]
+    table.write_text("\n".join([*head, *(markdown_row(r) for r in rows)]) + "\n")
+
+
+def _not_reached_why(name: str, part: Part | None, exclusive: bool) -> str:
+    if exclusive:
+        return "EXCLUSIVE_PROCESS compute mode"
+    if part is None:
+        return f"the budget ended before the {name} part"
+    return f"the {name} part stopped at its budget" if part.stopped else "the budget ended"
+
+
+def _engines_plan(out: Path, args: argparse.Namespace) -> list[dict]:
+    """The engines part's plan: as it wrote it, else as it would have."""
+    return _read_json(out / "plan.json", None) or _fallback_plan(args)
 
 
 def _fallback_plan(args: argparse.Namespace) -> list[dict]:
@@ -355,7 +412,18 @@ def _fallback_plan(args: argparse.Namespace) -> list[dict]:
             + [{"engine": f"baseline:{n}", "source": "baseline"} for n in names])
 
 
-PARTS = {"preflight": preflight, "warmup": warmup, "engines": engines}  # each run as `--part NAME` in a child
+def _fallback_model_plan(args: argparse.Namespace, first: int) -> list[dict]:
+    """What the model part would have planned (it ended before writing model_plan.json, or never started):
+    the reference baseline, the default genome, the other baseline, numbered from `first`."""
+    preset = (DRY if args.dry_run else GPU)["model"]["preset"]
+    reference, other = MODEL_BASELINES
+    plan = [("baseline", reference), ("genome", "genome"), ("baseline", other)]
+    return [{"index": i, "engine": model_label(preset, kind, name), "source": kind}
+            for i, (kind, name) in enumerate(plan, first)]
+
+
+# each run as `--part NAME` in a child
+PARTS = {"preflight": preflight, "warmup": warmup, "engines": engines, "model": model}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # The GPU check: preflight, the gpu-marked tests, fla's warm-up, then the engines at the h200 preset
-# (the reference baseline, the Triton and torch genomes, the other baselines), one row each as it
-# finishes, in one table. Under 8 minutes on one H200 by construction: scripts/gpu_check.py divides a
-# time budget (BUDGET_S, default 420 s) among the parts, stops a part at its share, lists what the
-# budget did not reach as "not reached", and always writes the table (test failures go into its
-# header; there is no early exit). Runs from the source tree (no `pip install -e .`), needs neither
-# Ray nor MLflow, and installs nothing from an index: wheels in .whl/ (scripts/fetch_wheels.sh:
-# fla-core and einops; .whl/ is gitignored, so carry it to the device) are installed with
-# --no-index --no-deps first, on the GPU run only.
+# (the reference baseline, the Triton and torch genomes, the other baselines), then the kimi_linear
+# model at its h200 preset (hf_static, the reference; our default genome; one_at_a_time) on a small trace
+# (configs/kimi_linear_h200.yaml with 16 requests, 16 in flight, prompts 128-512, outputs 16-64, one timed
+# replay; its share, 20%, kept from the end of the budget), one row each as it finishes, in one table.
+# The dry run's model is configs/kimi_linear_smoke.yaml at cpu_small (4 requests, outputs 1-8). Under 8
+# minutes on one H200 by construction: scripts/gpu_check.py divides a time budget (BUDGET_S, default
+# 420 s) among the parts, stops a part at its share, lists what the budget did not reach as "not
+# reached", and always writes the table (test failures go into its header; there is no early exit).
+# Runs from the source tree (no `pip install -e .`), needs neither Ray nor MLflow, and installs nothing
+# from an index: wheels in .whl/ (scripts/fetch_wheels.sh: fla-core and einops; .whl/ is gitignored, so
+# carry it to the device) are installed with --no-index --no-deps first, on the GPU run only.
 #
 #   scripts/gpu_check.sh             # on a GPU box
-#   scripts/gpu_check.sh --dry-run   # the same on CPU: cpu_small preset, Triton's interpreter
+#   scripts/gpu_check.sh --dry-run   # the same on CPU: cpu_small presets, Triton's interpreter
 #
 # Environment: PYTHON (default .venv/bin/python if present, else python3), OUT (output folder),
 # BUDGET_S, BASELINES (comma-separated; default fla_chunk_kda, fla_fused_recurrent_kda and

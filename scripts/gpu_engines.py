@@ -1,12 +1,16 @@
-"""The GPU check's warm-up and engines parts (run by scripts/gpu_check.py in child processes), and the
-table rows they write. Torch, the evaluator and the workload are imported inside the parts only, so
+"""The GPU check's warm-up, engines and model parts (run by scripts/gpu_check.py in child processes), and
+the table rows they write. Torch, the evaluator and the workload are imported inside the parts only, so
 the orchestrator that imports the row helpers stays light.
 
 warm-up: fla's kernels once at the preset shape, their configs written as fla's config cache
 (OUT/fla-configs) for the engine processes. engines: the reference baseline, the genomes, the other
 baselines, each evaluated with its timeout lowered to the time left, one row appended as each finishes;
 named baselines that cannot load are rows "missing" at once; whatever the deadline does not reach is
-left for the orchestrator to list as "not reached"."""
+left for the orchestrator to list as "not reached". model: the same for the generation workload
+kimi_linear (hf_static, the reference, then our default genome, then one_at_a_time), its rows numbered on
+from the KDA plan's; on the GPU at the h200 preset on a small trace (16 requests, 16 in flight, prompts
+128-512, outputs 16-64, one timed replay), on the dry run at cpu_small (4 requests, outputs 1-8). A
+generation row's "median ms" is ms per output token; its message starts with output tok/s, TTFT, TPOT."""
 from __future__ import annotations
 
 import argparse
@@ -20,6 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 MIN_CANDIDATE_S = 5.0  # an engine is started only with at least this long left (plus the judge's cost)
+MODEL_BASELINES = ("hf_static", "one_at_a_time")  # the model part's; the first is its speedups' reference
 
 
 def warmup(args: argparse.Namespace) -> int:
@@ -65,22 +70,10 @@ def engines(args: argparse.Namespace) -> int:
     """Evaluate the plan in order within the deadline; a row per engine as it finishes."""
     signal.signal(signal.SIGTERM, _stopped)  # at the budget: the finally blocks still kill the candidate
     out = Path(args.out)
-    from dataclasses import replace
-
-    from evaluators.evaluator import Evaluator
     from evo.bench.bench import genomes_from_file
-    from evo.core.seeds import derive_seed
-    from evo.driver.config import load_config
     from evo.workloads.kda.gpu_baselines import missing_baselines
 
-    config = load_config(args.config, [f"preset={args.preset}", *args.overrides])
-    if config.evaluator.sandbox == "strict":
-        from evaluators import jail
-
-        if jail.unavailable():
-            config = replace(config, evaluator=replace(config.evaluator, sandbox="none"))
-    ev = Evaluator(config.workload, config.preset, config.evaluator, derive_seed(config.search.seed, "gpu-check"),
-                   name="gpu-check")
+    config, ev = _evaluator(args)
     try:
         space = ev.workload.gene_space(ev.preset, ev.device_info())
         genomes = genomes_from_file(args.genomes, space) if args.genomes else [space.default()]
@@ -91,40 +84,107 @@ def engines(args: argparse.Namespace) -> int:
         plan = [("baseline", n) for n in named if n == reference]
         plan += [("genome", g) for g in genomes]
         plan += [("baseline", n) for n in named if n != reference]
-        labels = [(f"baseline:{x}" if kind == "baseline" else ev.workload.label(x), kind) for kind, x in plan]
-        _write_json(out / "plan.json", [{"engine": label, "source": kind} for label, kind in labels])
-        for index, ((kind, item), (label, _)) in enumerate(zip(plan, labels), 1):  # loud, whatever the budget
+        entries = [(index, kind, x, f"baseline:{x}" if kind == "baseline" else ev.workload.label(x))
+                   for index, (kind, x) in enumerate(plan, 1)]
+        _write_json(out / "plan.json", [{"engine": label, "source": kind} for _, kind, _, label in entries])
+        for index, kind, item, label in entries:  # loud, whatever the budget
             if kind == "baseline" and item in missing:
                 _append_row(out, {"index": index, "engine": label, "source": kind, "status": "missing",
                                   "message": f"named baseline not available: {missing[item]}"})
         judge_s = _judge_cost(ev, out)
-        ref_ms = math.nan
-        for index, ((kind, item), (label, _)) in enumerate(zip(plan, labels), 1):
-            if kind == "baseline" and item in missing:
-                continue
-            left = args.deadline - time.time()
-            if left < MIN_CANDIDATE_S + judge_s:
-                print(f"engines: {left:.0f} s left, a candidate needs >= {MIN_CANDIDATE_S + judge_s:.0f} s:"
-                      " the rest is not reached", flush=True)
-                break
-            limit = min(config.evaluator.eval_timeout_s, left - MIN_CANDIDATE_S / 2)
-            build_s = min(config.evaluator.build_timeout_s, limit)  # baselines too: the device's budget is firm
-            ev.settings = replace(config.evaluator, eval_timeout_s=limit, build_timeout_s=build_s,
-                                  baseline_build_timeout_s=build_s)
-            result = ev.evaluate_baseline(item) if kind == "baseline" else ev.evaluate(item.to_json())
-            if kind == "baseline" and item == reference and result.ok:
-                ref_ms = result.latency_ms
-            row = {"index": index, "engine": label, "source": kind, **_result_row(result, ref_ms, reference)}
-            if result.status == "timeout" and limit < config.evaluator.eval_timeout_s:
-                row["message"] = f"cut by the budget (eval_timeout_s lowered to {limit:.0f} s): {row['message']}"
-            _append_row(out, row)
+        found = [e for e in entries if not (e[1] == "baseline" and e[2] in missing)]
+        _evaluate_plan(ev, config.evaluator, out, found, reference, args.deadline, MIN_CANDIDATE_S + judge_s,
+                       "engines")
     finally:
         ev.close()
     return 0
 
 
+def model(args: argparse.Namespace) -> int:
+    """The kimi_linear part: hf_static (the reference), our default genome, one_at_a_time at `args.preset`,
+    numbered on from `args.first_index`; its plan in OUT/model_plan.json, a row per engine as it finishes."""
+    signal.signal(signal.SIGTERM, _stopped)
+    out = Path(args.out)
+    config, ev = _evaluator(args)
+    try:
+        genome = ev.workload.gene_space(ev.preset, ev.device_info()).default()
+        reference, other = MODEL_BASELINES
+        plan = [("baseline", reference, model_label(args.preset, "baseline", reference)),
+                ("genome", genome, model_label(args.preset, "genome", ev.workload.label(genome))),
+                ("baseline", other, model_label(args.preset, "baseline", other))]
+        entries = [(index, kind, item, label) for index, (kind, item, label) in enumerate(plan, args.first_index)]
+        _write_json(out / "model_plan.json", [{"index": i, "engine": label, "source": kind}
+                                              for i, kind, _, label in entries])
+        available = sorted(ev.workload.baselines(ev.preset))
+        for index, kind, item, label in entries:  # loud, whatever the budget
+            if kind == "baseline" and item not in available:
+                # "unavailable", not "missing": reported, but the check does not fail on the model's baselines
+                _append_row(out, {"index": index, "engine": label, "source": kind, "status": "unavailable",
+                                  "message": f"{item} is not offered here (available: {available}); hf_static"
+                                             " needs transformers >= 5.24, which ships Kimi Linear"})
+        found = [e for e in entries if e[1] == "genome" or e[2] in available]
+        _evaluate_plan(ev, config.evaluator, out, found, reference, args.deadline, MIN_CANDIDATE_S, "model")
+    finally:
+        ev.close()
+    return 0
+
+
+def model_label(preset: str, kind: str, name: str) -> str:
+    """A model row's engine: 'kimi_linear h200 baseline:hf_static', or for a genome (`name` its workload label,
+    or 'genome' where the part never ran) 'kimi_linear h200: default 1a2b3c4d (x64, ...)'."""
+    if kind == "baseline":
+        return f"kimi_linear {preset} baseline:{name}"
+    return f"kimi_linear {preset}: default {name.removeprefix('kimi_linear ')}"
+
+
+def _evaluator(args: argparse.Namespace):
+    """(the config, an Evaluator) of `args.config` at `args.preset` with `args.overrides`; unconfined where
+    the strict sandbox cannot run here."""
+    from dataclasses import replace
+
+    from evaluators.evaluator import Evaluator
+    from evo.core.seeds import derive_seed
+    from evo.driver.config import load_config
+
+    config = load_config(args.config, [f"preset={args.preset}", *args.overrides])
+    if config.evaluator.sandbox == "strict":
+        from evaluators import jail
+
+        if jail.unavailable():
+            config = replace(config, evaluator=replace(config.evaluator, sandbox="none"))
+    ev = Evaluator(config.workload, config.preset, config.evaluator, derive_seed(config.search.seed, "gpu-check"),
+                   name="gpu-check")
+    return config, ev
+
+
+def _evaluate_plan(ev, settings, out: Path, entries: list[tuple], reference: str, deadline: float, needs_s: float,
+                   part: str) -> None:
+    """Evaluate `entries` [(index, kind, baseline name or genome, label)] in order, each with its timeouts
+    lowered to the time left before `deadline`, a row appended as each finishes; the rest is not reached
+    once less than `needs_s` is left. Speedups are against `reference`, a baseline evaluated first."""
+    from dataclasses import replace
+
+    ref_ms = math.nan
+    for index, kind, item, label in entries:
+        left = deadline - time.time()
+        if left < needs_s:
+            print(f"{part}: {left:.0f} s left, a candidate needs >= {needs_s:.0f} s: the rest is not reached",
+                  flush=True)
+            return
+        limit = min(settings.eval_timeout_s, left - MIN_CANDIDATE_S / 2)
+        build_s = min(settings.build_timeout_s, limit)  # baselines too: the device's budget is firm
+        ev.settings = replace(settings, eval_timeout_s=limit, build_timeout_s=build_s, baseline_build_timeout_s=build_s)
+        result = ev.evaluate_baseline(item) if kind == "baseline" else ev.evaluate(item.to_json())
+        if kind == "baseline" and item == reference and result.ok:
+            ref_ms = result.latency_ms
+        row = {"index": index, "engine": label, "source": kind, **_result_row(result, ref_ms, reference)}
+        if result.status == "timeout" and limit < settings.eval_timeout_s:
+            row["message"] = f"cut by the budget (eval_timeout_s lowered to {limit:.0f} s): {row['message']}"
+        _append_row(out, row)
+
+
 def _stopped(*_: object) -> None:
-    print("engines: stopped at the budget (SIGTERM); the candidate in flight is killed", flush=True)
+    print("stopped at the budget (SIGTERM); the candidate in flight is killed", flush=True)
     raise SystemExit(143)
 
 
@@ -168,7 +228,16 @@ def _result_row(r, ref_ms: float, reference: str) -> dict:
     return {"status": r.status, "median_ms": median, "iqr_ms": r.latency_spread_ms if r.ok else math.nan,
             "max_rel_error": r.max_rel_error, "speedup": ref_ms / median if r.ok else math.nan,
             "reference": reference if math.isfinite(ref_ms) else "", "build_s": r.build_s, "eval_s": r.eval_s,
-            "message": r.message[:300]}
+            "message": (_serving_text(r.serving) + r.message)[:300]}
+
+
+def _serving_text(serving: dict) -> str:
+    """A generation result's replay in brief (its medians; vllm bench serve's names), '' for a call engine."""
+    if not serving:
+        return ""
+    median = lambda name: serving.get(name, {}).get("median", math.nan)  # noqa: E731
+    return (f"{_fmt(serving.get('output_throughput'), '.4g')} output tok/s, TTFT {_fmt(median('ttft_ms'), '.4g')} ms,"
+            f" TPOT {_fmt(median('tpot_ms'), '.4g')} ms (medians); ")
 
 
 def _append_row(out: Path, row: dict) -> None:

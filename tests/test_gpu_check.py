@@ -41,7 +41,7 @@ def test_a_tiny_budget_still_writes_the_table_with_not_reached_rows(tmp_path):
     assert "preflight arena bounds: skipped (no CUDA)" in table
     assert "preflight candidate files: " + ("ok" if not jail.unavailable() else "skipped") in table
     rows = json.loads((out / "table.json").read_text())["rows"]
-    assert len(rows) == 4  # the two dry-run genomes and two baselines, each reported once
+    assert len(rows) == 7  # the two dry-run genomes, two baselines and kimi_linear's three rows, each reported once
     assert any(r["status"] == "not reached" for r in rows), rows
     assert table.count("| not reached |") == sum(r["status"] == "not reached" for r in rows)
     assert "gpu check: FAILED: tests" in run.stdout
