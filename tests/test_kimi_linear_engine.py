@@ -20,6 +20,7 @@ from evo.workloads.generation import GenerationRequest
 from evo.workloads.kimi_linear import engine as kimi_engine
 from evo.workloads.kimi_linear import reference
 from evo.workloads.kimi_linear.genes import gene_space
+from evo.workloads.kimi_linear.model import DENSE, KDA, MLA, SPARSE, KimiSpec
 from evo.workloads.kimi_linear.presets import PRESETS
 from tests.generation_driver import TRACE, drive, trace_prompts
 
@@ -80,10 +81,10 @@ def _replay(generator, prompts=PROMPTS, stop_ids: tuple[int, ...] = ()):
     return replay(generator, TRACE, prompts, concurrency=4, stop_ids=stop_ids, deadline_s=120)
 
 
-def _assert_logits_match(result, seen, rel: float = 1e-5) -> None:
+def _assert_logits_match(result, seen, rel: float = 1e-5, reference_logits=_ref) -> None:
     for request, tokens in zip(result.requests, result.tokens):
         ours = torch.stack(seen[request.id]).double().numpy()
-        ref = _ref(request.prompt, tokens)
+        ref = reference_logits(request.prompt, tokens)
         assert np.abs(ours - ref).max() / np.abs(ref).max() < rel, request.id
 
 
@@ -99,8 +100,14 @@ DESIGNS = {
     "chunked_c64_triangular": {"kda_prefill": "chunked", "chunk_size": 64, "intra_algorithm": "triangular_solve"},
     "chunked_c128": {"kda_prefill": "chunked", "chunk_size": 128},
     "one_running": {"max_running": 1},
+    "ring": {"conv_window": "ring"},
+    "vk": {"state_layout": "vk"},
+    "ring_vk_chunked": {"conv_window": "ring", "state_layout": "vk", "kda_prefill": "chunked"},
+    "shared_fused": {"shared_expert": "fused"},
+    "shared_fused_grouped": {"shared_expert": "fused", "moe_dispatch": "grouped"},
+    "shared_fused_dense": {"shared_expert": "fused", "moe_dispatch": "dense"},
     "queue_all": {"max_running": 2, "mla_cache": "compressed", "moe_dispatch": "grouped", "kda_prefill": "chunked",
-                  "fused_projections": True},
+                  "fused_projections": True, "conv_window": "ring", "state_layout": "vk", "shared_expert": "fused"},
     "eight_running": {"max_running": 8},
 }
 
@@ -136,17 +143,33 @@ def test_the_chunked_prefill_is_exact_under_the_models_strong_decay():
         assert (ours[name].double() - ref[name]).abs().max() < 1e-4 * ref[name].abs().max(), name
 
 
-def test_a_bfloat16_state_at_a_bfloat16_preset_runs_within_bfloat16_rounding():
+BF16_DESIGNS = {
+    "bf16_state_compressed": {"state_dtype": "bfloat16", "mla_cache": "compressed"},
+    "f32_cache_compressed": {"mla_cache": "compressed", "mla_cache_dtype": "float32"},
+    "f32_cache_expanded_vk_ring_fused": {"state_dtype": "bfloat16", "mla_cache_dtype": "float32",
+                                         "state_layout": "vk", "conv_window": "ring", "shared_expert": "fused"},
+}
+
+
+@pytest.mark.parametrize("design", sorted(BF16_DESIGNS))
+def test_bfloat16_presets_offer_a_bfloat16_state_and_a_float32_cache_and_run_within_bfloat16_rounding(design):
     """cpu_small in bfloat16 (its weights stored in bfloat16, so the reference reads the same ones): a bfloat16
-    state is offered there only; the engine serves a replay and its first tokens' logits lie within bfloat16
-    rounding of the float64 reference (~2% of the largest logit: bfloat16 activations through four layers)."""
+    state, and a float32 MLA cache beside the bfloat16 default, are offered there only; the engine serves a
+    replay and its first tokens' logits lie within bfloat16 rounding of the float64 reference (~2% of the
+    largest logit: bfloat16 activations through four layers)."""
     preset = dataclasses.replace(PRESET, dtype="bfloat16",
                                  model=dataclasses.replace(PRESET.model, storage_dtype="bfloat16"))
     space = gene_space(preset, CPU)
     assert space.gene("state_dtype").values == ("float32", "bfloat16")
     assert SPACE.gene("state_dtype").values == ("float32",)  # a float32 preset keeps a float32 state
-    generator = kimi_engine.build(space.make({"state_dtype": "bfloat16", "mla_cache": "compressed"}), preset, CPU)
-    assert generator.pool.tensors[0][0].dtype == torch.bfloat16
+    cache_dtype = space.gene("mla_cache_dtype")
+    assert cache_dtype.values == ("bfloat16", "float32") and cache_dtype.default == "bfloat16"  # today's cache
+    assert SPACE.gene("mla_cache_dtype").values == ("float32",)  # a bfloat16 cache would break float32 accuracy
+    genes = BF16_DESIGNS[design]
+    generator = kimi_engine.build(space.make(genes), preset, CPU)
+    kda_state, mla_cache = generator.pool.tensors[0][0], generator.pool.tensors[3][0]  # layers 0 KDA, 3 MLA
+    assert kda_state.dtype == getattr(torch, genes.get("state_dtype", "float32"))
+    assert mla_cache.dtype == getattr(torch, genes.get("mla_cache_dtype", "bfloat16"))
     result = _replay(generator)
     assert not result.violations and [len(t) for t in result.tokens] == [r.max_tokens for r in result.requests]
     for prompt in PROMPTS[:4]:
@@ -154,6 +177,32 @@ def test_a_bfloat16_state_at_a_bfloat16_preset_runs_within_bfloat16_rounding():
             ours = generator.model.prefill(0, tuple(prompt))[0].double().numpy()
         ref = reference.continuation_logits(preset, prompt, [0])[0]
         assert np.abs(ours - ref).max() / np.abs(ref).max() < 5e-2
+
+
+# tests/test_kimi_linear_reference.py's VARIANT, written again (importing that module imports transformers: ~7 s)
+VARIANT = KimiSpec(vocab=128, hidden=48, layer_types=(MLA, KDA, KDA, MLA), mlp_types=(SPARSE, DENSE, SPARSE, SPARSE),
+                   intermediate=96, kda_heads=3, kda_head_dim=16, conv_kernel=3, mla_heads=2, q_lora_rank=24,
+                   kv_lora_rank=12, qk_nope_dim=8, qk_rope_dim=8, v_head_dim=12, experts=8, top_k=3, expert_groups=4,
+                   topk_groups=2, shared_experts=2, moe_intermediate=16, routed_scaling=1.5, renormalize=False,
+                   rms_eps=1e-6, weight_seed=3)
+
+
+def test_the_new_layouts_serve_a_model_with_two_shared_experts_and_a_three_tap_convolution(logits_seen):
+    """The reference tests' VARIANT model (2 shared experts, 3 taps, q low rank, expert groups, MLA first) with
+    the shared experts fused into a grouped dispatch, ring windows and [V, K] states: the reference's tokens,
+    from logits within float32 rounding of it."""
+    preset = dataclasses.replace(PRESET, name="cpu_small:variant", model=VARIANT,
+                                 shape={**PRESET.shape, "V": VARIANT.vocab})
+    genes = {"shared_expert": "fused", "conv_window": "ring", "state_layout": "vk", "moe_dispatch": "grouped"}
+    generator = kimi_engine.build(gene_space(preset, CPU).make(genes), preset, CPU)
+    assert generator.model.layers[0][4].experts == VARIANT.experts + VARIANT.shared_experts
+
+    def variant_ref(prompt, tokens):
+        return reference.continuation_logits(preset, prompt, tokens)
+
+    result = _replay(generator, trace_prompts(VARIANT.vocab, 5))
+    assert score(result, variant_ref, tolerance=1e-4, vocab=VARIANT.vocab) == []
+    _assert_logits_match(result, logits_seen, reference_logits=variant_ref)
 
 
 def test_a_requests_tokens_do_not_depend_on_its_batch_mates(monkeypatch):
@@ -223,8 +272,9 @@ def test_the_baselines_decode_the_references_tokens():
 def test_the_workload_hooks():
     assert WORKLOAD.contract == "generation" and WORKLOAD.presets()["cpu_small"] is PRESET
     assert SPACE.default().values()["max_running"] >= PRESET.shape["R"]
-    assert {g.name for g in SPACE.genes} == {"max_running", "kda_prefill", "threads", "mla_cache", "state_dtype",
-                                             "moe_dispatch", "fused_projections", "chunk_size", "intra_algorithm"}
+    assert {g.name for g in SPACE.genes} == {"max_running", "kda_prefill", "threads", "mla_cache", "mla_cache_dtype",
+                                             "state_dtype", "state_layout", "conv_window", "moe_dispatch",
+                                             "shared_expert", "fused_projections", "chunk_size", "intra_algorithm"}
     with pytest.raises(TypeError, match="build_generator"):
         WORKLOAD.build(SPACE.default(), PRESET, CPU)
     with pytest.raises(TypeError):

@@ -3,12 +3,15 @@
 
 Three parts, each blind to the others' insides (as llama_serve's engine, and vLLM, keep them apart):
 - the state pool (`StatePool`): per running request a row of every layer's memory: for each KDA layer its
-  recurrent state [H, K, V] and its convolution window (the last taps-1 inputs of the q|k|v channels), for each
-  MLA layer its cache (per-head keys and values, or the compressed latent and rope key) of P + N positions.
-  Running requests hold the first rows, so a decode step reads views;
+  recurrent state ([H, K, V], or [H, V, K] by `state_layout`) and its convolution window (the last taps-1
+  inputs of the q|k|v channels, in order or as a ring by `conv_window`), for each MLA layer its cache (per-head
+  keys and values, or the compressed latent and rope key) of P + N positions, in `mla_cache_dtype`.
+  Running requests hold the first rows, so a decode step reads views; a row's memory depends only on its
+  request (the ring's slot order on its position), so a request that moves rows takes it along by copy;
 - the model (`KimiModel`): a prompt of one row (its state from zero), and one decode step of rows [0, n)
   together: the KDA recurrence batched over the rows' states, MLA attending over each row's own positions
-  under a per-row mask, the MoE dispatched by the `moe_dispatch` gene;
+  under a per-row mask, the MoE dispatched by the `moe_dispatch` gene (the shared experts among the routed
+  ones, or apart, by `shared_expert`);
 - the scheduler (`KimiGenerator.step`): continuous batching up to `max_running`: decode every running
   request by one token, then admit waiting requests and prefill each whole (its first token comes from
   there); a request that ends leaves its row, and the last running row moves into the hole.
@@ -60,13 +63,14 @@ class _Linears:
 
 # ---------------------------------------------------------------------------------------------- the state pool
 class StatePool:
-    """Every layer's per-request memory, `rows` rows (see the module). KDA: state [rows, H, K, V] in the state
-    dtype, conv [rows, taps-1, 3HK]; MLA expanded: k [rows, Hm, L, nope+rope], v [rows, Hm, L, dv]; compressed:
-    one [rows, L, R + rope] of (normalised latent | rope key)."""
+    """Every layer's per-request memory, `rows` rows (see the module). KDA: state [rows, H, K, V] (or
+    [rows, H, V, K]: K = V) in the state dtype, conv [rows, taps-1, 3HK]; MLA, in the cache dtype: expanded
+    k [rows, Hm, L, nope+rope], v [rows, Hm, L, dv]; compressed one [rows, L, R + rope] of (normalised latent |
+    rope key)."""
 
     def __init__(self, spec: KimiSpec, plan: KimiPlan, length: int, dtype: torch.dtype, device) -> None:
         rows, H, K = plan.max_running, spec.kda_heads, spec.kda_head_dim
-        state_dtype = getattr(torch, plan.state_dtype)
+        state_dtype, cache_dtype = getattr(torch, plan.state_dtype), getattr(torch, plan.mla_cache_dtype)
         self.tensors: list[list[torch.Tensor]] = []  # per layer, its tensors (row first)
         for mixer in spec.layer_types:
             if mixer == KDA:
@@ -74,11 +78,11 @@ class StatePool:
                                      torch.zeros(rows, spec.conv_kernel - 1, 3 * H * K, dtype=dtype, device=device)])
             elif plan.mla_cache == "expanded":
                 Hm = spec.mla_heads
-                self.tensors.append([torch.zeros(rows, Hm, length, spec.qk_head_dim, dtype=dtype, device=device),
-                                     torch.zeros(rows, Hm, length, spec.v_head_dim, dtype=dtype, device=device)])
+                self.tensors.append([torch.zeros(rows, Hm, length, spec.qk_head_dim, dtype=cache_dtype, device=device),
+                                     torch.zeros(rows, Hm, length, spec.v_head_dim, dtype=cache_dtype, device=device)])
             else:
-                self.tensors.append([torch.zeros(rows, length, spec.kv_lora_rank + spec.qk_rope_dim, dtype=dtype,
-                                                 device=device)])
+                self.tensors.append([torch.zeros(rows, length, spec.kv_lora_rank + spec.qk_rope_dim,
+                                                 dtype=cache_dtype, device=device)])
         self.positional = [mixer != KDA for mixer in spec.layer_types]  # MLA: position axis to cut at `length`
         self.expanded = plan.mla_cache == "expanded"
 
@@ -95,14 +99,38 @@ class StatePool:
 
 
 # ---------------------------------------------------------------------------------------------- the model
+def _step_kv(S: torch.Tensor, q, k, v, decay, beta) -> torch.Tensor:
+    """One delta-rule step of states S [n, H, K, V] (in place) for q, k, v, decay [n, H, K], beta [n, H];
+    o [n, H, V] = q^T S."""
+    S.mul_(decay[..., None])
+    residual = v - (k[:, :, None] @ S)[:, :, 0]  # [n, H, V]: v - S^T k
+    S.add_((beta[..., None] * k)[..., None] * residual[:, :, None])
+    return (q[:, :, None] @ S)[:, :, 0]
+
+
+def _step_vk(S: torch.Tensor, q, k, v, decay, beta) -> torch.Tensor:
+    """`_step_kv` for states kept transposed, S [n, H, V, K]: the decay and the rank-one update along the last
+    axis; the products read S through its transposed view (k^T S^T). As S k and S q (batched matrix-vector)
+    they took 3.7x as long on one CPU thread (16 rows, 4 heads of 64: 560 us against 150 us a layer)."""
+    S.mul_(decay[:, :, None])
+    residual = v - (k[:, :, None] @ S.mT)[:, :, 0]  # [n, H, V]: v - S k
+    S.add_(residual[..., None] * (beta[..., None] * k)[:, :, None])
+    return (q[:, :, None] @ S.mT)[:, :, 0]
+
+
 class KdaLayer:
     """Kimi Delta Attention with its per-request recurrent state and convolution window in the pool."""
 
     def __init__(self, spec: KimiSpec, w: Mapping[str, torch.Tensor], p: str, plan: KimiPlan,
                  memory: list[torch.Tensor], chunked) -> None:
         self.H, self.K, self.eps = spec.kda_heads, spec.kda_head_dim, spec.rms_eps
-        self.state, self.conv = memory  # [rows, H, K, V], [rows, taps-1, 3HK]
+        self.state, self.conv = memory  # [rows, H, K, V] (vk: [rows, H, V, K]), [rows, taps-1, 3HK]
         self.state_f32 = self.state.dtype == torch.float32
+        self.vk = plan.state_layout == "vk"
+        self.step = _step_vk if self.vk else _step_kv
+        self.ring = plan.conv_window == "ring" and spec.conv_kernel > 1  # one tap: no window to keep
+        self.slots = torch.arange(spec.conv_kernel - 1, device=self.conv.device)  # [taps-1]
+        self.conv_slots = self.conv.view(-1, self.conv.shape[-1])  # [rows (taps-1), C]: row r's slot s at r(taps-1)+s
         self.qkv = _Linears([w[p + f"{n}_proj.weight"] for n in "qkv"], plan.fused_projections)
         # f_a, g_a (rank K) and beta's projection read the same input
         self.low = _Linears([w[p + "forget_gate.f_a_proj.weight"], w[p + "g_a_proj.weight"], w[p + "b_proj.weight"]],
@@ -130,12 +158,33 @@ class KdaLayer:
         q, k, v = F.silu(mixed).float().view(-1, 3, self.H, self.K).unbind(1)
         return _l2norm(q) * self.K**-0.5, _l2norm(k), v
 
+    def _keep_window(self, row: int, last: torch.Tensor, T: int) -> None:
+        """The inputs at positions [T - (taps-1), T) [taps-1, C] into `row`'s window: in order, or (ring) each
+        at slot position % (taps-1)."""
+        self.conv[row] = last.roll(T % last.shape[0], 0) if self.ring else last
+
+    def _shift(self, new: torch.Tensor) -> torch.Tensor:
+        """new inputs [n, C] of rows [0, n) -> convolved [n, C]; each window moves up by one."""
+        n = new.shape[0]
+        window = torch.cat([self.conv[:n], new[:, None]], 1)  # [n, taps, C]
+        self.conv[:n] = window[:, 1:]
+        return (window * self.conv_t).sum(1)
+
+    def _ring(self, new: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """`_shift` for ring windows: row r's inputs at positions pos[r] - (taps-1) .. pos[r] - 1 lie at slots
+        (pos[r] + i) % (taps-1), read in that order; the new input goes over the oldest."""
+        n, slots = new.shape[0], self.slots.shape[0]
+        order = rows[:, None] * slots + (pos[:, None] + self.slots) % slots  # [n, taps-1] into conv_slots
+        history = self.conv_slots.index_select(0, order.flatten()).view(n, slots, -1)  # [n, taps-1, C]
+        self.conv_slots.index_copy_(0, rows * slots + pos % slots, new)
+        return (history * self.conv_t[:-1]).sum(1) + new * self.conv_t[-1]
+
     def prefill(self, x: torch.Tensor, row: int) -> torch.Tensor:
         """x [T, D] of one request from position 0 (zero state, zero history); its state and window into `row`."""
         T, taps = x.shape[0], self.conv_t.shape[0]
         raw = torch.cat(self.qkv(x), -1)  # [T, 3HK]
         padded = F.pad(raw, (0, 0, taps - 1, 0))  # [T + taps - 1, C]
-        self.conv[row] = padded[T:]  # the last taps-1 inputs
+        self._keep_window(row, padded[T:], T)  # the last taps-1 inputs
         mixed = F.conv1d(padded.T[None], self.conv_w, groups=raw.shape[1])[0].T  # [T, C]
         g, beta, gate = self._gates(x)
         if self.chunked is not None:
@@ -152,28 +201,26 @@ class KdaLayer:
                 residual = v[t] - (k[t, :, None] @ S)[:, 0]  # [H, V]: v_t - S^T k_t
                 S = S + (beta[t, :, None] * k[t])[:, :, None] * residual[:, None]
                 o[t] = (q[t, :, None] @ S)[:, 0]
-        self.state[row] = S
+        self.state[row] = S.mT if self.vk else S  # S [H, K, V]
         return self._out(o, gate, x.dtype)
 
-    def decode(self, x: torch.Tensor) -> torch.Tensor:
-        """x [n, D]: one token of rows [0, n), each from its own state and window (updated in place)."""
+    def decode(self, x: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x [n, D]: one token of rows [0, n) at positions pos [n], each from its own state and window (updated
+        in place)."""
         n = x.shape[0]
-        window = torch.cat([self.conv[:n], torch.cat(self.qkv(x), -1)[:, None]], 1)  # [n, taps, C]
-        self.conv[:n] = window[:, 1:]
-        q, k, v = self._qkv((window * self.conv_t).sum(1))
+        new = torch.cat(self.qkv(x), -1)  # [n, C]
+        q, k, v = self._qkv(self._ring(new, rows, pos) if self.ring else self._shift(new))
         g, beta, gate = self._gates(x)
-        S = self.state[:n] if self.state_f32 else self.state[:n].float()  # [n, H, K, V]
-        S.mul_(g.exp()[..., None])
-        residual = v - (k[:, :, None] @ S)[:, :, 0]  # [n, H, V]
-        S.add_((beta[..., None] * k)[..., None] * residual[:, :, None])
-        o = (q[:, :, None] @ S)[:, :, 0]  # [n, H, V]
+        S = self.state[:n] if self.state_f32 else self.state[:n].float()  # [n, H, K, V] or [n, H, V, K]
+        o = self.step(S, q, k, v, g.exp(), beta)  # [n, H, V]
         if not self.state_f32:
             self.state[:n] = S
         return self._out(o, gate, x.dtype)
 
 
 class MlaLayer:
-    """Multi-head latent attention without rotary embedding, over each request's own cache rows."""
+    """Multi-head latent attention without rotary embedding, over each request's own cache rows (kept in the
+    cache dtype, read back in the model's)."""
 
     def __init__(self, spec: KimiSpec, w: Mapping[str, torch.Tensor], p: str, plan: KimiPlan,
                  memory: list[torch.Tensor]) -> None:
@@ -230,17 +277,17 @@ class MlaLayer:
         q, c, k_rope = self._project(x)
         if self.compressed:
             cache = self.memory[0]
-            cache[rows, pos] = torch.cat([c, k_rope], -1)
+            cache[rows, pos] = torch.cat([c, k_rope], -1).to(cache.dtype)
             q_nope, q_rope = q.split([self.nope, self.rope], -1)
             q_lat = torch.cat([torch.einsum("nhd,hdr->nhr", q_nope, self.w_uk), q_rope], -1)  # [n, H, R + rope]
-            keys = cache[:n, None, :S]  # [n, 1, S, R + rope]: one key head shared by every query head
+            keys = cache[:n, None, :S].to(x.dtype)  # [n, 1, S, R + rope]: one key head shared by every query head
             o = F.scaled_dot_product_attention(q_lat[:, None], keys, keys[..., :self.R], attn_mask=mask,
                                                scale=self.scale)  # [n, 1, H, R]
             return o.reshape(n, -1) @ self.o_latent
         k, v = self._expand(c, k_rope)
-        self.memory[0][rows, :, pos] = k
-        self.memory[1][rows, :, pos] = v
-        o = F.scaled_dot_product_attention(q[:, :, None], self.memory[0][:n, :, :S], self.memory[1][:n, :, :S],
+        keys, values = self.memory
+        keys[rows, :, pos], values[rows, :, pos] = k.to(keys.dtype), v.to(values.dtype)
+        o = F.scaled_dot_product_attention(q[:, :, None], keys[:n, :, :S].to(x.dtype), values[:n, :, :S].to(x.dtype),
                                            attn_mask=mask, scale=self.scale)  # [n, H, 1, dv]
         return o.reshape(n, -1) @ self.o
 
@@ -255,16 +302,36 @@ class DenseMlp:
         return (F.silu(gate) * up) @ self.down
 
 
+def _shared_as_experts(w: Mapping[str, torch.Tensor], p: str, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shared SwiGLU (gate, up [S, D], down [D, S]) as S / width experts of `width`, stacked as the routed
+    ones are stored ([count, 2 width, D] gate rows then up rows, [count, D, width]). Exact: a SwiGLU is a sum
+    over its intermediate columns."""
+    gate, up, down = (w[p + f"{n}_proj.weight"] for n in ("gate", "up", "down"))
+    (S, D), count = gate.shape, gate.shape[0] // width
+    assert count * width == S, f"shared experts' width {S} is not a multiple of moe_intermediate {width}"
+    gate_up = torch.cat([gate.reshape(count, width, D), up.reshape(count, width, D)], 1)
+    return gate_up, down.reshape(D, count, width).transpose(0, 1)
+
+
 class MoeMlp:
-    """Sigmoid-scored grouped top-k routing (router in float32), routed SwiGLU experts plus the shared one."""
+    """Sigmoid-scored grouped top-k routing (router in float32), routed SwiGLU experts plus the shared ones:
+    apart as one dense SwiGLU, or (fused) appended to the routed experts, chosen by every token with weight 1."""
 
     def __init__(self, spec: KimiSpec, w: Mapping[str, torch.Tensor], p: str, plan: KimiPlan) -> None:
-        self.spec, self.dispatch = spec, plan.moe_dispatch
+        self.spec, self.dispatch = spec, getattr(self, "_" + plan.moe_dispatch)
         self.router = w[p + "gate.weight"].float().T.contiguous()  # [D, E]
         self.bias = w[p + "gate.e_score_correction_bias"].float()
-        self.gate_up = w[p + "experts.gate_up_proj"].transpose(1, 2).contiguous()  # [E, D, 2I]
-        self.down = w[p + "experts.down_proj"].transpose(1, 2).contiguous()  # [E, I, D]
-        self.shared = DenseMlp(w, p + "shared_experts.", plan)
+        gate_up, down = w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"]  # [E, 2I, D], [E, D, I]
+        self.shared = None  # fused: the shared experts are the last ones, ids shared_ids
+        if plan.shared_expert == "fused":
+            shared_gate_up, shared_down = _shared_as_experts(w, p + "shared_experts.", spec.moe_intermediate)
+            gate_up, down = torch.cat([gate_up, shared_gate_up]), torch.cat([down, shared_down])
+            self.shared_ids = torch.arange(spec.experts, gate_up.shape[0], device=gate_up.device)
+        else:
+            self.shared = DenseMlp(w, p + "shared_experts.", plan)
+        self.experts = gate_up.shape[0]  # routed, then (fused) shared
+        self.gate_up = gate_up.transpose(1, 2).contiguous()  # [E', D, 2I]
+        self.down = down.transpose(1, 2).contiguous()  # [E', I, D]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [n, D] -> chosen experts [n, top_k], their weights [n, top_k] (float32)."""
@@ -290,26 +357,38 @@ class MoeMlp:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         chosen, weight = self.route(x)
         weight = weight.to(x.dtype)
-        out = self.shared(x)
-        if self.dispatch == "dense":
-            gate, up = torch.einsum("nd,edi->eni", x, self.gate_up).chunk(2, -1)  # [E, n, I] each
-            y = torch.bmm(F.silu(gate) * up, self.down)  # [E, n, D]
-            dense = torch.zeros(x.shape[0], self.spec.experts, dtype=x.dtype, device=x.device)
-            dense.scatter_(1, chosen, weight)  # [n, E]: zero where not routed
-            return out + torch.einsum("ne,end->nd", dense, y)
-        if self.dispatch == "grouped":
-            flat = chosen.flatten()  # [n top_k]
-            order = flat.argsort(stable=True)
-            tokens = order // chosen.shape[1]
-            counts = torch.bincount(flat, minlength=self.spec.experts).tolist()
-            xs, ws = x[tokens], weight.flatten()[order, None]
-            ys, start = [], 0
-            for e, count in enumerate(counts):
-                if count:
-                    ys.append(self._expert(e, xs[start:start + count]))
-                start += count
-            return out.index_add(0, tokens, torch.cat(ys) * ws)
-        for e in range(self.spec.experts):
+        if self.shared is not None:
+            return self.dispatch(x, chosen, weight, self.shared(x))
+        n, shared = x.shape[0], self.shared_ids.shape[0]  # fused: every token chooses the shared experts too
+        chosen = torch.cat([chosen, self.shared_ids.expand(n, -1)], 1)
+        weight = torch.cat([weight, torch.ones(n, shared, dtype=x.dtype, device=x.device)], 1)
+        return self.dispatch(x, chosen, weight, torch.zeros_like(x))
+
+    def _dense(self, x: torch.Tensor, chosen: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token, combined with the routing weights (zero where not routed), added to out."""
+        gate, up = torch.einsum("nd,edi->eni", x, self.gate_up).chunk(2, -1)  # [E', n, I] each
+        y = torch.bmm(F.silu(gate) * up, self.down)  # [E', n, D]
+        dense = torch.zeros(x.shape[0], self.experts, dtype=x.dtype, device=x.device)
+        dense.scatter_(1, chosen, weight)  # [n, E']
+        return out + torch.einsum("ne,end->nd", dense, y)
+
+    def _grouped(self, x: torch.Tensor, chosen: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """(token, expert) pairs sorted by expert; each expert's contiguous run in one product."""
+        flat = chosen.flatten()  # [n k]
+        order = flat.argsort(stable=True)
+        tokens = order // chosen.shape[1]
+        counts = torch.bincount(flat, minlength=self.experts).tolist()
+        xs, ws = x[tokens], weight.flatten()[order, None]
+        ys, start = [], 0
+        for e, count in enumerate(counts):
+            if count:
+                ys.append(self._expert(e, xs[start:start + count]))
+            start += count
+        return out.index_add(0, tokens, torch.cat(ys) * ws)
+
+    def _loop(self, x: torch.Tensor, chosen: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Per expert, its routed tokens."""
+        for e in range(self.experts):
             rows, slot = (chosen == e).nonzero(as_tuple=True)
             if rows.numel():
                 out = out.index_add(0, rows, weight[rows, slot, None] * self._expert(e, x[rows]))
@@ -359,7 +438,8 @@ class KimiModel:
         rows = self.row_ids[:n]
         mask = (self.key_positions[:S] <= pos[:, None])[:, None, None]  # [n, 1, 1, S]: each row's own positions
         x = self.embed[torch.tensor(tokens, device=self.device)]  # [n, D]
-        return self._block(x, lambda mixer, attn, h: attn.decode(h) if mixer == KDA else attn.decode(h, rows, pos, mask))
+        return self._block(x, lambda mixer, attn, h: attn.decode(h, rows, pos) if mixer == KDA
+                           else attn.decode(h, rows, pos, mask))
 
 
 # ---------------------------------------------------------------------------------------------- the scheduler

@@ -3,9 +3,12 @@
 Scheduling: how many requests run at once, how a prompt runs through the KDA layers (the token recurrence,
 or the KDA workload's chunked engine, by import) and the CPU threads (the `llama` workload's gene, as it is).
 Memory: the MLA cache form (per-head keys and values, or DeepSeek-V2's compressed latent with the up
-projections absorbed) and the dtype of the KDA recurrent state. Fusion: how the routed experts are
-dispatched, and whether projections that read the same input run as one matmul.
-The default genome is the plainest correct engine: recurrent prefill, expanded cache, a loop over experts.
+projections absorbed) and its dtype, the dtype and layout ([K, V] or [V, K]) of the KDA recurrent state, and
+how the KDA convolution window is kept (shifted each step, or a ring addressed by position). Fusion: how the
+routed experts are dispatched, whether the shared experts join them as always-chosen experts, and whether
+projections that read the same input run as one matmul.
+The default genome is the plainest correct engine: recurrent prefill, expanded cache in the model's dtype, a
+[K, V] state, a shifted window, a loop over experts, the shared experts apart.
 """
 from __future__ import annotations
 
@@ -44,15 +47,28 @@ def _scheduling_genes(preset: KimiPreset, device: DeviceInfo) -> list[Gene]:
 
 def _memory_genes(preset: KimiPreset) -> list[Gene]:
     dtypes = ("float32", "bfloat16") if preset.dtype == "bfloat16" else ("float32",)
+    # the default keeps the cache in the model's dtype; float32 beside it where that is narrower
+    cache_dtypes = (preset.dtype,) if preset.dtype == "float32" else (preset.dtype, "float32")
     return [
         Gene("mla_cache", "memory", ("expanded", "compressed"), "expanded",
              "expanded: per MLA layer each head's keys [nope+rope] and values kept per position; compressed: the "
              "normalised latent and the shared rope key kept per position (kv_lora_rank + rope per position, "
              "not heads x (nope + rope + v)), the key up-projection absorbed into the query and the value "
              "up-projection into o_proj (DeepSeek-V2's inference form)"),
+        Gene("mla_cache_dtype", "memory", cache_dtypes, preset.dtype,
+             "dtype the MLA cache (expanded or compressed) is stored in; attention computes in the model's dtype "
+             "(a wider cache is cast on read); float32 beside the model's dtype only where that is narrower"),
         Gene("state_dtype", "memory", dtypes, "float32",
              "dtype the KDA recurrent state [H, K, V] is kept in between steps (updated in float32); bfloat16 only "
              "at a bfloat16 preset"),
+        Gene("state_layout", "memory", ("kv", "vk"), "kv",
+             "layout of the KDA recurrent state per head: kv [K, V], or vk [V, K], its transpose (the decode step's "
+             "decay and rank-one update run along the other axis; its products k^T S and q^T S read the state "
+             "through a transposed view; a prefill stores its final state transposed)"),
+        Gene("conv_window", "memory", ("shifted", "ring"), "shifted",
+             "the KDA convolution window (each row's last taps-1 q|k|v inputs): shifted (one copy per decode "
+             "step moves it up by one), or a ring per row (a step writes its input at slot position % (taps-1) "
+             "and the convolution gathers the taps in order by per-row indices; no shift copy)"),
     ]
 
 
@@ -62,6 +78,11 @@ def _fusion_genes() -> list[Gene]:
              "loop: per expert, find its routed tokens and run them; grouped: (token, expert) pairs sorted by "
              "expert once, each expert's contiguous run of rows in one product; dense: every expert on every "
              "token, combined with the routing weights (zero where not routed)"),
+        Gene("shared_expert", "fusion", ("separate", "fused"), "separate",
+             "separate: the shared experts run as their own dense SwiGLU on every token; fused: they run inside the "
+             "routed dispatch as extra experts every token chooses with weight 1 (the shared SwiGLU of "
+             "shared_experts x moe_intermediate split along its intermediate dimension into shared_experts experts "
+             "of moe_intermediate, exact: gate and up [S, D] by rows, down [D, S] by columns)"),
         Gene("fused_projections", "fusion", (False, True), False,
              "run projections that read the same input as one matmul: KDA's q|k|v and its forget-gate, output-"
              "gate and beta down-projections; MLA's query and latent; SwiGLU's gate|up"),
@@ -72,7 +93,9 @@ def gene_space(preset: KimiPreset, device: DeviceInfo) -> GeneSpace:
     """Genes legal for `preset` on `device` (names are a contract with operators, configs and the workload)."""
     genes = _scheduling_genes(preset, device) + _memory_genes(preset) + _fusion_genes()
     # no cross-gene rule: every combination is a correct engine (a bfloat16 state exists only where the
-    # preset is bfloat16, by its gene's values, as the llama workload offers weight_dtype)
+    # preset is bfloat16, a float32 cache beside the model's dtype only where that is narrower, by their genes'
+    # values, as the llama workload offers weight_dtype; the shared experts always split exactly, their width
+    # being shared_experts x moe_intermediate by the spec's shapes, which a checkpoint is checked against)
     chunked_only = Ignored(KDA_GENES, lambda v: v.get("kda_prefill") != "chunked",
                            "the KDA workload's genes are read by the chunked prefill only")
     return GeneSpace("kimi_linear", tuple(genes), ignored=(chunked_only,))
@@ -86,8 +109,12 @@ class KimiPlan:
     kda_prefill: str
     threads: int
     mla_cache: str
+    mla_cache_dtype: str
     state_dtype: str
+    state_layout: str
+    conv_window: str
     moe_dispatch: str
+    shared_expert: str
     fused_projections: bool
     chunk_size: int = 16  # the chunked prefill's KDA genes (read when kda_prefill is chunked)
     intra_algorithm: str = "blocked_inverse"
@@ -96,6 +123,8 @@ class KimiPlan:
     def from_genome(cls, genome: Genome) -> KimiPlan:
         v = genome.values()
         return cls(max_running=int(v["max_running"]), kda_prefill=str(v["kda_prefill"]), threads=int(v["threads"]),
-                   mla_cache=str(v["mla_cache"]), state_dtype=str(v["state_dtype"]),
-                   moe_dispatch=str(v["moe_dispatch"]), fused_projections=bool(v["fused_projections"]),
+                   mla_cache=str(v["mla_cache"]), mla_cache_dtype=str(v["mla_cache_dtype"]),
+                   state_dtype=str(v["state_dtype"]), state_layout=str(v["state_layout"]),
+                   conv_window=str(v["conv_window"]), moe_dispatch=str(v["moe_dispatch"]),
+                   shared_expert=str(v["shared_expert"]), fused_projections=bool(v["fused_projections"]),
                    chunk_size=int(v["chunk_size"]), intra_algorithm=str(v["intra_algorithm"]))
