@@ -639,7 +639,8 @@ class Evaluator:
                                  f"{self.workload.name}/{self.preset.name}: {sorted(baselines)}")
             return f"baseline:{name}", {"baseline": name, "guarded": False}
         try:
-            genome = self.workload.gene_space(self.preset, self._info).validate(Genome.from_json(text))
+            space = self.workload.gene_space(self.preset, self._info)
+            genome = space.validate(space.completed(Genome.from_json(text)))  # stored before genes were added
             code = self._code(genome, sources or {})
         except (GenomeError, CodeError) as exc:
             raise ValueError(f"invalid genome: {exc}") from exc

@@ -63,6 +63,20 @@ def test_missing_gene_and_wrong_workload():
         toy_space().validate(Genome.from_dict({**toy_space().default().to_dict(), "workload": "other"}))
 
 
+def test_a_genome_stored_before_a_gene_was_added_builds_with_its_default():
+    """A registered champion or a run's best stored before its workload gained genes: `completed` gives each
+    missing gene its default (the engine as it was), and leaves an unknown gene for validate to refuse."""
+    space = toy_space()
+    data = space.default().to_dict()
+    old = data["scheduling"].pop("algorithm")
+    stored = Genome.from_dict(data)
+    assert space.validate(space.completed(stored)).values()["algorithm"] == old
+    assert space.completed(space.default()) == space.default()
+    data["memory"]["bogus"] = 1
+    with pytest.raises(GenomeError, match="'bogus'"):
+        space.validate(space.completed(Genome.from_dict(data)))
+
+
 def test_illegal_combination_is_explained():
     with pytest.raises(GenomeError, match="illegal combination.*sub_chunk_size=32 must be <= chunk_size=16"):
         toy_space().make({"chunk_size": 16, "sub_chunk_size": 32})

@@ -339,6 +339,17 @@ class GeneSpace:
                 changes[name] = default
         return genome.with_genes(**changes) if changes else genome
 
+    def completed(self, genome: Genome) -> Genome:
+        """`genome` with each declared gene it lacks at its default: a genome stored before those genes were
+        added to its workload (a registered champion, a run's best) builds the engine it built then, because a
+        gene is added with the default that keeps the engine as it was. Unknown or illegal genes are left for
+        `validate` to refuse."""
+        data = genome.to_dict()
+        missing = [g for g in self.genes if not any(g.name in data[d] for d in DOMAINS)]
+        for gene in missing:
+            data[gene.domain][gene.name] = gene.default
+        return Genome.from_dict(data) if missing else genome
+
     def validate(self, genome: Genome) -> Genome:
         """The canonical form of `genome` (see `canonical`) if it is legal, else raise GenomeError saying
         what is wrong. A legal genome that is not canonical (e.g. from a journal written before its genes
