@@ -99,6 +99,25 @@ class StatePool:
 
 
 # ---------------------------------------------------------------------------------------------- the model
+def _recurrent_prefill(q, k, v, decay, beta) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KDA recurrence over one prompt from a zero state, token by token, in four ops a token: q, k, v,
+    decay [T, H, K], beta [T, H] -> o [T, H, V], the final state [H, K, V]. With S' = diag(decay_t) S, one
+    product gives S'^T k_t and S'^T q_t; r_t = v_t - S'^T k_t; S = S' + beta_t k_t r_t^T; and
+    o_t = S^T q_t = S'^T q_t + (beta_t k_t . q_t) r_t, taken for every t after the loop."""
+    T, H, K = k.shape
+    S = torch.zeros(H, K, v.shape[-1], device=k.device)
+    bk = beta[..., None] * k  # [T, H, K]
+    kq = torch.stack((k, q), 2)  # [T, H, 2, K]
+    both = torch.empty(T, H, 2, v.shape[-1], device=k.device)  # per token: S'^T k_t, S'^T q_t
+    residual = torch.empty_like(v)
+    for t in range(T):
+        S.mul_(decay[t, :, :, None])
+        torch.bmm(kq[t], S, out=both[t])
+        torch.sub(v[t], both[t, :, 0], out=residual[t])
+        S.baddbmm_(bk[t, :, :, None], residual[t, :, None])
+    return both[:, :, 1] + (bk * q).sum(-1, keepdim=True) * residual, S
+
+
 def _step_kv(S: torch.Tensor, q, k, v, decay, beta) -> torch.Tensor:
     """One delta-rule step of states S [n, H, K, V] (in place) for q, k, v, decay [n, H, K], beta [n, H];
     o [n, H, V] = q^T S."""
@@ -192,15 +211,7 @@ class KdaLayer:
             out = self.chunked(q[None], k[None], v[None], g[None], beta[None])
             o, S = out["o"][0], out["final_state"][0]
         else:
-            q, k, v = self._qkv(mixed)
-            S = torch.zeros(self.H, self.K, self.K, device=x.device)  # [H, K, V]
-            o = torch.empty(T, self.H, self.K, device=x.device)
-            decay = g.exp()
-            for t in range(T):
-                S = S * decay[t, :, :, None]
-                residual = v[t] - (k[t, :, None] @ S)[:, 0]  # [H, V]: v_t - S^T k_t
-                S = S + (beta[t, :, None] * k[t])[:, :, None] * residual[:, None]
-                o[t] = (q[t, :, None] @ S)[:, 0]
+            o, S = _recurrent_prefill(*self._qkv(mixed), g.exp(), beta)
         self.state[row] = S.mT if self.vk else S  # S [H, K, V]
         return self._out(o, gate, x.dtype)
 
