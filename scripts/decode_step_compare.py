@@ -19,19 +19,23 @@ import time
 
 import numpy as np
 import torch
+import yaml
 
-from evo.core.retiming import paired_timing
+from evo.core.retiming import MIN_PAIRS, paired_timing
 from evo.workloads import get_workload
 from evo.workloads.base import DeviceInfo
 from evo.workloads.generation import GenerationRequest
 
 
-def _values(pairs: list[str]) -> dict:
-    out = {}
-    for pair in pairs:
-        name, _, text = pair.partition("=")
-        out[name] = {"true": True, "false": False}.get(text.lower(), int(text) if text.isdigit() else text)
-    return out
+def _gene(text: str) -> tuple[str, object]:
+    """GENE=VALUE, the value read as YAML (as a config override's): true, 16, compressed."""
+    name, sep, raw = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected GENE=VALUE, e.g. mla_cache=compressed; got {text!r}")
+    try:
+        return name, yaml.safe_load(raw)
+    except yaml.YAMLError:
+        raise argparse.ArgumentTypeError(f"{text!r}: {raw!r} is not a YAML value") from None
 
 
 def _filled(workload, preset, genes: dict, rows: int, prompt: int, rng: np.random.Generator):
@@ -59,14 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--kimi-preset", default="cpu")
     p.add_argument("--llama-preset", default="cpu")
-    p.add_argument("--kimi-set", nargs="*", default=[], metavar="GENE=VALUE")
-    p.add_argument("--llama-set", nargs="*", default=[], metavar="GENE=VALUE")
+    p.add_argument("--kimi-set", nargs="*", type=_gene, default=[], metavar="GENE=VALUE")
+    p.add_argument("--llama-set", nargs="*", type=_gene, default=[], metavar="GENE=VALUE")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     rng = np.random.default_rng(args.seed)
-    engines = {"kimi_linear": (get_workload("kimi_linear"), args.kimi_preset, _values(args.kimi_set)),
-               "llama_serve": (get_workload("llama_serve"), args.llama_preset, _values(args.llama_set))}
+    engines = {"kimi_linear": (get_workload("kimi_linear"), args.kimi_preset, dict(args.kimi_set)),
+               "llama_serve": (get_workload("llama_serve"), args.llama_preset, dict(args.llama_set))}
     samples: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(args.rounds):
         filled = {name: _filled(w, w.presets()[preset], genes, args.rows, args.prompt, rng)
@@ -79,11 +83,13 @@ def main(argv: list[str] | None = None) -> int:
             rng.shuffle(order)
             for name in order:
                 samples[name].append(_timed(filled[name][0]))
+    if len(samples["kimi_linear"]) < MIN_PAIRS:
+        p.error(f"{len(samples['kimi_linear'])} paired steps; an interval needs >= {MIN_PAIRS}: raise --steps or --rounds")
     timing = paired_timing("kimi_linear", "llama_serve", samples["kimi_linear"], samples["llama_serve"], 0.02)
     for name, (w, preset, genes) in engines.items():
         spec = w.presets()[preset].model
         print(f"{name:12s} {preset:8s} median step {statistics.median(samples[name]):7.3f} ms over"
-              f" {len(samples[name])} steps of {args.rows} rows ({getattr(spec, 'parameters', lambda: 0)() / 1e6:.1f} M"
+              f" {len(samples[name])} steps of {args.rows} rows ({spec.parameters() / 1e6:.1f} M"
               f" parameters; genes {genes or 'default'})")
     print(f"kimi_linear / llama_serve decode step: {timing.ratio:.2f}x [95% {timing.low:.2f}, {timing.high:.2f}]"
           f" (issue 32's bound: 1.5x)")

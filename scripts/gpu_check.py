@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpu_engines import MODEL_BASELINES, engines, markdown_row, model, model_label, warmup  # torch: in the parts only
+from gpu_engines import engines, markdown_row, model, model_plan, warmup  # torch: in the parts only
 from gpu_preflight import ISOLATION_ITEMS, PREFLIGHT_ITEMS, preflight
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -416,10 +416,8 @@ def _fallback_model_plan(args: argparse.Namespace, first: int) -> list[dict]:
     """What the model part would have planned (it ended before writing model_plan.json, or never started):
     the reference baseline, the default genome, the other baseline, numbered from `first`."""
     preset = (DRY if args.dry_run else GPU)["model"]["preset"]
-    reference, other = MODEL_BASELINES
-    plan = [("baseline", reference), ("genome", "genome"), ("baseline", other)]
-    return [{"index": i, "engine": model_label(preset, kind, name), "source": kind}
-            for i, (kind, name) in enumerate(plan, first)]
+    return [{"index": i, "engine": label, "source": kind}
+            for i, (kind, _, label) in enumerate(model_plan(preset, None, "genome"), first)]
 
 
 # each run as `--part NAME` in a child

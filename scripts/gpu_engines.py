@@ -108,11 +108,9 @@ def model(args: argparse.Namespace) -> int:
     config, ev = _evaluator(args)
     try:
         genome = ev.workload.gene_space(ev.preset, ev.device_info()).default()
-        reference, other = MODEL_BASELINES
-        plan = [("baseline", reference, model_label(args.preset, "baseline", reference)),
-                ("genome", genome, model_label(args.preset, "genome", ev.workload.label(genome))),
-                ("baseline", other, model_label(args.preset, "baseline", other))]
-        entries = [(index, kind, item, label) for index, (kind, item, label) in enumerate(plan, args.first_index)]
+        reference = MODEL_BASELINES[0]
+        entries = [(index, kind, item, label) for index, (kind, item, label)
+                   in enumerate(model_plan(args.preset, genome, ev.workload.label(genome)), args.first_index)]
         _write_json(out / "model_plan.json", [{"index": i, "engine": label, "source": kind}
                                               for i, kind, _, label in entries])
         available = sorted(ev.workload.baselines(ev.preset))
@@ -129,12 +127,14 @@ def model(args: argparse.Namespace) -> int:
     return 0
 
 
-def model_label(preset: str, kind: str, name: str) -> str:
-    """A model row's engine: 'kimi_linear h200 baseline:hf_static', or for a genome (`name` its workload label,
-    or 'genome' where the part never ran) 'kimi_linear h200: default 1a2b3c4d (x64, ...)'."""
-    if kind == "baseline":
-        return f"kimi_linear {preset} baseline:{name}"
-    return f"kimi_linear {preset}: default {name.removeprefix('kimi_linear ')}"
+def model_plan(preset: str, genome, genome_label: str) -> list[tuple[str, object, str]]:
+    """The model part's plan [(kind, baseline name or genome, row label)]: the reference baseline, our default
+    genome (`genome_label` its workload label, or 'genome' where the part never ran), the other baseline;
+    labels as 'kimi_linear h200 baseline:hf_static', 'kimi_linear h200: default 1a2b3c4d (x64, ...)'."""
+    reference, other = MODEL_BASELINES
+    return [("baseline", reference, f"kimi_linear {preset} baseline:{reference}"),
+            ("genome", genome, f"kimi_linear {preset}: default {genome_label.removeprefix('kimi_linear ')}"),
+            ("baseline", other, f"kimi_linear {preset} baseline:{other}")]
 
 
 def _evaluator(args: argparse.Namespace):

@@ -20,9 +20,9 @@ from evo.workloads.generation import GenerationRequest
 from evo.workloads.kimi_linear import engine as kimi_engine
 from evo.workloads.kimi_linear import reference
 from evo.workloads.kimi_linear.genes import gene_space
-from evo.workloads.kimi_linear.model import DENSE, KDA, MLA, SPARSE, KimiSpec
 from evo.workloads.kimi_linear.presets import PRESETS
 from tests.generation_driver import TRACE, drive, trace_prompts
+from tests.models import KIMI_VARIANT as VARIANT  # every branch cpu_small leaves out
 
 CPU = DeviceInfo("cpu", "cpu", 1)
 PRESET = PRESETS["cpu_small"]
@@ -177,14 +177,6 @@ def test_bfloat16_presets_offer_a_bfloat16_state_and_a_float32_cache_and_run_wit
             ours = generator.model.prefill(0, tuple(prompt))[0].double().numpy()
         ref = reference.continuation_logits(preset, prompt, [0])[0]
         assert np.abs(ours - ref).max() / np.abs(ref).max() < 5e-2
-
-
-# tests/test_kimi_linear_reference.py's VARIANT, written again (importing that module imports transformers: ~7 s)
-VARIANT = KimiSpec(vocab=128, hidden=48, layer_types=(MLA, KDA, KDA, MLA), mlp_types=(SPARSE, DENSE, SPARSE, SPARSE),
-                   intermediate=96, kda_heads=3, kda_head_dim=16, conv_kernel=3, mla_heads=2, q_lora_rank=24,
-                   kv_lora_rank=12, qk_nope_dim=8, qk_rope_dim=8, v_head_dim=12, experts=8, top_k=3, expert_groups=4,
-                   topk_groups=2, shared_experts=2, moe_intermediate=16, routed_scaling=1.5, renormalize=False,
-                   rms_eps=1e-6, weight_seed=3)
 
 
 def test_the_new_layouts_serve_a_model_with_two_shared_experts_and_a_three_tap_convolution(logits_seen):

@@ -28,17 +28,11 @@ from evo.workloads.kimi_linear import model as km  # noqa: E402
 from evo.workloads.kimi_linear import reference  # noqa: E402
 from evo.workloads.kimi_linear.model import DENSE, KDA, MLA, SPARSE, KimiSpec  # noqa: E402
 from evo.workloads.kimi_linear.presets import PRESET_TABLE, PRESETS  # noqa: E402
+from tests.models import KIMI_VARIANT as VARIANT  # noqa: E402  (every branch cpu_small leaves out)
 
 torch.set_num_threads(1)
 
 SMALL = PRESETS["cpu_small"].model
-# every branch cpu_small leaves out: q low rank, 4 expert groups of which 2 kept, no renormalisation, 2 shared
-# experts, a 3-tap convolution, MLA first, a sparse first layer, another routed scale and epsilon
-VARIANT = KimiSpec(vocab=128, hidden=48, layer_types=(MLA, KDA, KDA, MLA), mlp_types=(SPARSE, DENSE, SPARSE, SPARSE),
-                   intermediate=96, kda_heads=3, kda_head_dim=16, conv_kernel=3, mla_heads=2, q_lora_rank=24,
-                   kv_lora_rank=12, qk_nope_dim=8, qk_rope_dim=8, v_head_dim=12, experts=8, top_k=3, expert_groups=4,
-                   topk_groups=2, shared_experts=2, moe_intermediate=16, routed_scaling=1.5, renormalize=False,
-                   rms_eps=1e-6, weight_seed=3)
 
 
 class _Float64Torch(types.ModuleType):

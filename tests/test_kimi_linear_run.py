@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
-import uuid
 from pathlib import Path
 
 import pytest
@@ -38,6 +36,7 @@ from evo.workloads.kimi_linear import engine as kimi_engine  # noqa: E402
 from evo.workloads.kimi_linear import model as km  # noqa: E402
 from evo.workloads.kimi_linear.presets import PRESETS  # noqa: E402
 from tests.generation_driver import drive  # noqa: E402
+from tests.models import saved_pretrained  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 W = get_workload("kimi_linear")
@@ -52,18 +51,12 @@ def checkpoint():
     world-readable: the strict sandbox runs engines as nobody with a private /tmp, and they read the folder."""
     from transformers import KimiLinearForCausalLM
 
-    folder = ROOT / "runs" / f".kimi-test-{uuid.uuid4().hex[:8]}"
-    folder.mkdir(parents=True)
     config = km.hf_config(PRESETS["cpu_small"].model)
     config._experts_implementation = "eager"  # its grouped-mm experts take no float64
     torch.manual_seed(0)
     model = KimiLinearForCausalLM(config)
-    model.save_pretrained(folder)
-    folder.chmod(0o755)
-    for path in folder.iterdir():
-        path.chmod(0o644)
-    yield folder, model.double().eval()
-    shutil.rmtree(folder, ignore_errors=True)
+    with saved_pretrained(model, "kimi-test") as folder:
+        yield folder, model.double().eval()
 
 
 def _kda_lessons(path: Path) -> Lessons:

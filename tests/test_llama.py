@@ -7,8 +7,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import shutil
-import uuid
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ import torch
 from evo.core.genome import Genome, GenomeError
 from evo.workloads import get_workload
 from evo.workloads.base import CheckCase, DeviceInfo
+from tests.models import saved_pretrained
 
 transformers = pytest.importorskip("transformers", reason="the llama tests compare against transformers (llama extra)")
 
@@ -43,19 +42,13 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 def checkpoint():
     """A tiny random LlamaForCausalLM saved with save_pretrained, outside /tmp and world-readable: the
     strict sandbox runs engines as nobody with a private /tmp, and they read the folder themselves."""
-    folder = ROOT / "runs" / f".llama-test-{uuid.uuid4().hex[:8]}"
-    folder.mkdir(parents=True)
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=72, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
                                       rms_norm_eps=1e-6)
     model = transformers.LlamaForCausalLM(config)
-    model.save_pretrained(folder)
-    folder.chmod(0o755)
-    for path in folder.iterdir():
-        path.chmod(0o644)
-    yield folder, model.double().eval()
-    shutil.rmtree(folder, ignore_errors=True)
+    with saved_pretrained(model, "llama-test") as folder:
+        yield folder, model.double().eval()
 
 
 def _hf_logits(model, prompt: torch.Tensor, continuation: torch.Tensor) -> torch.Tensor:

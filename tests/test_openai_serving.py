@@ -29,7 +29,7 @@ from evo.serving.generation import snippet
 from evo.serving.source import resolve
 from evo.serving.text import TextCodec
 from evo.workloads import get_workload
-from evo.workloads.llama_serve.checkpoint import write_checkpoint
+from evo.workloads.llama_serve.checkpoint import world_readable, write_checkpoint
 from evo.workloads.llama_serve.presets import PRESETS
 from evo.driver.local_ray import is_loopback
 from tests.listeners import exposed, listening, process_tree
@@ -310,8 +310,7 @@ def test_a_kimi_linear_checkpoint_is_served_by_the_same_routes(server, client, c
     hf_model(KIMI_PRESETS["cpu_small"], _cpu()).save_pretrained(folder)  # the same vocabulary (256) as the tokenizer
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(checkpoint / name, folder / name)
-    for path in [folder, *folder.iterdir()]:
-        path.chmod(0o755 if path.is_dir() else 0o644)
+    world_readable(folder)
     kimi = get_workload("kimi_linear")
     preset = kimi.presets()[f"hf:{folder},R={R},P={P},N={N}"]
     server.deploy(f"default:kimi_linear/{preset.name}", "kimi", max_waiting_requests=24)

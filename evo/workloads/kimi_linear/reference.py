@@ -25,6 +25,7 @@ by their sum + 1e-20 when renormalised) times routed_scaling_factor.
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -157,11 +158,16 @@ def logits(spec: KimiSpec, weights: dict[str, torch.Tensor], tokens: torch.Tenso
 
 def continuation_logits(preset: KimiPreset, prompt: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
     """Float64 logits [len(tokens), V]: row i predicts tokens[i] from the prompt and tokens[:i]."""
-    spec = preset.model
     if not len(tokens):
-        return np.zeros((0, spec.vocab))
+        return np.zeros((0, preset.model.vocab))
+    return _continuation(preset.model, prompt, tokens)
+
+
+def _continuation(spec: KimiSpec, prompt: Sequence[int], tokens: Sequence[int],
+                  routing: dict[int, _Routing] | None = None) -> np.ndarray:
+    """`logits` teacher-forced over the prompt and tokens[:-1], the rows that predict `tokens` (non-empty)."""
     ids = torch.tensor([*prompt, *tokens[:-1]], dtype=torch.long)
-    return logits(spec, float64_weights(spec), ids)[len(prompt) - 1:].numpy()
+    return logits(spec, float64_weights(spec), ids, routing)[len(prompt) - 1:].numpy()
 
 
 # The gap between the last chosen expert's choice score and the first left out's under which an engine's rounding
@@ -177,13 +183,12 @@ def continuation_alternatives(preset: KimiPreset, prompt: Sequence[int], tokens:
     spec = preset.model
     if not len(tokens):
         return
-    ids = torch.tensor([*prompt, *tokens[:-1]], dtype=torch.long)
-    w, tie = float64_weights(spec), ROUTING_TIE.get(preset.dtype, ROUTING_TIE["bfloat16"])
+    tie = ROUTING_TIE.get(preset.dtype, ROUTING_TIE["bfloat16"])
     noted = {i: _Routing(tie=tie) for i, ffn in enumerate(spec.mlp_types) if ffn != DENSE}
-    logits(spec, w, ids, noted)
-    ties = sorted((gap, layer, t) for layer, route in noted.items() for gap, t in route.ties)
-    singles = [((layer, t),) for _, layer, t in ties]
-    pairs = [(a, b) for i, (a,) in enumerate(singles) for (b,) in singles[i + 1:]]
-    for flips in (singles + pairs)[:MAX_READINGS]:
+    _continuation(spec, prompt, tokens, noted)
+    nearest = [(layer, t) for _, layer, t in sorted((gap, layer, t) for layer, route in noted.items()
+                                                     for gap, t in route.ties)]
+    readings = itertools.chain(((choice,) for choice in nearest), itertools.combinations(nearest, 2))
+    for flips in itertools.islice(readings, MAX_READINGS):  # pairs drawn only as far as they are read
         routing = {layer: _Routing(frozenset(t for l, t in flips if l == layer)) for layer in noted}
-        yield logits(spec, w, ids, routing)[len(prompt) - 1:].numpy()
+        yield _continuation(spec, prompt, tokens, routing)

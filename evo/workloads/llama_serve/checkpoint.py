@@ -67,7 +67,7 @@ def write_checkpoint(preset: ServePreset, folder: Path, tokenizer: bool = True) 
     if "original_max_position_embeddings" in rope:  # a count: transformers and llama.cpp want an integer
         rope["original_max_position_embeddings"] = int(rope["original_max_position_embeddings"])
     model.save_pretrained(folder)
-    _world_readable(folder)
+    world_readable(folder)
     _check_round_trip(preset, folder)
     return folder
 
@@ -152,7 +152,8 @@ def _save_tokenizer(tok, folder: Path) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def _world_readable(folder: Path) -> None:
+def world_readable(folder: Path) -> None:
+    """The folder and its files readable by everyone (the strict sandbox runs engines as nobody; they read it)."""
     folder.chmod(0o755)
     for path in folder.iterdir():
         path.chmod(0o644)
