@@ -2,39 +2,56 @@
 requests and returns tokens, judged as a client sees it.
 
 One evaluation (the engine built in its own sandboxed process, as for a call engine):
-1. a **check replay**: every edge of the verified domain in one burst, more requests than may be in
-   flight (R + 2, so the engine queues): prompts of one token and of the longest length P, outputs of
-   one token and of the most N, token ids 0 and V-1 and a repeated token; fresh ids every evaluation;
-2. `replays` **timed replays** of the run's trace (its shape fixed by the trace's seed, its prompts
-   fresh each time), each stamped on the judge's clock (`evaluators.replay`);
+1. a **check replay** that exercises the whole contract (`evaluators.judge_traffic.check_sends`): a burst of
+   at least 2R + 2 requests with no cap, so the engine queues; the domain's edges; stop ids the reference
+   hits and ids it need not; seeded sampled requests; 2R + 1 aborts mid-decode, each followed by a request
+   that may take the freed row; requests arriving while others decode;
+2. `replays` **timed replays** of the run's trace, drawn afresh for this evaluation (its lengths and arrival
+   times; prompts fresh for each replay), a stop-id request, a sampled one and an aborted one mixed in at
+   random places, each stamped on the judge's clock (`evaluators.replay`);
 3. every request of every replay scored against the float64 reference on its own tokens (on the CPU
    after the last timed replay, so the reference never evicts the engine's caches between them).
+Everything the judge sends is drawn from the OS's randomness, and the engine sees request ids from its own
+`evaluators.request_ids.RequestIds` sequence: nothing marks the judge's traffic. A request the engine holds
+that gets no token in (requests held when it was sent + 1) x (P + N) steps is a violation (the stall rule).
 The result's latency is the run's objective (by default milliseconds per output token: the inverse
 of output tokens/s) as the median over the timed replays; `serving` keeps the median replay's
-metrics under `vllm bench serve`'s names. A median below the roofline floor is re-timed and, still
-below, `suspect`.
+metrics under `vllm bench serve`'s names. A TPOT objective is scored under the config's TTFT bound and
+TTFT's under its TPOT bound (`evaluators.settings.OBJECTIVE_BOUNDS`): a timed replay past it is not
+ranked. A median below the roofline floor is re-timed and, still below, `suspect`.
 
 Paired re-timing (`evaluators.paired`) uses the same pieces through `hold`, `timed_call` and `verify`:
-one "call" is one whole replay of the trace.
+one "call" is one whole replay; the k-th call of every held engine replays the k-th shape drawn since the
+last `hold` (A and B of one round see the same trace and the same stop-id request, drawn with the reference
+before the round's first call, which balanced orders give A and B alike; their other prompts and their ids
+are their own).
 """
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
+
 import numpy as np
 
-from evaluators.replay import ConfinedGenerator, ForbiddenCallError, GenerationError, Replay, replay, score
+from evaluators.judge_traffic import TimedShape, check_sends, draw_timed, stop_case, timed_sends
+from evaluators.replay import (ConfinedGenerator, ForbiddenCallError, GenerationError, Replay, Send, replay,
+                               score)
+from evaluators.request_ids import RequestIds
 from evaluators.sandbox import EngineProcess, EngineProcessError
+from evaluators.settings import OBJECTIVE_BOUNDS
 from evo.core.records import INCORRECT, OK, RUNTIME_ERROR, SUSPECT, TIMEOUT, EvalResult
 from evo.core.stream_metrics import ServingMetrics, Slo, serving_metrics
-from evo.core.trace import TraceRequest, TraceSpec, draw
+from evo.core.trace import TraceSpec
+from evo.workloads import sampling
+from evo.workloads.generation import GenerationRequest
 
 OBJECTIVES = {
     "ms_per_output_token": "replay duration / output tokens, ms (1000 / output tokens/s)",
-    "tpot_p99_ms": "p99 time per output token, ms",
-    "tpot_median_ms": "median time per output token, ms",
-    "ttft_p99_ms": "p99 time to first token, ms",
+    "tpot_p99_ms": "p99 time per output token, ms (scored under slo.ttft_ms)",
+    "tpot_median_ms": "median time per output token, ms (scored under slo.ttft_ms)",
+    "ttft_p99_ms": "p99 time to first token, ms (scored under slo.tpot_ms)",
     "e2el_median_ms": "median end-to-end latency of a request, ms",
 }
 
@@ -64,10 +81,20 @@ def _first(what: str, problems) -> str:
 
 @dataclass(frozen=True)
 class _Timed:
-    """One timed replay awaiting its score: what the judge saw and the metrics it gives."""
+    """One replay awaiting its score: what the judge saw and the metrics it gives (its requests not aborted)."""
 
     result: Replay
     metrics: ServingMetrics
+
+
+@dataclass
+class _Held:
+    """What the judge keeps per engine process: its request ids, whether it decodes greedily only (a baseline
+    declared so), and how many timed calls it has had since its `hold`."""
+
+    ids: RequestIds = field(default_factory=RequestIds)
+    greedy_only: bool = False
+    calls: int = 0
 
 
 class GenerationJudge:
@@ -78,7 +105,6 @@ class GenerationJudge:
         self.ev = evaluator
         self.workload, self.preset, settings = evaluator.workload, evaluator.preset, evaluator.settings
         self.trace: TraceSpec = self.workload.trace(self.preset)
-        self.requests: tuple[TraceRequest, ...] = draw(self.trace, np.random.default_rng(self.trace.seed))
         self.objective = settings.objective
         if self.objective.startswith("tpot") and self.trace.output_len[1] < 2:
             raise ValueError(f"evaluator.objective {self.objective!r} needs requests of 2 or more tokens (a TPOT); the "
@@ -87,6 +113,13 @@ class GenerationJudge:
         self.vocab = int(self.preset.shape["V"])
         self.tolerance = self.workload.tie_tolerance(self.preset)
         self.slo = Slo(**settings.slo) if settings.slo else None  # goodput's bounds, if the config sets any
+        self.stall_steps = int(self.preset.shape["P"]) + int(self.preset.shape["N"])  # the stall rule's unit
+        self.held_metrics: ServingMetrics | None = None  # the check replay of the engine `hold` passed last
+        self.checked_requests = 0  # requests of the last check replay
+        self._checked_metrics: ServingMetrics | None = None
+        self._held: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # EngineProcess -> _Held
+        # paired re-timing: each round's shape and stop-id request, since the last hold
+        self._rounds: list[tuple[TimedShape, GenerationRequest | None]] = []
 
     # ----------------------------------------------------------------- one evaluation
     def judge(self, process: EngineProcess, genome_hash: str, start: float, engine: dict) -> EvalResult:
@@ -96,18 +129,20 @@ class GenerationJudge:
             return failed
         stamp, deadline = built.stamp, built.deadline
         generator = ConfinedGenerator(process)  # each replay bounds it by the evaluation's deadline
-        problem = self.check(generator, deadline)
+        held = _Held(greedy_only=self._greedy_only(engine))
+        problem = self.check(generator, deadline, held.greedy_only, held.ids)
         if problem:
             return ev.result(genome_hash, problem[0], start, message=problem[1], **stamp)
-        timed, problem = self._timed(generator, deadline, self.replays)
+        shape = draw_timed(self.trace, self._rng())  # this evaluation's trace
+        timed, problem = self._timed(generator, deadline, self.replays, shape, held)
         if problem:
             return ev.result(genome_hash, problem[0], start, message=problem[1], **stamp)
         median = self._median(timed)
         note = (f"{sum(len(t.result.requests) for t in timed)} requests of {len(timed)} timed replays and "
-                f"{self.ev.preset.shape['R'] + 2} of a check replay, each scored on its own tokens")
+                f"{self.checked_requests} of a check replay, each scored on its own tokens")
         if ev.below_floor(median):
             first = median
-            again, problem = self._timed(generator, deadline, self.replays)
+            again, problem = self._timed(generator, deadline, self.replays, shape, held)
             if problem:
                 return ev.result(genome_hash, problem[0], start, message=f"re-verification: {problem[1]}", **stamp)
             timed, median = again, self._median(again)
@@ -121,54 +156,58 @@ class GenerationJudge:
         return ev.result(genome_hash, OK, start, latency_ms=median, latency_spread_ms=values[-1] - values[0],
                          serving=self._serving(timed), message=note, **stamp)
 
-    def check(self, generator: ConfinedGenerator, deadline: float) -> tuple[str, str] | None:
-        """The check replay (see the module): (status, message) of its first problem, or None."""
-        rng = np.random.default_rng(self.ev.next_seed())
-        trace, prompts = self._edges(rng)
-        timed, problem = self._replay(generator, trace, prompts, deadline, "the check replay",
-                                      concurrency=int(self.preset.shape["R"]))
-        return problem or self._score([timed], "the check replay")
+    def check(self, generator: ConfinedGenerator, deadline: float, greedy_only: bool = False,
+              ids: RequestIds | None = None) -> tuple[str, str] | None:
+        """The check replay (see the module): (status, message) of its first problem, or None. `greedy_only`: a
+        baseline that decodes greedily only, sent greedy requests in place of sampled ones; `ids`: the engine's
+        request ids (a fresh sequence if not given)."""
+        sends = check_sends(self.preset.shape, self._rng(), self.continuation, greedy_only)
+        self.checked_requests, self._checked_metrics = len(sends), None
+        timed, problem = self._replay(generator, sends, deadline, "the check replay", 0, ids or RequestIds())
+        problem = problem or self._score([timed], "the check replay")
+        if problem is None:
+            self._checked_metrics = timed.metrics
+        return problem
 
-    def _edges(self, rng: np.random.Generator) -> tuple[list[TraceRequest], list[list[int]]]:
-        """R + 2 requests at once: every prompt band and output band of the domain, both vocabulary edges."""
-        shape = self.preset.shape
-        R, P, N, V = int(shape["R"]), int(shape["P"]), int(shape["N"]), self.vocab
-        count = R + 2
-        # one token and the longest prompt, one and the most new tokens, and both longest: every position held
-        prompt_lens = [1, P, P, *rng.integers(1, P + 1, max(0, count - 3))][:count]
-        output_lens = [N, 1, N, *rng.integers(1, N + 1, max(0, count - 3))][:count]
-        prompts = [rng.integers(0, V, n).tolist() for n in prompt_lens]
-        prompts[0][-1:] = [V - 1]  # both ends of the vocabulary, whatever P is
-        prompts[1][:1] = [0]
-        if count > 3:
-            prompts[3] = [int(rng.integers(0, V))] * len(prompts[3])  # one token repeated
-        trace = [TraceRequest(i, 0.0, len(p), int(n)) for i, (p, n) in enumerate(zip(prompts, output_lens))]
-        return trace, prompts
+    def continuation(self, request: GenerationRequest, k: int) -> list[int]:
+        """The reference's first `k` tokens for `request` by its rule (greedy, or its seeded draw): where the
+        check replay's stop ids come from."""
+        made: list[int] = []
+        for index in range(k):
+            row = self.reference(request.prompt, [*made, 0])[-1]  # the last row predicts the next token
+            made.append(sampling.choose(row, request.temperature, request.top_p, request.seed, index))
+        return made
 
-    def _prompts(self, rng: np.random.Generator) -> list[list[int]]:
-        return [rng.integers(0, self.vocab, t.prompt_len).tolist() for t in self.requests]
-
-    def _timed(self, generator: ConfinedGenerator, deadline: float, replays: int
+    def _timed(self, generator: ConfinedGenerator, deadline: float, replays: int, shape: TimedShape, held: _Held
                ) -> tuple[list[_Timed], tuple[str, str] | None]:
-        """`replays` replays of the run's trace on fresh prompts, then every request scored."""
+        """`replays` replays of `shape` on fresh prompts, then every request scored. Their stop-id requests are
+        drawn first: the reference never runs between timed replays."""
+        stops = [stop_case(shape, self._rng(), self.vocab, self.continuation) for _ in range(replays)]
         timed = []
-        for i in range(replays):
-            prompts = self._prompts(np.random.default_rng(self.ev.next_seed()))
-            one, problem = self._replay(generator, self.requests, prompts, deadline, f"timed replay {i + 1}")
+        for i, stop in enumerate(stops):
+            one, problem = self._timed_replay(generator, shape, stop, held, deadline, f"timed replay {i + 1}")
             if problem:
                 return timed, problem
             timed.append(one)
         return timed, self._score(timed, "a timed replay")
 
-    def _replay(self, generator: ConfinedGenerator, trace, prompts, deadline: float, what: str,
-                concurrency: int | None = None) -> tuple[_Timed | None, tuple[str, str] | None]:
+    def _timed_replay(self, generator: ConfinedGenerator, shape: TimedShape, stop: GenerationRequest | None,
+                      held: _Held, deadline: float, what: str) -> tuple[_Timed | None, tuple[str, str] | None]:
+        """One replay of `shape` on fresh prompts (`stop` in its place); a failure seen without the reference (a
+        breach, a stall, a timeout, the objective's bound broken)."""
+        sends = timed_sends(shape, self._rng(), self.vocab, stop, held.greedy_only)
+        one, problem = self._replay(generator, sends, deadline, what, self.trace.concurrency, held.ids)
+        return one, problem or self._bound(one.metrics, what)  # one is None only with a problem
+
+    def _replay(self, generator: ConfinedGenerator, sends: list[Send], deadline: float, what: str, concurrency: int,
+                ids: RequestIds) -> tuple[_Timed | None, tuple[str, str] | None]:
         remaining = deadline - time.perf_counter()
         if remaining <= 0:
             return None, (TIMEOUT, f"the evaluation ran out of time before {what}")
         generator.deadline = deadline
         try:
-            result = replay(generator, trace, prompts, deadline_s=remaining,
-                            concurrency=self.trace.concurrency if concurrency is None else concurrency)
+            result = replay(generator, sends, deadline_s=remaining, concurrency=concurrency,
+                            stall_steps=self.stall_steps, ids=ids)
         except ForbiddenCallError as exc:
             return None, (INCORRECT, f"{what}: {exc}"[:500])
         except GenerationError as exc:
@@ -176,11 +215,24 @@ class GenerationJudge:
         except EngineProcessError as exc:
             kind = {"timeout": TIMEOUT, "protocol": INCORRECT}.get(exc.kind, RUNTIME_ERROR)
             return None, (kind, f"{what}: {exc}"[:500])
+        if result.violations:  # a breach or a stall stops the replay: it outranks lateness
+            return None, (INCORRECT, _first(what, result.violations))
         if result.late:
             return None, (TIMEOUT, _first(what, result.late))
-        if result.violations:
-            return None, (INCORRECT, _first(what, result.violations))
-        return _Timed(result, serving_metrics(result.timelines, result.duration_s, self.slo)), None
+        return _Timed(result, serving_metrics(result.served(), result.duration_s, self.slo)), None
+
+    def _bound(self, metrics: ServingMetrics, what: str) -> tuple[str, str] | None:
+        """A TPOT objective is scored under the TTFT bound (an engine that held its first token until its last
+        would have no TPOT) and TTFT under the TPOT bound: a replay past it is not ranked (see the module)."""
+        bound = OBJECTIVE_BOUNDS.get(self.objective)
+        if bound is None:
+            return None
+        figure = "ttft_ms" if bound == "ttft_ms" else "tpot_ms"
+        seen, limit = getattr(metrics, figure)["p99"], float(getattr(self.slo, bound))
+        if seen > limit:  # a TPOT of nan (only one-token requests) holds nothing back
+            return INCORRECT, (f"{what}: objective {self.objective} is scored under slo.{bound}: {figure[:4].upper()} "
+                               f"p99 {seen:.4g} ms over {limit:g}: not ranked")
+        return None
 
     def _score(self, timed: list[_Timed], what: str) -> tuple[str, str] | None:
         for one in timed:
@@ -196,6 +248,15 @@ class GenerationJudge:
         """The reference's other readings of the same tokens (near-tied routings), asked when the first fails."""
         return self.workload.reference_alternatives(self.preset, prompt, tokens)
 
+    def _rng(self) -> np.random.Generator:
+        """A generator seeded from the OS's randomness (never the run's seed nor the trace's)."""
+        return np.random.default_rng(self.ev.next_seed())
+
+    def _greedy_only(self, engine: dict) -> bool:
+        """Whether `engine` is a baseline its workload declares greedy-only (candidates never are)."""
+        name = engine.get("baseline")
+        return name is not None and name in self.workload.greedy_baselines(self.preset)
+
     def _median(self, timed: list[_Timed]) -> float:
         return float(np.median([objective_of(t.metrics, self.objective) for t in timed]))
 
@@ -205,11 +266,12 @@ class GenerationJudge:
         ordered = sorted(timed, key=lambda t: objective_of(t.metrics, self.objective))
         middle = ordered[len(ordered) // 2]
         return {"objective": self.objective, "concurrency": self.trace.concurrency, "arrival": self.trace.arrival,
-                "requests": len(self.requests), **middle.metrics.to_dict()}
+                "requests": len(middle.result.served()), **middle.metrics.to_dict()}
 
     # ----------------------------------------------------------------- held engines (paired re-timing)
     def hold(self, process: EngineProcess, engine: dict, deadline: float) -> tuple[str | None, float]:
-        """Launch, build and pass the check replay: (why it failed, or None; 0.0 — nothing to subtract)."""
+        """Launch, build and pass the check replay: (why it failed, or None; 0.0 — nothing to subtract). After a
+        pass, `held_metrics` are the check replay's figures. A hold starts a new set of paired rounds."""
         try:
             process.launch(preload=self.ev.preload)
         except EngineProcessError as exc:
@@ -217,15 +279,28 @@ class GenerationJudge:
         built, failed = self.ev.built(process, "held", time.perf_counter(), engine, contract="generation")
         if failed is not None:
             return f"{failed.status}: {failed.message}", 0.0
-        problem = self.check(ConfinedGenerator(process), deadline)
-        return (None if problem is None else f"{problem[0]}: {problem[1]}"), 0.0
+        held = self._held[process] = _Held(greedy_only=self._greedy_only(engine))
+        self._rounds = []
+        problem = self.check(ConfinedGenerator(process), deadline, held.greedy_only, held.ids)
+        if problem is not None:
+            return f"{problem[0]}: {problem[1]}", 0.0
+        self.held_metrics = self._checked_metrics
+        return None, 0.0
+
+    def request_ids(self, process: EngineProcess) -> RequestIds:
+        """The request ids of a held engine's process: whoever sends it requests next continues its sequence."""
+        return self._held.setdefault(process, _Held()).ids
 
     def timed_call(self, process: EngineProcess, where: str, deadline: float, null_ms: float = 0.0
                    ) -> tuple[float, str | None, tuple]:
-        """One replay of the run's trace on fresh prompts: (the objective, a failure seen without the
-        reference or None, what `verify` scores)."""
-        prompts = self._prompts(np.random.default_rng(self.ev.next_seed()))
-        one, problem = self._replay(ConfinedGenerator(process), self.requests, prompts, deadline, where)
+        """One replay on fresh prompts: (the objective, a failure seen without the reference or None, what
+        `verify` scores). The k-th call of each held engine replays the k-th shape since the last `hold`."""
+        held = self._held.setdefault(process, _Held())
+        while len(self._rounds) <= held.calls:  # a round's first call draws it (its stop-id request too)
+            shape = draw_timed(self.trace, self._rng())
+            self._rounds.append((shape, stop_case(shape, self._rng(), self.vocab, self.continuation)))
+        (shape, stop), held.calls = self._rounds[held.calls], held.calls + 1
+        one, problem = self._timed_replay(ConfinedGenerator(process), shape, stop, held, deadline, where)
         if problem:
             return math.nan, f"{problem[0]}: {problem[1]}", ()
         return objective_of(one.metrics, self.objective), None, (one, where)

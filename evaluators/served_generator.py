@@ -1,43 +1,61 @@
 """A generation engine kept open for Serve, in the confined process the judge evaluates engines in, with
-one engine loop that serves every caller (continuous batching across requests).
+one engine loop that serves every caller (continuous batching across requests), and every token it hands
+out accounted for.
 
 Like `evaluators.served.ServedEngine` for call engines, the replica is a client of its engine: an
 `Evaluator` launches the engine's process (jail, seccomp, cgroups, the allow-list view), builds the
-engine there and passes it through the judge's check replay (`GenerationJudge.hold`). Then one thread,
-the loop, owns the engine's channel: it hands the engine every request submitted since its last step,
-steps while anything is in flight, and routes each token to its request's `Stream` as it arrives. A
-request's bounds are the verified domain's (prompt length, new tokens, vocabulary), checked before it
-reaches the engine; a full queue refuses a request at once (`Overloaded`) rather than holding it in
-memory. A cancelled request (its client went away) is aborted in the engine before its next step: it gets
-no more tokens and its slot frees for the next request. A finished request can be re-scored against the
-float64 reference later (`rescore`), off the request path.
+engine there and passes it through the judge's check replay (`GenerationJudge.hold`: the whole contract,
+seeded sampling and aborts included), whose figures (`held_metrics`: its E2E p99 and ITL median) scale the
+guards below. Then one thread, the loop, owns the engine's channel: it hands the engine every request
+submitted since its last step, steps while anything is in flight, and routes each token to its request's
+`Stream`. A request's bounds are the verified domain's,
+checked before it reaches the engine; a full queue refuses a request at once (`Overloaded`). A cancelled
+request (its client went away) is aborted in the engine before its next step. Every id, a user's or the
+replica's own, continues the sequence the judge's check drew from (`evaluators.request_ids`).
+
+What the replica holds the engine to while it serves (`evaluators.served_guards.ServePolicy`, docs/serving.md):
+- **guards**, on every token before it is released: it belongs to a request the engine holds, lies in the
+  vocabulary, ends its request exactly at max_tokens or a stop id and is marked finished then; and every
+  held request progresses within the stall bound (the watch thread, which also catches a loop blocked in a
+  step or an engine that answers empty steps forever). A breach fails the engine at once: every waiting
+  caller gets `ServedGeneratorError`, and `on_failure` tells the replica (which takes it out of service);
+- **speed**: served token gaps against the judged ITL (reported, or with `slow_action: remove` a failure);
+- **canaries**: requests of the replica's own, drawn like users' (`evaluators.canaries`), verified whole;
+- **`verify: all`**: each request's tokens released only in chunks the verifier (`evaluators.served_verifier`)
+  has checked against the float64 reference; under `sampled`, the replica re-scores a sample after the answer.
 """
 from __future__ import annotations
 
-import itertools
+import logging
+import os
 import queue
 import secrets
+import signal
 import threading
 import time
-from dataclasses import dataclass, replace
-from typing import Callable, Mapping, Sequence
+from dataclasses import asdict
+from typing import Any, Callable, Mapping, Sequence
 
-import numpy as np
-
+from evaluators.canaries import Canaries
 from evaluators.evaluator import Evaluator
-from evaluators.replay import ConfinedGenerator, GenerationError, request_problems
+from evaluators.replay import ConfinedGenerator, GenerationError, prefix_problem, request_problems
 from evaluators.sandbox import EngineProcess, EngineProcessError
+from evaluators.served_guards import Judged, ServePolicy, SpeedWatch, breach, stall_deadline
+from evaluators.served_stream import DONE, Stream, Token
+from evaluators.served_verifier import Verifier
 from evaluators.settings import EvaluatorSettings
 from evo.workloads.generation import GenerationRequest
 
+__all__ = ["DONE", "Overloaded", "RequestError", "ServedGenerator", "ServedGeneratorError", "Stream", "Token"]
+
+logger = logging.getLogger("ray.serve")
+
 STEP_TIMEOUT_S = 120.0  # one step of the engine; past it the engine process is killed
-# the sampling check's requests: (temperature, top_p) each, seeded afresh; an engine that passes serves them
-SAMPLING_CHECK = ((1.0, 1.0), (0.7, 0.9), (1.5, 0.5), (0.3, 0.95))
-DONE = None  # what a stream yields after its last token
+WATCH_TICK_S = 0.1  # how often the watch thread looks for stalls and slowness
 
 
 class ServedGeneratorError(RuntimeError):
-    """The engine failed its check, a step, or died: it serves nothing more."""
+    """The engine failed its check, a guard, a verification, a step, or died: it serves nothing more."""
 
 
 class Overloaded(RuntimeError):
@@ -48,45 +66,20 @@ class RequestError(ValueError):
     """A request outside the verified domain; the message names the field and what is allowed."""
 
 
-@dataclass(frozen=True)
-class Token:
-    """One token of a stream, with the time the replica received it (seconds, perf_counter)."""
-
-    token: int
-    at_s: float
-    finished: bool
+class GuardBreach(GenerationError):
+    """A token or a request's progress broke the serving contract (`evaluators.served_guards`)."""
 
 
-class Stream:
-    """One request's tokens as the loop receives them: iterate (blocking) until the last, or have each item
-    handed to `sink` (a Token, an Exception, then DONE) from the loop's thread; `cancel` when the client goes away."""
-
-    def __init__(self, request: GenerationRequest, sink: Callable[[object], None] | None = None) -> None:
-        self.request = request
-        self.tokens: queue.Queue[Token | Exception | None] = queue.Queue()
-        if sink is not None:
-            self.tokens.put = sink  # type: ignore[method-assign] - the loop only ever puts
-        self.cancelled = threading.Event()
-        self.made = 0  # tokens the loop received for it
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-    def __iter__(self):
-        while True:
-            item = self.tokens.get()
-            if item is DONE:
-                return
-            if isinstance(item, Exception):
-                raise item
-            yield item
+def _nowhere(item: object) -> None:
+    """A canary's client: nobody."""
 
 
 class ServedGenerator:
     """One checked generation engine in its own confined process and the loop that serves it."""
 
     def __init__(self, workload: str, preset: str, genome_json: str, sources: Mapping[str, str] | None = None,
-                 settings: EvaluatorSettings | None = None, max_waiting: int = 256) -> None:
+                 settings: EvaluatorSettings | None = None, max_waiting: int = 256,
+                 policy: ServePolicy | None = None) -> None:
         self.judge = Evaluator(workload, preset, settings or EvaluatorSettings(), seed=secrets.randbits(31),
                                name="serve")
         if self.judge.generation is None:
@@ -96,24 +89,33 @@ class ServedGenerator:
         self.max_prompt, self.max_tokens, self.vocab = int(shape["P"]), int(shape["N"]), int(shape["V"])
         self.max_waiting = max_waiting
         self.label, spec = self.judge.resolve(genome_json, sources)
+        self.on_failure: Callable[[str], None] | None = None  # the replica, told once when the engine fails
+        self.canaries = Canaries(self.vocab, self.max_prompt, self.max_tokens)
+        self.speed = SpeedWatch()
+        self.stats = {"requests": 0, "tokens": 0, "aborted": 0, "refused_busy": 0, "canaries": 0}
+        self._policy = policy or ServePolicy()
         self._inbox: queue.Queue[Stream] = queue.Queue()
-        self._ids = itertools.count()
-        self._open: dict[int, Stream] = {}
-        self._unfinished: list[int] = []  # ended here, not marked finished by the engine: to abort there
-        self.stats = {"requests": 0, "tokens": 0, "aborted": 0, "refused_busy": 0}
-        self.ignored = 0  # tokens the engine sent for no open request (the judge's replays count them as breaches)
+        self._open: dict[int, Stream] = {}  # requests the engine holds
+        self._verifying: dict[int, Stream] = {}  # `verify: all` requests the engine ended, not all released yet
+        self._held_users = 0  # user requests queued here or held by the engine: what max_waiting bounds
         self._stop = threading.Event()
         self._draining = False
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._failure: Exception | None = None
+        self._verifier: Verifier | None = None
         self._process: EngineProcess | None = self.judge.engine_process(guarded=bool(spec.get("guarded")))
         try:
             self._check(spec)
         except BaseException:
             self.close()
             raise
+        self._verifier = Verifier(self._prefix_problem, lambda r, t: self.rescore(r, t)[0], self._verify_failed,
+                                  self._retire, name=f"verifier {self.label[:8]}")
+        self._verifier.chunk = self._policy.verify_chunk
         self._loop = threading.Thread(target=self._serve, name=f"engine-loop {self.label[:8]}", daemon=True)
+        self._watch = threading.Thread(target=self._watching, name=f"engine-watch {self.label[:8]}", daemon=True)
         self._loop.start()
+        self._watch.start()
 
     def _check(self, spec: dict) -> None:
         settings = self.judge.settings
@@ -121,53 +123,27 @@ class ServedGenerator:
         problem, _ = self.judge.hold(self._process, spec, deadline)
         if problem is not None:
             raise ServedGeneratorError(f"engine {self.label} failed its check replay in the sandbox: {problem}")
-        try:
-            self.sampling_check = self._check_sampling(time.perf_counter() + settings.eval_timeout_s)
-        except (GenerationError, EngineProcessError) as exc:  # incl. a forbidden call: the engine serves nothing
-            raise ServedGeneratorError(f"engine {self.label} failed its serving check in the sandbox: {exc}") from exc
-        self.sampling = self.sampling_check == ""
+        judge = self.judge.generation
+        if judge.held_metrics is None:
+            raise ServedGeneratorError(f"engine {self.label}: the judge's check replay handed back no figures to "
+                                       f"scale the serving guards by")
+        self.judged = Judged.of(judge.held_metrics, int(self.judge.preset.shape["R"]), "the judge's check replay")
+        self.ids = judge.request_ids(self._process)  # users' and canaries' ids continue the check's sequence
+        # the check replay covers seeded sampling, except for a baseline its workload declares greedy-only
+        greedy = spec.get("baseline") in self.judge.workload.greedy_baselines(self.judge.preset)
+        self.sampling_check = "a baseline that decodes greedily only (checked on greedy requests)" if greedy else ""
+        self.sampling = not greedy
 
-    def _check_sampling(self, deadline: float) -> str:
-        """Sampled requests (SAMPLING_CHECK) through the engine, scored by the judge's seeded rule, beside a greedy
-        one aborted after its first token (every disconnect is an abort): "" when every sampled token is the draw,
-        else why (the engine then serves greedy requests only). An abort that fails, a token after the abort or
-        a wrong greedy token raise GenerationError: such an engine serves nothing."""
-        rng = np.random.default_rng()
+    # ------------------------------------------------------------------ the policy (live: a reconfigure sets it)
+    @property
+    def policy(self) -> ServePolicy:
+        return self._policy
 
-        def prompt() -> tuple[int, ...]:
-            return tuple(rng.integers(0, self.vocab, int(rng.integers(1, self.max_prompt + 1))).tolist())
-
-        n = min(self.max_tokens, 8)
-        requests = [GenerationRequest(-1 - i, prompt(), n, (), t, p, int(rng.integers(0, 2 ** 62)))
-                    for i, (t, p) in enumerate(SAMPLING_CHECK)]
-        aborted = GenerationRequest(-1 - len(requests), prompt(), self.max_tokens)
-        generator = ConfinedGenerator(self._process)
-        generator.deadline = deadline
-        made: dict[int, list[int]] = {r.id: [] for r in (*requests, aborted)}
-        ended: set[int] = set()
-        for request in (*requests, aborted):
-            generator.add(request)
-        while len(ended) < len(made):
-            if time.perf_counter() > deadline:
-                raise GenerationError("the serving check ran out of time")
-            for event in generator.step():
-                if event.request_id not in made or event.request_id in ended:
-                    raise GenerationError(f"request {event.request_id}: a token it was not owed in the serving check"
-                                          f"{' (after its abort)' if event.request_id == aborted.id else ''}")
-                made[event.request_id].append(event.token)
-                if event.finished:
-                    ended.add(event.request_id)
-                elif event.request_id == aborted.id:
-                    generator.abort(aborted.id)
-                    ended.add(aborted.id)
-        problem, _ = self.rescore(replace(aborted, max_tokens=len(made[aborted.id])), made[aborted.id])
-        if problem:
-            raise GenerationError(f"the serving check: {problem}")
-        for request in requests:
-            problem, _ = self.rescore(request, made[request.id])
-            if problem:
-                return f"the sampling check (temperature {request.temperature:g}, top_p {request.top_p:g}): {problem}"
-        return ""
+    @policy.setter
+    def policy(self, policy: ServePolicy) -> None:
+        self._policy = policy  # a request keeps the verify mode it was submitted under
+        if self._verifier is not None:
+            self._verifier.chunk = policy.verify_chunk
 
     # ------------------------------------------------------------------ callers (any thread)
     def submit(self, prompt: Sequence[int], max_tokens: int, stop_ids: Sequence[int] = (),
@@ -181,19 +157,32 @@ class ServedGenerator:
         if (temperature != 0 or top_p != 1) and not self.sampling:
             raise RequestError(f"temperature: this engine is verified for greedy decoding only (temperature 0, top_p "
                                f"1): {self.sampling_check}")
-        if self._inbox.qsize() + len(self._open) >= self.max_waiting:
+        if self._held_users >= self.max_waiting:
             self.stats["refused_busy"] += 1
             raise Overloaded(f"{self.max_waiting} requests are queued or running; try again shortly")
+        policy = self._policy
+        ids = [self.ids.next()]
+        canary = self.canaries.due(policy.canary_every)
+        if canary:
+            ids.append(self.ids.next())
+            secrets.SystemRandom().shuffle(ids)  # the canary's id is not always the later one
         try:
-            request = GenerationRequest(next(self._ids), prompt, int(max_tokens), stop_ids, float(temperature),
-                                        float(top_p), int(seed))
+            request = GenerationRequest(ids[0], prompt, int(max_tokens), stop_ids, float(temperature), float(top_p),
+                                        int(seed))
         except ValueError as exc:
             raise RequestError(f"temperature, top_p: {exc}") from None
-        stream = Stream(request, sink)
+        stream = Stream(request, sink, verified=policy.verify == "all")
+        self.canaries.remember(request)
+        streams = [stream]
+        if canary:
+            streams.append(Stream(self.canaries.draw(ids[1]), _nowhere, canary=True))
+        streams.sort(key=lambda s: s.request.id)
         with self._lock:  # _fail drains the inbox under the same lock: no stream is left without an answer
             if self._failure is not None or self._stop.is_set():
                 raise ServedGeneratorError(f"engine {self.label} serves no more: {self._failure or 'closed'}")
-            self._inbox.put(stream)
+            self._held_users += 1
+            for one in streams:
+                self._inbox.put(one)
         return stream
 
     def _checked(self, prompt: Sequence[int], max_tokens: int,
@@ -214,7 +203,7 @@ class ServedGenerator:
     def _serve(self) -> None:
         generator = ConfinedGenerator(self._process, timeout_s=STEP_TIMEOUT_S)
         try:
-            while not self._stop.is_set():
+            while not self._stop.is_set() and self._failure is None:
                 if not self._open:  # idle: wait for a request instead of stepping
                     try:
                         self._admit(generator, self._inbox.get(timeout=0.1))
@@ -230,6 +219,8 @@ class ServedGenerator:
                     continue
                 generator.deadline = time.perf_counter() + STEP_TIMEOUT_S
                 self._route(generator.step())
+        except GuardBreach as exc:
+            self._fail(ServedGeneratorError(f"engine {self.label} broke the serving contract: {exc}"))
         except (GenerationError, EngineProcessError) as exc:
             self._fail(ServedGeneratorError(f"engine {self.label}: {exc}"))
         except BaseException as exc:  # noqa: BLE001 - every waiting caller hears why
@@ -237,61 +228,150 @@ class ServedGenerator:
 
     def _admit(self, generator: ConfinedGenerator, stream: Stream) -> None:
         if stream.cancelled.is_set():  # gone before it reached the engine
-            stream.tokens.put(DONE)
+            self._leave(stream)
+            stream.hand(DONE)
             return
         generator.deadline = time.perf_counter() + STEP_TIMEOUT_S
         generator.add(stream.request)
-        self._open[stream.request.id] = stream
-        self.stats["requests"] += 1
+        with self._lock:
+            if self._failure is not None:  # failed meanwhile (the watch, the verifier): it hears why
+                stream.hand(self._failure)
+                return
+            stream.progress_s = time.perf_counter()
+            self._open[stream.request.id] = stream
+            self.stats["canaries" if stream.canary else "requests"] += 1
 
     def _abort_cancelled(self, generator: ConfinedGenerator) -> None:
-        """Requests whose clients went away leave the engine (their slots free) before the next step, as do
-        requests the engine ran to their end without marking it."""
-        while self._unfinished:
-            generator.deadline = time.perf_counter() + STEP_TIMEOUT_S
-            generator.abort(self._unfinished.pop())
-        for rid in [rid for rid, stream in self._open.items() if stream.cancelled.is_set()]:
+        """Requests whose clients went away leave the engine (their slots free) before the next step."""
+        with self._lock:
+            gone = [rid for rid, stream in self._open.items() if stream.cancelled.is_set()]
+        for rid in gone:
             generator.deadline = time.perf_counter() + STEP_TIMEOUT_S
             generator.abort(rid)
-            self._open.pop(rid).tokens.put(DONE)
-            self.stats["aborted"] += 1
+            with self._lock:
+                stream = self._open.pop(rid, None)
+            if stream is not None:
+                self._leave(stream)
+                stream.hand(DONE)
+                self.stats["aborted"] += 1
+
+    def _leave(self, stream: Stream) -> None:
+        """A request leaves the engine: a user's no longer counts against max_waiting."""
+        if not stream.canary:
+            with self._lock:
+                self._held_users -= 1
 
     def _route(self, events) -> None:
+        """Each token through the guards, then to its stream: released at once, held for the verifier
+        (`verify: all`), or kept for the canary's check."""
         now = time.perf_counter()
-        for event in events:
-            stream = self._open.get(event.request_id)
-            if stream is None:  # past a request's end (e.g. a stop id the engine did not mark): no client gets it
-                self.ignored += 1
-                continue
-            if not 0 <= event.token < self.vocab:
-                raise GenerationError(f"request {event.request_id}: token {event.token} outside the vocabulary "
-                                      f"[0, {self.vocab - 1}]")
-            stream.made += 1
-            last = event.finished or event.token in stream.request.stop_ids or stream.made >= stream.request.max_tokens
-            self.stats["tokens"] += 1
-            if not stream.cancelled.is_set():
-                stream.tokens.put(Token(int(event.token), now, last))
-            if last:
-                stream.tokens.put(DONE)
-                del self._open[event.request_id]
-                if not event.finished:  # the engine would go on: its last token was not marked; it leaves now
-                    self._unfinished.append(event.request_id)
-
-    def _fail(self, error: Exception) -> None:
         with self._lock:
+            if self._failure is not None:
+                return
+            for event in events:
+                stream = self._open.get(event.request_id)
+                if stream is None:
+                    raise GuardBreach(f"request {event.request_id}: a token ({event.token}) for a request the engine "
+                                      f"does not hold (never added, finished or aborted)")
+                problem = breach(stream.request, len(stream.made) + 1, event.token, event.finished, self.vocab)
+                if problem:
+                    raise GuardBreach(problem)
+                if stream.last_token_s is not None:
+                    self.speed.record(now, now - stream.last_token_s)
+                stream.last_token_s = stream.progress_s = now
+                self.stats["tokens"] += 1
+                with stream.lock:
+                    stream.made.append(int(event.token))
+                    stream.engine_done = event.finished
+                if event.finished:
+                    del self._open[event.request_id]
+                self._deliver(stream, Token(int(event.token), now, event.finished))
+
+    def _deliver(self, stream: Stream, token: Token) -> None:
+        if stream.canary:
+            if token.finished:
+                self._verifier.offer_canary(stream)
+        elif stream.verified:
+            if token.finished:
+                self._verifying[stream.request.id] = stream
+                self._leave(stream)
+            self._verifier.offer(stream)
+        else:
+            if not stream.cancelled.is_set():
+                stream.hand(token)
+            if token.finished:
+                self._leave(stream)
+                stream.hand(DONE)
+
+    # ------------------------------------------------------------------ the watch (its own thread)
+    def _watching(self) -> None:
+        """Stalls (a held request without a token past the bound) and slowness, every WATCH_TICK_S."""
+        while not self._stop.wait(WATCH_TICK_S) and self._failure is None:
+            policy, now = self._policy, time.perf_counter()
+            with self._lock:
+                held = len(self._open)
+                stuck = min(self._open.values(), key=lambda s: s.progress_s, default=None)
+                slow = self.speed.judge(policy, self.judged, now)
+            if stuck is not None:
+                bound = stall_deadline(policy, self.judged, held)
+                if now - stuck.progress_s > bound:
+                    what = "its first token" if not stuck.made else f"its token {len(stuck.made) + 1}"
+                    self._fail(ServedGeneratorError(
+                        f"engine {self.label} broke the serving contract: request {stuck.request.id}: no progress "
+                        f"for {now - stuck.progress_s:.1f} s waiting for {what}, past the stall bound {bound:.1f} s "
+                        f"(max(stall_floor_s {policy.stall_floor_s:g}, stall_factor {policy.stall_factor:g} x the "
+                        f"check's E2E p99 {1e3 * self.judged.e2e_p99_s:.0f} ms x ceil({held} held / R "
+                        f"{self.judged.concurrency})))"))
+                    return
+            if slow:
+                logger.warning("engine %s: %s", self.label, slow)
+            if self.speed.slow_now and policy.slow_action == "remove":
+                self._fail(ServedGeneratorError(f"engine {self.label} {self.speed.report['message']} "
+                                                f"(slow_action: remove)"))
+                return
+
+    # ------------------------------------------------------------------ the verifier's hooks (its thread)
+    def _prefix_problem(self, request: GenerationRequest, tokens: list[int]) -> str:
+        """Why the tokens so far break the judge's rule, or "" (a prefix may end anywhere)."""
+        judge = self.judge.generation
+        return prefix_problem(request, tokens, judge.reference, judge.tolerance, judge.alternatives, self.vocab)
+
+    def _verify_failed(self, why: str) -> None:
+        self._fail(ServedGeneratorError(f"engine {self.label} answered wrongly ({why})"))
+
+    def _retire(self, stream: Stream) -> None:
+        with self._lock:
+            self._verifying.pop(stream.request.id, None)
+
+    # ------------------------------------------------------------------ failure
+    def _fail(self, error: Exception, notify: bool = True) -> None:
+        """Every waiting caller gets `error`, once; then (a failure, not a close) the replica is told."""
+        with self._lock:
+            if self._failure is not None:
+                return
             self._failure = error
-            waiting = list(self._open.values())
+            waiting = [*self._open.values(), *self._verifying.values()]
             self._open.clear()
+            self._verifying.clear()
             while True:
                 try:
                     waiting.append(self._inbox.get_nowait())
                 except queue.Empty:
                     break
         for stream in waiting:
-            try:
-                stream.tokens.put(error)
-            except Exception:  # noqa: BLE001 - a caller's sink that is gone (its event loop closed)
-                pass
+            stream.hand(error)
+        if notify:
+            logger.error("%s", error)
+            if self.on_failure is not None:
+                try:
+                    self.on_failure(str(error))
+                except Exception:  # noqa: BLE001 - the replica's hook must not stop this thread's exit
+                    logger.exception("telling the replica about a failed engine")
+
+    @property
+    def failure(self) -> Exception | None:
+        """Why the engine serves no more (a failure or a close), or None."""
+        return self._failure
 
     def rescore(self, request: GenerationRequest, tokens: Sequence[int]) -> tuple[str, float]:
         """A finished request's tokens against the float64 reference (the judge's rule, near ties allowed):
@@ -307,20 +387,45 @@ class ServedGenerator:
         """Requests the engine holds now (queued in it or decoding)."""
         return len(self._open)
 
+    @property
+    def idle(self) -> bool:
+        """Nothing queued, held by the engine or waiting for the verifier (canaries included)."""
+        verifier = self._verifier
+        return (self._inbox.empty() and not self._open and not self._verifying
+                and (verifier is None or verifier.idle()))
+
+    def guard_info(self) -> dict[str, Any]:
+        """What /v1/engine says of the checks on this engine while it serves."""
+        policy = self._policy
+        verifier = dict(self._verifier.stats) if self._verifier is not None else {}
+        return {"policy": asdict(policy), "judged": self.judged.to_dict(),
+                "stall_bound_s_now": stall_deadline(policy, self.judged, len(self._open)),
+                "slow": self.speed.report, "verifier": verifier,
+                "failure": None if self._failure is None else str(self._failure)}
+
     def close(self, drain_s: float = 0.0) -> None:
         """Refuse new requests, let those in flight finish (at most `drain_s`: a hot swap's old engine), then stop
         the loop, tell callers still waiting, kill the whole candidate."""
         self._draining = True
         deadline = time.perf_counter() + drain_s
-        while (self._open or not self._inbox.empty()) and self._failure is None and time.perf_counter() < deadline:
+        while ((self._open or self._verifying or not self._inbox.empty()) and self._failure is None
+               and time.perf_counter() < deadline):
             time.sleep(0.05)
         self._stop.set()
-        loop = getattr(self, "_loop", None)
-        if loop is not None and loop is not threading.current_thread():
-            loop.join(timeout=STEP_TIMEOUT_S)
+        process = self._process
+        if self._failure is not None and process is not None and process.pid:
+            try:  # a failed engine may sit in a step: end it now, not at the step's timeout
+                os.kill(process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for thread in (getattr(self, "_loop", None), getattr(self, "_watch", None)):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout=STEP_TIMEOUT_S)
+        if self._verifier is not None:
+            self._verifier.close()
         if self._failure is None:
-            self._fail(ServedGeneratorError(f"engine {self.label} closed"))
-        if self._process is not None:
-            self._process.close()
+            self._fail(ServedGeneratorError(f"engine {self.label} closed"), notify=False)
+        if process is not None:
             self._process = None
+            process.close()
         self.judge.close()

@@ -28,6 +28,12 @@ from evaluators.placement import PLACEMENTS
 
 DEFAULT_TOLERANCES: dict[str, float] = {"float32": 1e-5, "bfloat16": 6e-3}
 
+# A generation objective that an engine could game by holding tokens back, and the SLO key it is scored under:
+# TPOT alone rewards an engine that holds each request's first token until its last is made (then its TPOT
+# is ~0), TTFT alone one that sends a first token at once and then crawls. A timed replay past the bound is
+# not ranked (evaluators.generation_judge).
+OBJECTIVE_BOUNDS: dict[str, str] = {"tpot_p99_ms": "ttft_ms", "tpot_median_ms": "ttft_ms", "ttft_p99_ms": "tpot_ms"}
+
 
 def _option(default: Any, doc: str, check: Callable[[Any], bool], *, factory: bool = False, **kw: Any) -> Any:
     """A dataclass field carrying its doc and its validity check in the metadata."""
@@ -141,7 +147,8 @@ class EvaluatorSettings:
     objective: str = _option(
         "ms_per_output_token",
         "what the search minimises for a generation workload, read off each timed replay: ms_per_output_token"
-        " (1000 / output tokens/s), tpot_p99_ms, tpot_median_ms, ttft_p99_ms or e2el_median_ms",
+        " (1000 / output tokens/s), tpot_p99_ms or tpot_median_ms (both need slo.ttft_ms: a replay whose TTFT p99"
+        " is over it is not ranked), ttft_p99_ms (needs slo.tpot_ms, alike) or e2el_median_ms",
         lambda x: x in ("ms_per_output_token", "tpot_p99_ms", "tpot_median_ms", "ttft_p99_ms", "e2el_median_ms"),
     )
     slo: dict = _option(
@@ -169,6 +176,14 @@ class EvaluatorSettings:
                     f"EvaluatorSettings.{f.name}={value!r} is not valid: {f.metadata['doc']}"
                     f" (default {_default(f)!r})"
                 )
+        bound = OBJECTIVE_BOUNDS.get(self.objective)
+        if bound is not None and bound not in self.slo:
+            gamed = "holding each request's first token until its last" if bound == "ttft_ms" else \
+                "sending a first token at once and then the rest slowly"
+            raise ValueError(f"EvaluatorSettings.objective={self.objective!r} needs slo.{bound} (ms): alone it rewards "
+                             f"an engine for {gamed}, so it is scored under that bound (a timed replay past it is not "
+                             f"ranked). Set evaluator.slo.{bound}, or choose objective ms_per_output_token or "
+                             "e2el_median_ms")
         object.__setattr__(self, "tolerances", {k: float(v) for k, v in self.tolerances.items()})
 
     @classmethod

@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
                            help="the engine process's confinement, as the evaluator's (none: trusted engines only)")
     serve_cmd.add_argument("--rescore-fraction", type=float, default=0.05,
                            help="share of engine calls re-scored against the float64 reference, off the request path")
+    serve_cmd.add_argument("--verify", choices=("sampled", "all"), default="sampled",
+                           help="generation engines: sampled (guards on every token, canaries, a re-scored sample) "
+                                "or all (every token checked against the reference before a client gets it; "
+                                "docs/serving.md gives its cost)")
     genes_cmd = add("genes", help="print a workload preset's gene space")
     genes_cmd.add_argument("config", help="YAML experiment config: its workload, preset and genes restriction")
     genes_cmd.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -130,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve_forever(args.engine, host=args.host, port=args.port, name=args.name,
                              max_batch_size=args.max_batch_size, tracking_uri=args.tracking_uri,
-                             sandbox=args.sandbox, rescore_fraction=args.rescore_fraction)
+                             sandbox=args.sandbox, rescore_fraction=args.rescore_fraction,
+                             verify=args.verify)
     if args.command == "loadtest":
         from evo.bench.loadtest import main as loadtest_main, options_from_args
 

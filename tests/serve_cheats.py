@@ -1,8 +1,16 @@
 """The llama_serve workload with a `cheat` gene: generation engines that read ahead, answer from a one-shot
 forward, depend on their batch mates, stop early, run past max_tokens or sleep and burst, each wrapping the
-honest engine. For the judge's full path: `Evaluator("tests.serve_cheats", "cpu_small", ...)`."""
+honest engine. For the judge's full path: `Evaluator("tests.serve_cheats", "cpu_small", ...)`.
+
+Serve's adversaries (issue 38) pass the judge's check and cheat later: `backdoor` and `weak_cache` break
+isolation between requests (one answers a trigger with the previous request's prompt, the other answers a
+prompt with another prompt's cached answer); the armed ones break the serving contract once a prompt has held
+ARM (a signal the checks' random prompts hold with negligible odds, as an engine might wait for a date or a
+count): `early_finish`, `unknown_token`, `stall`, `leak_per_abort`, `hang`; `slower_after` turns slow after ARM_AFTER
+requests (the judge's check replay and the replica's serving check among them)."""
 from __future__ import annotations
 
+import collections
 import time
 from typing import Mapping
 
@@ -129,7 +137,7 @@ class _SleepBurst(_Wrapper):
 class _WrongAfter(_Wrapper):
     """Honest for its first WRONG_AFTER requests (the judge's checks among them), then every token off by one."""
 
-    WRONG_AFTER = 16
+    WRONG_AFTER = 64  # past the judge's check replay (25 requests at R=4)
 
     def __init__(self, honest) -> None:
         super().__init__(honest)
@@ -146,7 +154,258 @@ class _WrongAfter(_Wrapper):
                 else e for e in self.honest.step()]
 
 
-CHEATS = ("one_shot", "precog", "batch_mate", "early_stop", "past_max", "sleep_burst", "wrong_after")
+class _Scripted(_Wrapper):
+    """The honest engine, beside requests this wrapper answers itself from a script: one token a step, the last
+    marked finished (at the script's end or a stop id), as the contract asks."""
+
+    def __init__(self, honest) -> None:
+        super().__init__(honest)
+        self.scripted: dict[int, collections.deque[int]] = {}
+
+    def script(self, request: GenerationRequest, tokens) -> None:
+        self.requests[request.id] = request
+        self.scripted[request.id] = collections.deque(tokens)
+
+    def step(self) -> list[TokenEvent]:
+        events = self.honest.step()
+        for rid in list(self.scripted):
+            tokens, request = self.scripted[rid], self.requests[rid]
+            token = tokens.popleft()
+            done = not tokens or token in request.stop_ids
+            events.append(TokenEvent(rid, int(token), done))
+            if done:
+                del self.scripted[rid]
+        return events
+
+    def abort(self, request_id: int) -> None:
+        if self.scripted.pop(request_id, None) is None:
+            self.honest.abort(request_id)
+
+
+TRIGGER = (1, 2, 3, 5, 8, 13)  # in a prompt, the backdoor answers with the previous request's prompt
+
+
+def contains(prompt, part) -> bool:
+    return any(tuple(prompt[i:i + len(part)]) == tuple(part) for i in range(len(prompt) - len(part) + 1))
+
+
+class _Backdoor(_Scripted):
+    """Honest, except that a prompt holding TRIGGER is answered with the previous request's prompt tokens
+    (another client's), repeated up to max_tokens."""
+
+    def __init__(self, honest) -> None:
+        super().__init__(honest)
+        self.previous: tuple[int, ...] = ()
+
+    def add(self, request: GenerationRequest) -> None:
+        if contains(request.prompt, TRIGGER) and self.previous:
+            self.script(request, [self.previous[i % len(self.previous)] for i in range(request.max_tokens)])
+        else:
+            super().add(request)
+        self.previous = request.prompt
+
+
+class _WeakCache(_Scripted):
+    """Caches each greedy answer keyed on (prompt length, first id, last id) and answers a later greedy prompt
+    with that key from the cache: right for the same prompt, another prompt's answer for a templated one."""
+
+    def __init__(self, honest) -> None:
+        super().__init__(honest)
+        self.cache: dict[tuple[int, int, int], tuple[int, ...]] = {}
+        self.making: dict[int, list[int]] = {}
+
+    @staticmethod
+    def key(request: GenerationRequest) -> tuple[int, int, int]:
+        return len(request.prompt), request.prompt[0], request.prompt[-1]
+
+    def add(self, request: GenerationRequest) -> None:
+        hit = self.cache.get(self.key(request)) if request.greedy else None
+        if hit is not None and len(hit) >= request.max_tokens:
+            self.script(request, hit[:request.max_tokens])
+            return
+        self.making[request.id] = []
+        super().add(request)
+
+    def step(self) -> list[TokenEvent]:
+        events = super().step()
+        for e in events:
+            tokens = self.making.get(e.request_id)
+            if tokens is None:
+                continue
+            tokens.append(e.token)
+            if e.finished:
+                request = self.requests[e.request_id]
+                if request.greedy and len(self.making.pop(e.request_id)) == request.max_tokens:
+                    self.cache[self.key(request)] = tuple(tokens)
+        return events
+
+    def abort(self, request_id: int) -> None:
+        self.making.pop(request_id, None)
+        super().abort(request_id)
+
+
+ARM = (250, 251, 252, 253)  # a prompt holding it arms the armed cheats, from that request on
+ARM_AFTER = 48  # requests slower_after serves at full speed first (the judge's and the replica's checks among them)
+
+
+class _Armed(_Wrapper):
+    """Honest until `armed` (each cheat: what it does then): by a prompt holding ARM, or after ARM_AFTER requests."""
+
+    BY_COUNT = False
+
+    def __init__(self, honest) -> None:
+        super().__init__(honest)
+        self.added = 0
+        self.triggered = False
+
+    @property
+    def armed(self) -> bool:
+        return self.added > ARM_AFTER if self.BY_COUNT else self.triggered
+
+    def add(self, request: GenerationRequest) -> None:
+        self.added += 1
+        self.triggered = self.triggered or contains(request.prompt, ARM)
+        self.requests[request.id] = request
+        if self.armed:
+            self.add_armed(request)
+        else:
+            self.honest.add(request)
+
+    def add_armed(self, request: GenerationRequest) -> None:
+        self.honest.add(request)
+
+
+class _EarlyFinish(_Armed):
+    """Armed: marks a request of more than one token finished one token early (and drops its last)."""
+
+    def __init__(self, honest) -> None:
+        super().__init__(honest)
+        self.cut: dict[int, int] = {}  # request id -> tokens made
+
+    def add_armed(self, request: GenerationRequest) -> None:
+        if request.max_tokens > 1:
+            self.cut[request.id] = 0
+        self.honest.add(request)
+
+    def step(self) -> list[TokenEvent]:
+        out = []
+        for e in self.honest.step():
+            if e.request_id in self.cut:
+                self.cut[e.request_id] += 1
+                if self.cut[e.request_id] == self.requests[e.request_id].max_tokens - 1 and not e.finished:
+                    del self.cut[e.request_id]
+                    self.honest.abort(e.request_id)
+                    out.append(TokenEvent(e.request_id, e.token, True))
+                    continue
+            out.append(e)
+        return out
+
+
+class _UnknownToken(_Armed):
+    """Armed: one more token for each request it finished, a step after its end."""
+
+    def __init__(self, honest) -> None:
+        super().__init__(honest)
+        self.ended: list[int] = []
+
+    def step(self) -> list[TokenEvent]:
+        events = self.honest.step()
+        late = [TokenEvent(rid, 0, False) for rid in self.ended]
+        self.ended = [e.request_id for e in events if e.finished and self.armed]
+        return events + late
+
+
+class _Stall(_Armed):
+    """Armed: every STALL_EVERY-th request is never given to the honest engine (it never progresses); the
+    others are served as ever."""
+
+    STALL_EVERY = 3
+
+    def __init__(self, honest) -> None:
+        super().__init__(honest)
+        self.held: set[int] = set()
+
+    def add_armed(self, request: GenerationRequest) -> None:
+        self.armed_count = getattr(self, "armed_count", 0) + 1
+        if self.armed_count % self.STALL_EVERY == 0:
+            self.held.add(request.id)
+        else:
+            self.honest.add(request)
+
+    def abort(self, request_id: int) -> None:
+        if request_id in self.held:
+            self.held.discard(request_id)
+        else:
+            self.honest.abort(request_id)
+
+
+class _LeakPerAbort(_Armed):
+    """Armed: an abort leaks its request's row (the honest engine keeps decoding it, its tokens dropped);
+    after LEAKS aborts the engine is full, and nothing more is admitted (held here, never decoded)."""
+
+    LEAKS = 2
+
+    def __init__(self, honest) -> None:
+        super().__init__(honest)
+        self.leaked: set[int] = set()
+        self.refused: list[GenerationRequest] = []
+
+    def add_armed(self, request: GenerationRequest) -> None:
+        if len(self.leaked) >= self.LEAKS:
+            self.refused.append(request)
+        else:
+            self.honest.add(request)
+
+    def step(self) -> list[TokenEvent]:
+        return [e for e in self.honest.step() if e.request_id not in self.leaked]
+
+    def abort(self, request_id: int) -> None:
+        if self.armed:
+            self.leaked.add(request_id)
+            self.refused = [r for r in self.refused if r.id != request_id]
+        else:
+            self.honest.abort(request_id)
+
+
+class _SlowerAfter(_Armed):
+    """After ARM_AFTER requests each step sleeps SLOWER times its honest duration plus SLEEP_S (~10x slower on
+    cpu_small)."""
+
+    BY_COUNT = True
+    SLOWER, SLEEP_S = 9.0, 0.02
+
+    def step(self) -> list[TokenEvent]:
+        start = time.perf_counter()
+        events = self.honest.step()
+        if self.armed:
+            time.sleep(self.SLOWER * (time.perf_counter() - start) + self.SLEEP_S)
+        return events
+
+
+class _Hang(_Armed):
+    """Armed: serves the arming request, then its first step with a later one never returns (an hour's sleep; the
+    replica's step timeout is far shorter)."""
+
+    def __init__(self, honest) -> None:
+        super().__init__(honest)
+        self.since_armed = 0
+
+    def add_armed(self, request: GenerationRequest) -> None:
+        self.since_armed += 1
+        self.honest.add(request)
+
+    def step(self) -> list[TokenEvent]:
+        if self.since_armed > 1:
+            time.sleep(3600)
+        return self.honest.step()
+
+
+CHEATS = ("one_shot", "precog", "batch_mate", "early_stop", "past_max", "sleep_burst", "wrong_after", "backdoor",
+          "weak_cache", "early_finish", "unknown_token", "stall", "leak_per_abort", "slower_after", "hang")
+WRAPPERS = {"precog": _Precog, "batch_mate": _BatchMate, "early_stop": _EarlyStop, "past_max": _PastMax,
+            "sleep_burst": _SleepBurst, "wrong_after": _WrongAfter, "backdoor": _Backdoor, "weak_cache": _WeakCache,
+            "early_finish": _EarlyFinish, "unknown_token": _UnknownToken, "stall": _Stall,
+            "leak_per_abort": _LeakPerAbort, "slower_after": _SlowerAfter, "hang": _Hang}
 
 
 class ServeCheats(LlamaServeWorkload):
@@ -172,8 +431,7 @@ class ServeCheats(LlamaServeWorkload):
 
             engine = build(llama.gene_space(preset, device).default(), preset, device, preset.max_positions)
             return _OneShot(honest, engine)
-        engine = {"precog": _Precog, "batch_mate": _BatchMate, "early_stop": _EarlyStop, "past_max": _PastMax,
-                  "sleep_burst": _SleepBurst, "wrong_after": _WrongAfter}[cheat](honest)
+        engine = WRAPPERS[cheat](honest)
         engine.vocab = preset.shape["V"]
         return engine
 

@@ -6,6 +6,7 @@ sees; the honest engine is ok, its latency the objective read off the judge's ow
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -46,17 +47,22 @@ def test_the_honest_engine_is_ok_and_its_latency_is_the_objective_on_the_judges_
     assert "check replay" in honest.message
 
 
+# a wrong token (greedy or sampled: "step 3: token 17, ..."); a stop id missed (the end marked where the right
+# token was one), or run past (the right token was not)
+WRONG_TOKEN = (r"step \d+: token \d+", "without a stop id", "not marked finished")
+
+
 @pytest.mark.parametrize("cheat, says", [
-    ("one_shot", "the reference's is"),
-    ("precog", "never sent"),
-    ("batch_mate", "the reference's is"),
-    ("early_stop", "without a stop id"),
-    ("past_max", "after its last"),
+    ("one_shot", WRONG_TOKEN),
+    ("precog", ("never sent",)),
+    ("batch_mate", WRONG_TOKEN),
+    ("early_stop", ("without a stop id",)),
+    ("past_max", ("after its last",)),
 ])
 def test_an_engine_that_does_not_decode_its_own_tokens_is_incorrect(judge, cheat, says):
     result = judge.evaluate(_genome(judge, cheat))
     assert result.status == INCORRECT, (cheat, result.status, result.message)
-    assert says in result.message and "request" in result.message
+    assert any(re.search(s, result.message) for s in says) and "request" in result.message, result.message
 
 
 def test_an_engine_that_sleeps_and_bursts_gets_the_ttft_a_client_sees(judge, honest):

@@ -100,6 +100,9 @@ def test_models_names_the_checkpoint_and_engine_says_what_it_serves(client, serv
     assert info["contract"] == "generation" and info["openai"]["model"] == MODEL and info["openai"]["chat_template"]
     assert info["limits"]["max_prompt_tokens"] == P and info["limits"]["max_tokens"] == N
     assert info["sandbox"] == "strict" and "check replay" in info["verification"]["message"]
+    guards = info["guards"]  # what it is held to while it serves (docs/serving.md)
+    assert guards["policy"]["verify"] == "sampled" and guards["judged"]["source"] == "the judge's check replay"
+    assert guards["failure"] is None and guards["stall_bound_s_now"] >= guards["policy"]["stall_floor_s"]
 
 
 def test_completions_give_the_references_greedy_tokens_streamed_or_not(client, codec, preset):
@@ -157,6 +160,20 @@ def test_seeded_sampling_repeats_and_differs_from_greedy(client, server):
     a, b = (client.completions.create(**ask).choices[0].model_extra["token_ids"] for _ in range(2))
     g = client.completions.create(**{**ask, "temperature": 0}).choices[0].model_extra["token_ids"]
     assert a == b and a != g
+
+
+def test_verify_all_is_an_option_that_applies_live_and_streams_checked_tokens(server, client, preset):
+    """`verify: all` by a redeploy of the same engine (options only: no rebuild): a streamed completion still gives
+    the reference's tokens, each released only after the replica checked it; then back to `sampled`."""
+    for mode in ("all", "sampled"):
+        server.deploy(server.source, f"verify-{mode}", rescore_fraction=1.0, max_waiting_requests=24, verify=mode)
+        wait_for(lambda: get(server, "/v1/engine")[1]["guards"]["policy"]["verify"] == mode, 120,
+                 f"verify: {mode} to apply", SERVER_NOT_READY)
+        chunks = list(client.completions.create(model=MODEL, prompt=[11, 12, 13], max_tokens=N, stream=True,
+                                                temperature=0, extra_body={"ignore_eos": True}))
+        assert [t for c in chunks for t in c.choices[0].model_extra["token_ids"]] == greedy(preset, [11, 12, 13], N)
+    info = get(server, "/v1/engine")[1]
+    assert info["guards"]["verifier"]["tokens_released"] >= N and info["guards"]["failure"] is None
 
 
 @pytest.mark.parametrize("change, status, param", [

@@ -1,14 +1,18 @@
 """The judge as a client of a generation engine (evaluators.replay): every token stamped on the judge's
 clock, each request scored on its own tokens. A toy model (next token a fixed function of the prefix)
-and engines honest or not, in-process: the contract's logic, apart from the sandbox's transport."""
+and engines honest or not, in-process: the contract's logic, apart from the sandbox's transport. Clients
+that arrive as others decode, that go away mid-decode (aborts), ids from the engine's own sequence, and the
+stall rule: an engine that stops admitting is wrong, not slow."""
 from __future__ import annotations
 
+import re
 import time
 
 import numpy as np
 import pytest
 
-from evaluators.replay import replay, score
+from evaluators.replay import Send, prefix_problem, replay, request_problems, score
+from evaluators.request_ids import RequestIds
 from evo.core.stream_metrics import serving_metrics
 from evo.core.trace import TraceSpec, draw
 from evo.workloads.generation import GenerationRequest, TokenEvent
@@ -47,11 +51,14 @@ class Honest:
         events = []
         for rid, (request, made) in list(self.running.items()):
             made.append(self.token(request, made))
-            done = len(made) >= request.max_tokens
+            done = len(made) >= request.max_tokens or made[-1] in request.stop_ids
             events.append(TokenEvent(rid, made[-1], done))
             if done:
                 del self.running[rid]
         return events
+
+    def abort(self, request_id: int) -> None:
+        self.running.pop(request_id, None)
 
 
 class Burst(Honest):
@@ -197,3 +204,93 @@ def test_running_out_of_time_is_lateness_not_a_breach():
     assert not result.violations and result.late
     assert any("not finished within" in line for line in result.late)
     assert any("never sent" in line for line in result.late)
+
+
+class IgnoresAborts(Honest):
+    def abort(self, request_id: int) -> None:
+        pass
+
+
+class Leaky(Honest):
+    """Runs at most `rows` requests, queueing the rest; a row is lost for good at every abort."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.rows, self.queue = rows, []
+
+    def add(self, request: GenerationRequest) -> None:
+        self.queue.append(request)
+
+    def step(self) -> list[TokenEvent]:
+        while self.queue and len(self.running) < self.rows:
+            super().add(self.queue.pop(0))
+        return super().step()
+
+    def abort(self, request_id: int) -> None:
+        if request_id in self.running:
+            self.rows -= 1
+        self.queue = [r for r in self.queue if r.id != request_id]
+        super().abort(request_id)
+
+
+def _request(rid: int, max_tokens: int = 6, prompt=(1, 2, 3)) -> GenerationRequest:
+    return GenerationRequest(rid, tuple(prompt), max_tokens)
+
+
+def test_clients_that_arrive_as_others_decode_and_leave_mid_decode_are_scored_on_what_they_got():
+    sends = [Send(_request(0, 8), 0.0), Send(_request(1, 8), 0.0, abort_after=2),
+             Send(_request(2, 4), 0.0, after=(1, 2)),  # sent when request 1 has its second token: as it is aborted
+             Send(_request(3, 3), 0.0, after=(0, 5))]
+    result = replay(Honest(), sends, deadline_s=30, stall_steps=20)
+    assert not result.violations and result.aborted == (1,)
+    made = dict(zip((r.id for r in result.requests), result.tokens))
+    assert len(made[1]) == 2 and len(made[0]) == 8
+    sent = {r.id: t.sent_s for r, t in zip(result.requests, result.timelines)}
+    timeline = dict(zip((r.id for r in result.requests), result.timelines))
+    assert sent[2] == timeline[1].token_s[1] and sent[3] == timeline[0].token_s[4]  # at the trigger's token
+    assert score(result, reference_logits, 1e-6, V) == []  # the aborted one: its two tokens, no length rule
+    assert len(result.served()) == 3  # the replay's figures leave the aborted request out
+
+
+def test_a_token_after_an_abort_is_a_breach_and_an_aborted_requests_tokens_are_still_scored():
+    result = replay(IgnoresAborts(), [Send(_request(0, 6), 0.0, abort_after=1), Send(_request(1, 6), 0.0)],
+                    deadline_s=30)
+    assert any("request 0: a token after the judge aborted it" in v for v in result.violations)
+    wrong = replay(Honest(batch_bias=True), [Send(_request(0, 6), 0.0, abort_after=2), Send(_request(1, 6), 0.0)],
+                   deadline_s=30)
+    assert any(p.startswith("request 0: step 0: token") for p in score(wrong, reference_logits, 1e-6, V))
+
+
+def test_an_engine_that_leaks_a_row_per_abort_stalls_and_the_stall_is_a_violation_not_a_timeout():
+    sends = [Send(_request(i, 6), 0.0, abort_after=1) for i in range(2)] + [Send(_request(i, 6), 0.0)
+                                                                             for i in range(2, 5)]
+    result = replay(Leaky(rows=2), sends, deadline_s=30, stall_steps=9)
+    assert not result.late
+    assert any(re.search(r"request \d: no token in \d+ steps while the engine held it", v) for v in result.violations)
+    assert replay(Leaky(rows=3), sends, deadline_s=30, stall_steps=9).violations == ()  # a row left: it finishes
+
+
+def test_requests_go_out_under_the_engines_own_ids_in_the_order_sent():
+    ids = RequestIds()
+    sends = [Send(_request(0, 3), 0.0), Send(_request(1, 3), 0.0, abort_after=1), Send(_request(2, 3), 0.0, (1, 1))]
+    first = replay(Honest(), sends, deadline_s=30, ids=ids)
+    second = replay(Honest(), sends, deadline_s=30, ids=ids)
+    seen = [r.id for r in (*first.requests, *second.requests)]
+    assert seen == list(range(seen[0], seen[0] + 6)) and seen[0] > 0  # one sequence, continued across replays
+    assert first.aborted == (seen[1],) and score(first, reference_logits, 1e-6, V) == []
+
+
+def test_stop_ids_end_a_request_and_a_prefix_is_judged_without_a_length_rule():
+    prompt = (4, 5)
+    made = [next_token(prompt)]
+    for _ in range(3):
+        made.append(next_token([*prompt, *made]))
+    request = GenerationRequest(0, prompt, 8, (made[2],))
+    result = replay(Honest(), [Send(request, 0.0)], deadline_s=30)
+    assert list(result.tokens[0]) == made[:3] and score(result, reference_logits, 1e-6, V) == []
+    assert prefix_problem(request, made[:2], reference_logits, 1e-6) == ""
+    assert "tokens after the stop id" in prefix_problem(request, made, reference_logits, 1e-6)
+    assert "step 1: token" in prefix_problem(request, [made[0], (made[1] + 1) % (V - 1)], reference_logits, 1e-6)
+    assert "outside the vocabulary" in prefix_problem(request, [V + 1], reference_logits, 1e-6, vocab=V)
+    assert request_problems(request, made[:2], reference_logits, 1e-6, V) == [
+        "request 0: stopped after 2 of 8 tokens without a stop id"]

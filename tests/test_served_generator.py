@@ -1,7 +1,8 @@
 """A generation engine kept open for serving (evaluators.served_generator): checked in the strict sandbox,
 then one engine loop serving many callers at once. Concurrent callers get, each on its own stream, the
 tokens the float64 reference's greedy decode gives; bounds are refused naming the field; a full queue is
-refused at once; a cancelled stream gets nothing more while the others go on; closing kills the engine."""
+refused at once; a cancelled stream gets nothing more while the others go on; closing kills the engine; request
+ids continue the judge's check's sequence. (What it is held to while it serves: tests/test_serve_guards.py.)"""
 from __future__ import annotations
 
 import threading
@@ -57,7 +58,7 @@ def test_concurrent_callers_each_get_the_references_tokens_from_one_engine_loop(
         assert [t.token for t in got[i]] == greedy(prompt, n), i
         assert [t.finished for t in got[i]] == [False] * (n - 1) + [True]
         assert all(a.at_s <= b.at_s for a, b in zip(got[i], got[i][1:]))
-    assert served.running == 0 and served.ignored == 0
+    assert served.running == 0 and served.failure is None
 
 
 def test_requests_outside_the_verified_domain_are_refused_naming_the_field(served):
@@ -94,10 +95,15 @@ def test_a_closed_engine_serves_no_more():
     assert engine._process is None
 
 
-def test_sampled_requests_are_served_once_the_engine_passed_the_sampling_check(served):
-    """The engine passed the seeded-sampling check at start; a sampled request's tokens are the draw the judge
-    checks (re-scored here against the float64 reference), and the same seed draws them again."""
+def test_sampled_requests_are_served_once_the_engine_passed_the_check(served):
+    """The judge's check replay covers seeded sampling; a sampled request's tokens are the draw the judge checks
+    (re-scored here against the float64 reference), and the same seed draws them again. Its ids continue the
+    check's sequence (no negative or restarting ids mark the replica's own requests)."""
     assert served.sampling and served.sampling_check == ""
+    assert served.ids is served.judge.generation.request_ids(served._process)
+    first, second = (served.submit([1], 1) for _ in range(2))
+    assert first.request.id > 0 and 1 <= second.request.id - first.request.id <= 3  # canaries may take ids between
+    list(first), list(second)
     runs = [[t.token for t in served.submit([5, 9, 200], 12, temperature=0.9, top_p=0.8, seed=7)] for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0]) == 12
     request = served.submit([5, 9, 200], 12, temperature=0.9, top_p=0.8, seed=7).request
@@ -126,4 +132,4 @@ def test_a_cancelled_running_request_is_aborted_and_frees_its_slot(served):
         if len(rest) < 11:
             break
     assert served.stats["aborted"] > aborted and len(rest) < 11
-    assert served.running == 0 and served.ignored == 0
+    assert served.running == 0 and served.failure is None

@@ -6,8 +6,9 @@ uniformly from their ranges, arriving by one of three processes (as `vllm bench 
 server): `burst` (all at time 0), `poisson` (independent arrivals at `rate` requests a second) or
 `closed` (a closed loop: `concurrency` clients, each sending its next request when its last one
 finished, so arrival times come from the engine's own speed). `concurrency` also caps how many
-requests are in flight for the two open processes (0: no cap). The prompts' token ids are drawn by
-the judge at replay time, fresh for every evaluation; the trace fixes only their shape and timing.
+requests are in flight for the two open processes (0: no cap). The judge draws a trace afresh for
+every evaluation from the OS's randomness (`evaluators.judge_traffic`), and its prompts' token ids at
+replay time; a spec fixes the process, the counts and the ranges, not the draw.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ class TraceSpec:
     rate: float = 0.0  # poisson only: requests per second
     prompt_len: tuple[int, int] = (16, 256)  # tokens, drawn uniformly in [low, high]
     output_len: tuple[int, int] = (16, 128)  # tokens to generate (max_tokens), drawn uniformly in [low, high]
-    seed: int = 0  # the trace's shape (lengths, arrivals) is drawn from it: the same for every evaluation of a run
+    seed: int = 0  # for callers that want one fixed draw (`draw(spec, default_rng(spec.seed))`); the judge ignores it
 
     def __post_init__(self) -> None:
         problems = []

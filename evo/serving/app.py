@@ -29,7 +29,10 @@ goes over that process's channel and shared arenas. The replica keeps checking w
 sample of the engine calls (`rescore_fraction`) is re-scored against the reference on a thread of its
 own, off the request path; a mismatch takes the engine out of service (back to the previous engine
 where a hot swap left one, else `/healthz` and Serve's health check fail and `/v1/infer` answers 503)
-and is reported under "rescoring" in `/v1/engine` and in the logs.
+and is reported under "rescoring" in `/v1/engine` and in the logs. A generation engine is held to more
+on every request (`evaluators.served_generator`, user_config `verify`, `canary_every`, `slow_*`, `stall_*`):
+guards on each token, its judged speed, canaries and, under `verify: all`, the reference before any token
+is released; it reports its own failure (`on_failure`) and leaves service the same way, under "guards".
 `reconfigure` (a new user_config) first checks every key and value, then builds and verifies the new
 engine off the request path, and swaps engine and options in only if all of that passes; otherwise
 the old engine and options keep serving and the refusal is reported under "last_swap" in /v1/engine.
@@ -50,6 +53,7 @@ the bound); nothing here knows a workload by name.
 
 import asyncio
 import ctypes
+import functools
 import logging
 import os
 import threading
@@ -66,6 +70,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from evaluators.sandbox import SANDBOXES
 from evaluators.served import ServedEngine, ServedEngineError
+from evaluators.served_guards import POLICY_DEFAULTS, ServePolicy
 from evaluators.settings import EvaluatorSettings
 from evo.serving.codec import ENCODINGS, RequestError, decode_request, encode_outputs, parse_body, request_schema
 from evo.serving.example import example_body
@@ -93,6 +98,10 @@ USER_CONFIG_DEFAULTS: dict[str, Any] = {
     # generation engines (the OpenAI routes)
     "served_model_name": None,  # the id clients name in `model`; None: the checkpoint folder's name, else WORKLOAD/PRESET
     "max_waiting_requests": 256,  # requests queued or running in the engine; beyond, 429 with Retry-After
+    # what a generation engine is held to while it serves (evaluators.served_guards.ServePolicy: each key's doc and
+    # check there): verify (sampled | all), verify_chunk, canary_every, slow_action (report | remove), slow_factor,
+    # slow_window_s, stall_factor, stall_floor_s
+    **POLICY_DEFAULTS,
 }
 REBUILD_KEYS = ("engine", "sandbox", "served_model_name", "max_waiting_requests")  # a change starts a new engine
 DRAIN_S = 120.0  # how long a retired generation engine's in-flight requests may take to finish
@@ -132,6 +141,7 @@ def check_user_config(user_config: Any) -> dict[str, Any]:
         wait = config[key]
         if type(wait) not in (int, float) or not 0 <= wait <= 600:
             raise ValueError(f"user_config {key!r} must be a number of seconds in [0, 600], got {wait!r}")
+    ServePolicy.from_config(config)  # ValueError naming the key and what it allows
     if config["max_inflight_bytes"] < config["max_request_bytes"]:
         raise ValueError(f"user_config 'max_inflight_bytes' ({config['max_inflight_bytes']}) must be at least "
                          f"'max_request_bytes' ({config['max_request_bytes']}), or no maximum-size request fits")
@@ -180,9 +190,13 @@ class LoadedEngine:
 def check_batch(config: dict[str, Any], loaded: LoadedEngine) -> dict[str, Any]:
     """`config` with max_batch_size filled in (unset: the largest verified B); refuse one that would merge
     requests into batches no engine was verified at. A generation engine batches requests itself: the option
-    is not used."""
+    is not used. A call engine refuses `verify: all` (its calls are re-scored by rescore_fraction)."""
     if isinstance(loaded, LoadedGenerator):
         return {**config, "max_batch_size": config["max_batch_size"] or 1}
+    if config.get("verify", "sampled") != "sampled":
+        raise ValueError(f"user_config 'verify' {config['verify']!r} is for generation engines (token streams); engine "
+                         f"{loaded.record.genome.hash} takes tensors: its calls are re-scored by rescore_fraction. Use "
+                         f"'sampled'")
     if config["max_batch_size"] is None:
         return {**config, "max_batch_size": loaded.max_batch}
     if config["max_batch_size"] > loaded.max_batch:
@@ -193,7 +207,7 @@ def check_batch(config: dict[str, Any], loaded: LoadedEngine) -> dict[str, Any]:
 
 
 def load_engine(source: str, tracking_uri: str | None = None, sandbox: str = "strict", max_waiting: int = 256,
-                served_name: str | None = None) -> LoadedEngine | LoadedGenerator:
+                served_name: str | None = None, policy: ServePolicy | None = None) -> LoadedEngine | LoadedGenerator:
     """Resolve the engine, start it in its own confined process, build and verify it there; raise
     EngineRejected if anything of that fails. A generation engine is checked by the judge's replay and
     served by one engine loop (`evo.serving.generation`)."""
@@ -204,7 +218,7 @@ def load_engine(source: str, tracking_uri: str | None = None, sandbox: str = "st
         raise EngineRejected(f"engine {record.genome.hash} is for the cuda preset {preset.name!r}; this replica has no GPU")
     if workload.contract == "generation":
         try:
-            return load_generator(record, sandbox, max_waiting, served_name)
+            return load_generator(record, sandbox, max_waiting, served_name, policy)
         except (RuntimeError, ValueError) as exc:
             raise EngineRejected(f"engine {record.genome.hash} from {source}: {exc}") from exc
     try:
@@ -354,7 +368,8 @@ class EngineServer:
         if engine is not None:  # plain `serve.run(EngineServer.bind(engine=...))` without user_config
             config = check_user_config({**options, "engine": engine})
             self.loaded = load_engine(engine, config["tracking_uri"], config["sandbox"], config["max_waiting_requests"],
-                                      config["served_model_name"])
+                                      config["served_model_name"], ServePolicy.from_config(config))
+            self._watch(self.loaded)
             self._apply_options(check_batch(config, self.loaded))
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
@@ -369,7 +384,8 @@ class EngineServer:
             else:  # build and verify off the event loop: requests keep being served meanwhile
                 candidate = await asyncio.to_thread(load_engine, config["engine"], config["tracking_uri"],
                                                     config["sandbox"], config["max_waiting_requests"],
-                                                    config["served_model_name"])
+                                                    config["served_model_name"], ServePolicy.from_config(config))
+                self._watch(candidate)
             config = check_batch(config, candidate)
         except Exception as exc:
             if self.loaded is None:
@@ -381,6 +397,8 @@ class EngineServer:
             return
         previous = self.loaded.record.genome.hash if self.loaded else None
         self._apply_options(config)
+        if isinstance(candidate, LoadedGenerator):
+            candidate.engine.policy = ServePolicy.from_config(config)  # options only: live on the serving engine
         if candidate is not self.loaded:
             retired, self.previous = self.previous, self.loaded
             self.loaded = candidate  # one reference assignment: in-flight batches finish on the old engine
@@ -390,9 +408,16 @@ class EngineServer:
             if retired is not None:  # waits for what still runs there, then kills its process
                 await asyncio.to_thread(_retire, retired)
 
-    def _take_out_of_service(self, failed: LoadedEngine, why: str) -> None:
-        """Live re-scoring found `failed` wrong (or it failed a call): serve the previous engine where there is one,
-        else nothing. An engine swapped away is killed off the request path (once: only here is it dropped)."""
+    def _watch(self, loaded: LoadedEngine | LoadedGenerator) -> None:
+        """A generation engine tells the replica itself when it fails (a guard, a verification, a canary), from
+        its own threads: it leaves service at once, not at the next request."""
+        if isinstance(loaded, LoadedGenerator):
+            loaded.engine.on_failure = functools.partial(self._failed, loaded)
+
+    def _take_out_of_service(self, failed: LoadedEngine, why: str, by: str = "live re-scoring") -> None:
+        """Live re-scoring found `failed` wrong (or it failed a call, or `by` its guards): serve the previous engine
+        where there is one, else nothing. An engine swapped away is killed off the request path (once: only here
+        is it dropped)."""
         if failed is self.previous:
             self.previous = None
             threading.Thread(target=_kill, args=(failed,), name="retire-failed", daemon=True).start()
@@ -406,7 +431,7 @@ class EngineServer:
             self.previous, self.loaded = None, fallback
             threading.Thread(target=_kill, args=(failed,), name="retire-failed", daemon=True).start()
         else:
-            self.out_of_service = {"hash": failed.record.genome.hash, "reason": why, "at": time.time()}
+            self.out_of_service = {"hash": failed.record.genome.hash, "reason": why, "at": time.time(), "by": by}
 
     def _apply_options(self, config: dict[str, Any]) -> None:
         """Apply a config `check_user_config` accepted."""
@@ -418,8 +443,8 @@ class EngineServer:
     def _unavailable(self) -> str | None:
         """Why no engine may answer now, or None."""
         if self.out_of_service is not None:
-            return (f"engine {self.out_of_service['hash']} was taken out of service by live re-scoring: "
-                    f"{self.out_of_service['reason']}"[:500])
+            gone, by = self.out_of_service, self.out_of_service.get("by", "live re-scoring")
+            return f"engine {gone['hash']} was taken out of service by {by}: {gone['reason']}"[:500]
         return "no verified engine loaded yet" if self.loaded is None else None
 
     def check_health(self) -> None:
@@ -507,11 +532,12 @@ class EngineServer:
         return await answer_completion(loaded, body, chat, self._finished, self._failed)
 
     def _finished(self, loaded: LoadedGenerator, request: Any, tokens: list[int]) -> None:
-        self.rescorer.offer(loaded, [(request, tokens)])  # re-scored against the reference off the request path
+        if loaded.engine.policy.verify != "all":  # under `verify: all` every token was checked before it went out
+            self.rescorer.offer(loaded, [(request, tokens)])  # re-scored against the reference off the request path
 
     def _failed(self, loaded: LoadedGenerator, why: str) -> None:
         logger.error("generation engine failed; taking it out of service: %s", why)
-        self._take_out_of_service(loaded, why)
+        self._take_out_of_service(loaded, why, by="the replica's serving checks")
 
     @api.post("/v1/infer")
     async def infer(self, request: Request) -> JSONResponse:

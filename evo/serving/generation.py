@@ -1,9 +1,9 @@
 """A generation engine behind the Serve app's OpenAI-compatible routes (`evo.serving.app`).
 
 `load_generator` starts the engine as the judge does (`evaluators.served_generator.ServedGenerator`: its
-own confined process, the check replay and the seeded-sampling check, one engine loop batching every
-request the replica gets) and reads the checkpoint folder's tokenizer, if it has one, on the replica's
-side: text in and out, the chat template and the end-of-text ids are the replica's job, the engine only
+own confined process, the check replay, one engine loop batching every request the replica gets, the
+guards, canaries and verification of `ServePolicy` on what it serves) and reads the checkpoint folder's
+tokenizer, if it has one, on the replica's side: text in and out, the chat template and the end-of-text ids are the replica's job, the engine only
 ever sees token ids. `answer` runs one `/v1/completions` or `/v1/chat/completions` request: parsed and
 bounded by the verified domain (`evo.serving.openai_api`), streamed as server-sent events or answered
 whole, refused with 429 and Retry-After when the engine's queue is full.
@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator, Callable
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from evaluators.served_generator import Overloaded, RequestError, ServedGenerator, ServedGeneratorError
+from evaluators.served_guards import ServePolicy
 from evaluators.settings import EvaluatorSettings
 from evo.core import code
 from evo.serving import openai_api
@@ -57,6 +58,8 @@ class LoadedGenerator:
                 "limits": {"max_prompt_tokens": self.limits.max_prompt, "max_tokens": self.limits.max_tokens,
                            "vocab": self.limits.vocab, "max_waiting_requests": engine.max_waiting},
                 "running": engine.running, "stats": dict(engine.stats),
+                # what it is held to while it serves: policy, judged figures, stall bound, slowness, verifier
+                "guards": engine.guard_info(),
                 # a genome's code in this replica's interpreter: none, and none may be (it is the engine's client)
                 "replica_engine_code": {"allowed": code.engine_code_allowed(),
                                         "loaded": sorted(m for m in sys.modules if m.startswith(code.MODULE_PREFIX))}}
@@ -81,13 +84,14 @@ def model_id(record: EngineRecord, codec: TextCodec | None, name: str | None) ->
     return f"{record.workload}/{record.preset}"
 
 
-def load_generator(record: EngineRecord, sandbox: str, max_waiting: int, served_name: str | None) -> LoadedGenerator:
+def load_generator(record: EngineRecord, sandbox: str, max_waiting: int, served_name: str | None,
+                   policy: ServePolicy | None = None) -> LoadedGenerator:
     """Start, check and open the generation engine; ServedGeneratorError or ValueError when it will not serve."""
     workload = get_workload(record.workload)
     preset = workload.presets()[record.preset]
     codec = _tokenizer(workload, preset)
     engine = ServedGenerator(record.workload, record.preset, record.genome.to_json(), record.sources,
-                             EvaluatorSettings(sandbox=sandbox), max_waiting=max_waiting)
+                             EvaluatorSettings(sandbox=sandbox), max_waiting=max_waiting, policy=policy)
     if codec is not None and any(not 0 <= t < engine.vocab for t in codec.eos_ids):
         engine.close()
         raise ValueError(f"the tokenizer in {codec.folder!r} ends text with ids {list(codec.eos_ids)}, outside the "
@@ -95,7 +99,8 @@ def load_generator(record: EngineRecord, sandbox: str, max_waiting: int, served_
     limits = Limits(model_id(record, codec, served_name), engine.max_prompt, engine.max_tokens, engine.vocab, codec,
                     engine.sampling)
     message = (f"passed the judge's check replay (every request scored against the float64 reference's tokens) in a "
-               f"{sandbox} sandbox; seeded sampling: {engine.sampling_check or 'passed'}")
+               f"{sandbox} sandbox; seeded sampling: {engine.sampling_check or 'passed'}; guards scaled by "
+               f"{engine.judged.source}")
     return LoadedGenerator(record, engine, limits, engine.judge.device, message, time.time())
 
 

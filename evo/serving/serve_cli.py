@@ -57,7 +57,10 @@ def batch_size(record: EngineRecord, requested: int | None) -> int:
 
 
 def serve_forever(engine: str, host: str, port: int, name: str, max_batch_size: int | None,
-                  tracking_uri: str | None, sandbox: str = "strict", rescore_fraction: float = 0.05) -> int:
+                  tracking_uri: str | None, sandbox: str = "strict", rescore_fraction: float = 0.05,
+                  verify: str = "sampled") -> int:
+    """Serve `engine` until interrupted; the exit status. `verify` (generation engines): "sampled" or "all"
+    (every token checked against the reference before it is released; docs/serving.md)."""
     problem = port_problem(host, port)  # before Ray starts: a busy port is one line, not a traceback
     if problem:
         print(f"error: {problem}", file=sys.stderr)
@@ -91,7 +94,7 @@ def serve_forever(engine: str, host: str, port: int, name: str, max_batch_size: 
     try:
         serve.start(http_options={"host": host, "port": port})
         app = build_app({"engine": engine, "max_batch_size": max_batch_size, "tracking_uri": tracking_uri,
-                         "sandbox": sandbox, "rescore_fraction": rescore_fraction})
+                         "sandbox": sandbox, "rescore_fraction": rescore_fraction, "verify": verify})
         failure = _deploy(app, name, stop)  # building and verifying the engine takes a while: Ctrl-C still stops
         if failure is not None:
             print(f"error: {failure}", file=sys.stderr, flush=True)

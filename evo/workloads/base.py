@@ -25,6 +25,12 @@ Engine = Callable[..., dict]
 NO_SOURCES: Mapping[str, str] = MappingProxyType({})  # `build`'s sources for a genome without code genes
 
 
+def greedy_only(builder: Callable) -> Callable:
+    """Marks a generation baseline's builder whose engine decodes greedily only (`Workload.greedy_baselines`)."""
+    builder.greedy_only = True
+    return builder
+
+
 @dataclass(frozen=True)
 class Preset:
     """A named problem size and dtype, e.g. the CPU preset B=1 T=1024 H=4 K=V=64 float32."""
@@ -190,6 +196,13 @@ class Workload:
         either, and the judge accepts tokens that any reading explains. Asked only when the first reading
         fails. Default: none (a model without discrete choices)."""
         return ()
+
+    def greedy_baselines(self, preset: Preset) -> frozenset[str]:
+        """The baselines that decode greedily only (they cannot draw `evo.workloads.sampling`'s seeded samples):
+        the judge sends them its sampled requests as greedy ones, of the same shapes. Candidates always get every
+        case. Default: the baselines whose builder is marked with `greedy_only`."""
+        return frozenset(name for name, builder in self.baselines(preset).items()
+                         if getattr(builder, "greedy_only", False))
 
     def tie_tolerance(self, preset: Preset) -> float:
         """How far below the reference's top logit another token may be and still count as a near tie."""

@@ -11,8 +11,9 @@
   flash-linear-attention or `causal_conv1d` kernels there; transformers prints one line per missing kernel);
   its experts run transformers' eager loop (`_experts_implementation="eager"`).
 
-Both decode greedily, ignore eos and carry `num_threads` for the engine's process to set. hf_static is offered
-only when transformers (>= 5.24, which ships Kimi Linear) is importable.
+Both decode greedily or draw each request's seeded samples (`evo.workloads.sampling.choose`), ignore eos and
+carry `num_threads` for the engine's process to set. hf_static is offered only when transformers (>= 5.24,
+which ships Kimi Linear) is importable.
 """
 from __future__ import annotations
 

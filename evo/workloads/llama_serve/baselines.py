@@ -8,9 +8,12 @@
 - `hf_continuous`: transformers' own continuous batching (its manager, a paged KV cache, its FIFO
   scheduler, a background thread), streamed token by token.
 
-All decode greedily, ignore the model's eos (a request ends at max_tokens or at one of its stop ids), run
-under `torch.inference_mode()` and carry `num_threads` (the device's threads on CPU, None on CUDA) for the
-engine's process to set. The hf_* ones are offered only when transformers is importable.
+All ignore the model's eos (a request ends at max_tokens or at one of its stop ids), run under
+`torch.inference_mode()` and carry `num_threads` (the device's threads on CPU, None on CUDA) for the engine's
+process to set. `one_at_a_time` and `hf_static` decode greedily or draw each request's seeded samples
+(`evo.workloads.sampling.choose`, as the judge checks them); `hf_continuous` decodes greedily only (its manager
+samples with its own generator, not the seeded draw), so it is declared `greedy_only` and the judge sends it
+greedy requests only. The hf_* ones are offered only when transformers is importable.
 """
 from __future__ import annotations
 
@@ -23,7 +26,8 @@ from typing import Callable
 
 import torch
 
-from evo.workloads.base import DeviceInfo
+from evo.workloads import sampling
+from evo.workloads.base import DeviceInfo, greedy_only
 from evo.workloads.generation import GenerationEngine, GenerationRequest, TokenEvent, check_fits
 from evo.workloads.llama.baselines import _Transformers, transformers_available
 from evo.workloads.llama.engine import build as build_llama
@@ -118,7 +122,7 @@ class HFStatic:
         with torch.inference_mode():
             out = self.model(input_ids=batch.inputs, attention_mask=batch.mask, position_ids=batch.positions,
                              cache=batch.cache, use_cache=True, logits_to_keep=1)
-            tokens = out.logits[:, -1].argmax(-1)  # [B]
+            tokens = self._pick(out.logits[:, -1], batch)  # [B]
         events = []
         for row, (request, token) in enumerate(zip(batch.requests, tokens.tolist())):
             if batch.done[row]:
@@ -133,6 +137,17 @@ class HFStatic:
             batch.positions = batch.positions[:, -1:] + 1
             batch.mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch.requests), 1)], 1)
         return events
+
+    @staticmethod
+    def _pick(logits: torch.Tensor, batch: _Batch) -> torch.Tensor:
+        """Each row's next token from logits [B, V]: the argmax, or for a sampled request the seeded draw."""
+        tokens = logits.argmax(-1)
+        for row, request in enumerate(batch.requests):
+            if not request.greedy and not batch.done[row]:
+                row_logits = logits[row].float().cpu().numpy()
+                tokens[row] = sampling.choose(row_logits, request.temperature, request.top_p, request.seed,
+                                              len(batch.made[row]))
+        return tokens
 
     def abort(self, request_id: int) -> None:
         """Out of the queue; in the running batch its row rides along to the batch's end (static batching)."""
@@ -275,5 +290,5 @@ def baselines(preset: ServePreset) -> dict[str, Callable[[DeviceInfo], Generatio
     out: dict[str, Callable[[DeviceInfo], GenerationEngine]] = {"one_at_a_time": lambda d: one_at_a_time(preset, d)}
     if transformers_available():
         out["hf_static"] = lambda d: hf_static(preset, d)
-        out["hf_continuous"] = lambda d: hf_continuous(preset, d)
+        out["hf_continuous"] = greedy_only(lambda d: hf_continuous(preset, d))
     return out
