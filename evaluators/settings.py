@@ -24,15 +24,17 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
 
-from evaluators.placement import PLACEMENTS
 
 DEFAULT_TOLERANCES: dict[str, float] = {"float32": 1e-5, "bfloat16": 6e-3}
 
 # A generation objective that an engine could game by holding tokens back, and the SLO key it is scored under:
 # TPOT alone rewards an engine that holds each request's first token until its last is made (then its TPOT
 # is ~0), TTFT alone one that sends a first token at once and then crawls. A timed replay past the bound is
-# not ranked (evaluators.generation_judge).
+# not ranked (evaluators.judge.generation).
 OBJECTIVE_BOUNDS: dict[str, str] = {"tpot_p99_ms": "ttft_ms", "tpot_median_ms": "ttft_ms", "ttft_p99_ms": "tpot_ms"}
+
+
+PLACEMENTS = ("auto", "gpu", "cpu")  # where evaluators go (PoolSettings.placement; evaluators.pool.placement)
 
 
 def _option(default: Any, doc: str, check: Callable[[Any], bool], *, factory: bool = False, **kw: Any) -> Any:

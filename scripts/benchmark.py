@@ -4,7 +4,7 @@
 
 Each engine goes through the evaluator's full correctness cascade on fresh inputs before timing
 (median and IQR of repeats, warm-up apart, rotated inputs). Then the best engine is re-timed paired
-against every baseline that passed, all interleaved in one run (`evaluators.paired`): the speedups
+against every baseline that passed, all interleaved in one run (`evaluators.judge.paired`): the speedups
 claimed are those ratios with their 95% intervals and verdicts. Prints a Markdown table and writes
 benchmark.json into RUN_DIR, stamped with device, threads and versions.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.abspath(".inductor_cache"))
 
-from evaluators.evaluator import Evaluator  # noqa: E402
+from evaluators.judge.evaluator import Evaluator  # noqa: E402
 from evaluators.settings import EvaluatorSettings  # noqa: E402
 from evo.evidence.journal import write_json  # noqa: E402
 from evo.workloads import get_workload  # noqa: E402

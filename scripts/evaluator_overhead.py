@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from evaluators.evaluator import Evaluator
-from evaluators.sandbox import EngineProcess, workload_modules
+from evaluators.judge.evaluator import Evaluator
+from evaluators.sandbox.process import EngineProcess, workload_modules
 from evaluators.settings import EvaluatorSettings
 from evo.workloads import get_workload
 

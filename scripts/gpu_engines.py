@@ -142,13 +142,13 @@ def _evaluator(args: argparse.Namespace):
     the strict sandbox cannot run here."""
     from dataclasses import replace
 
-    from evaluators.evaluator import Evaluator
+    from evaluators.judge.evaluator import Evaluator
     from evo.core.seeds import derive_seed
     from evo.driver.config import load_config
 
     config = load_config(args.config, [f"preset={args.preset}", *args.overrides])
     if config.evaluator.sandbox == "strict":
-        from evaluators import jail
+        from evaluators.sandbox import jail
 
         if jail.unavailable():
             config = replace(config, evaluator=replace(config.evaluator, sandbox="none"))
@@ -193,8 +193,8 @@ def _judge_cost(ev, out: Path) -> float:
     the timing case timed here and scaled by each case's size; printed and kept in OUT/judge.json."""
     import numpy as np
 
-    from evaluators.timing import num_threads, sync
-    from evaluators.zygote import Zygote
+    from evaluators.judge.timing import num_threads, sync
+    from evaluators.sandbox.zygote import Zygote
 
     Zygote.shared(ev._preload).wait_ready()  # it starts beside this process and would slow what is timed here
     case = ev._timing_case

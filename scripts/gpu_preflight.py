@@ -2,7 +2,7 @@
 versions; the CUDA device and its compute mode; a trivial Triton kernel compiled and run
 (TRITON_CACHE_DIR inside the output folder; the C compiler Triton needs); free device memory; whether
 fla's KDA kernels import; the strict sandbox probe; then, from jailed engine processes
-(`evaluators.isolation_probe`), what a candidate reaches beyond its own arena (CUDA: the arena's
+(`evaluators.sandbox.isolation_probe`), what a candidate reaches beyond its own arena (CUDA: the arena's
 address range, mapping its allocation larger, a read one granule past it) and beyond its own files
 (what the previous candidate left in its /tmp, /dev/shm and System V IPC). Each item is one line
 (ok, warn, FAIL or skipped: the cause and what it skips), recorded in OUT/preflight.json as it
@@ -166,7 +166,7 @@ def _fla_item(say) -> None:
 
 def _sandbox_item(say, device: str) -> bool:
     """The sandbox line; True when the strict sandbox works here."""
-    from evaluators.sandbox import probe_strict
+    from evaluators.sandbox.process import probe_strict
 
     start = time.perf_counter()
     why = probe_strict()
@@ -179,7 +179,7 @@ def _sandbox_item(say, device: str) -> bool:
 
 def _isolation_items(say, device: str, strict: bool, exclusive: bool) -> None:
     """'arena bounds' and 'candidate files': two probe candidates on `device`, one after the other."""
-    from evaluators import isolation_probe as probes
+    from evaluators.sandbox import isolation_probe as probes
 
     cuda = device == "cuda"
     if exclusive or not (cuda or strict):

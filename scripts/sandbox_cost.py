@@ -16,9 +16,9 @@ import json
 import statistics
 import time
 
-from evaluators.evaluator import Evaluator
-from evaluators.guard import hidden_paths
-from evaluators.sandbox import EngineProcess, workload_modules
+from evaluators.judge.evaluator import Evaluator
+from evaluators.sandbox.guard import hidden_paths
+from evaluators.sandbox.process import EngineProcess, workload_modules
 from evaluators.settings import EvaluatorSettings
 
 MODES = ("none", "strict")

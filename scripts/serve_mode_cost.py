@@ -31,8 +31,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from evaluators.served_generator import ServedGenerator, ServedGeneratorError
-from evaluators.served_guards import ServePolicy
+from evaluators.served.generator import ServedGenerator, ServedGeneratorError
+from evaluators.served.guards import ServePolicy
 from evaluators.settings import EvaluatorSettings
 from evo.core.stream_metrics import RequestTimeline, serving_metrics
 from evo.serving.rescoring import Rescorer
@@ -157,7 +157,7 @@ def _settle(served: ServedGenerator, timeout_s: float = 600.0) -> None:
 
 
 def _cpu():
-    from evaluators import device as devices
+    from evaluators.machine import device as devices
 
     return devices.device_info("cpu", 1)
 

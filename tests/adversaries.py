@@ -21,8 +21,8 @@ from typing import Mapping
 
 import torch
 
-from evaluators.guard import hidden_paths
-from evaluators.view import declared_view
+from evaluators.sandbox.guard import hidden_paths
+from evaluators.sandbox.view import declared_view
 from evo.core.genome import Gene, GeneSpace, Genome
 from evo.workloads.base import NO_SOURCES, DeviceInfo, Engine, Preset
 from tests.delegating_workload import DelegatingWorkload
@@ -73,7 +73,7 @@ class AttackWorkload(DelegatingWorkload):
         self.reference_file = str(ROOT / "evo" / "workloads" / "kda" / "reference.py")
         self.view = None  # what a strict engine may see (`with_view`), for the escape_view probe
         self.engine_file = ""  # a file its engines read (engine_files), for the read_engine_file probe
-        self.judge_file = str(ROOT / "evaluators" / "evaluator.py")
+        self.judge_file = str(ROOT / "evaluators" / "judge" / "evaluator.py")
 
     def engine_files(self, preset: Preset) -> tuple[str, ...]:
         return (self.engine_file,) if self.engine_file else ()
@@ -247,17 +247,17 @@ def _widen_affinity(w) -> bool:
 
 
 def _outside_view(w, most: int = 40) -> list[str]:
-    """Paths that exist outside the view the jail was built from (`evaluators.jail.view_in_force`; unconfined,
+    """Paths that exist outside the view the jail was built from (`evaluators.sandbox.jail.view_in_force`; unconfined,
     the judge's declaration `w.view`): named ones first (openable at all counts), then a walk of the whole
     tree (not into the view's bound folders or /proc), stopping after `most`."""
     site = Path(torch.__file__).resolve().parents[1]
     named = [ROOT / "tests" / "__init__.py", ROOT / "docs", ROOT / "scripts", ROOT / "configs", ROOT / "README.md",
-             ROOT / ".git", ROOT / "evaluators" / "evaluator.py", ROOT / "evo" / "serving" / "app.py",
+             ROOT / ".git", ROOT / "evaluators" / "judge" / "evaluator.py", ROOT / "evo" / "serving" / "app.py",
              ROOT / "evo" / "workloads" / "kda" / "reference.py", ROOT.parent / "shared", Path("/root/.bashrc"),
              Path("/home"), Path("/etc/shadow"), Path("/etc/hostname"), site / "mlflow" / "__init__.py",
              site / "ray" / "__init__.py"]
     found = [str(p) for p in named if _can_open(p)]
-    from evaluators import jail  # loaded before the jail; its file is not in the view
+    from evaluators.sandbox import jail  # loaded before the jail; its file is not in the view
 
     view = jail.view_in_force or w.view  # the view the jail built (strict), else the judge's declaration
     for folder, dirs, files in os.walk("/"):
@@ -352,7 +352,7 @@ def _runner():
 
 
 def _late_writer(honest):
-    from evaluators import arena as arenas  # already loaded in the engine's process
+    from evaluators.sandbox import arena as arenas  # already loaded in the engine's process
 
     def engine(**x):
         runner, message = _runner()

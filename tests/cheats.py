@@ -22,7 +22,7 @@ from typing import Callable, Mapping
 import numpy as np
 import torch
 
-from evaluators.check import expected_dtypes
+from evaluators.judge.check import expected_dtypes
 from evo.core.genome import Gene, GeneSpace, Genome
 from evo.workloads.domain import InputDomain
 from evo.workloads.base import NO_SOURCES, CheckCase, DeviceInfo, Engine, MachineRates, Preset, Roofline, Workload
@@ -346,7 +346,7 @@ def _lazy(source: str):
 
 
 def _patch_comparison(honest, w, preset):
-    import evaluators.check as check
+    import evaluators.judge.check as check
 
     check.compare_outputs = lambda *a, **k: ("", 0.0)
     type(w.base).reference = lambda self, inputs: {k: torch.zeros(1) for k in self.output_names}
@@ -357,7 +357,7 @@ def _patch_timer(honest, w, preset):
     real = time.perf_counter
     time.perf_counter = lambda: real() / 100.0
     try:  # the strict sandbox hides the judge's modules: nothing to patch there
-        import evaluators.evaluator as evaluator
+        import evaluators.judge.evaluator as evaluator
         evaluator.Evaluator._below_floor = lambda self, latency_ms: False
     except ImportError:
         pass

@@ -7,9 +7,9 @@ import tempfile
 os.environ.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token"})
 os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".inductor_cache"))
-# The machine's calibrated rates (evaluators.calibration): one fresh cache per session, not the user's.
+# The machine's calibrated rates (evaluators.judge.calibration): one fresh cache per session, not the user's.
 os.environ.setdefault("EVO_RATES_CACHE", tempfile.mkdtemp(prefix="evo-rates-"))
-# The baselines' compile cache (evaluators.view.baseline_cache): one fresh folder per session too.
+# The baselines' compile cache (evaluators.sandbox.view.baseline_cache): one fresh folder per session too.
 os.environ.setdefault("EVO_BASELINE_CACHE", tempfile.mkdtemp(prefix="evo-baseline-cache-"))
 
 import pytest

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from evaluators.check import expected_dtypes
+from evaluators.judge.check import expected_dtypes
 from evo.workloads.base import CheckCase, MachineRates, Preset, Roofline, Workload
 from evo.workloads.domain import InputDomain
 

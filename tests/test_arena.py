@@ -1,6 +1,6 @@
 """The judge's shared arenas belong to the evaluator: one pair per live engine process, reused across
 candidates, grown only when too small, freed at close, so candidates killed by SIGKILL leave nothing
-behind in the judge (on CUDA the arenas are allocations of their own, `evaluators.cuda_memory`, outside
+behind in the judge (on CUDA the arenas are allocations of their own, `evaluators.sandbox.cuda_memory`, outside
 torch's caching allocator: the device's free memory is what shows them)."""
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from evaluators import jail
-from evaluators.arena import ArenaPool
-from evaluators.evaluator import Evaluator
+from evaluators.sandbox import jail
+from evaluators.sandbox.arena import ArenaPool
+from evaluators.judge.evaluator import Evaluator
 from evaluators.settings import EvaluatorSettings
 from tests import fake_workload as fw
 

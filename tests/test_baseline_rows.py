@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from evaluators.evaluator import Evaluator
-from evaluators.pool import EvaluatorPool
+from evaluators.judge.evaluator import Evaluator
+from evaluators.pool.actors import EvaluatorPool
 from evaluators.settings import EvaluatorSettings
-from evaluators.synthetic import SyntheticEvaluator
+from evaluators.judge.synthetic import SyntheticEvaluator
 from evo.core.loop import LocalExecutor, run_search
 from evo.core.records import OK, TIMEOUT, EvalResult
 from evo.core.search import Search, SearchSettings

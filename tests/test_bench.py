@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from evaluators.synthetic import SyntheticEvaluator
+from evaluators.judge.synthetic import SyntheticEvaluator
 from evo.bench.bench import make_rows, markdown
 from evo.bench.compare import compare, retime_bests
 from evo.bench.strategies import Step, Trajectory

@@ -8,7 +8,7 @@ import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
 
-from evaluators.evaluator import Evaluator
+from evaluators.judge.evaluator import Evaluator
 from evaluators.settings import EvaluatorSettings
 from evo.core.genome import Genome
 from evo.core.retiming import FAILED, FASTER, IntensifySettings, failed_timing

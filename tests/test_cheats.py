@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-import evaluators.evaluator as evaluator_module
-from evaluators.evaluator import Evaluator
+import evaluators.judge.evaluator as evaluator_module
+from evaluators.judge.evaluator import Evaluator
 from evaluators.settings import EvaluatorSettings
 from evo.core.records import INCORRECT, OK, RUNTIME_ERROR
 from tests import cheats

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from evaluators.check import CheckReport, SeedStream, check_engine, compare_outputs
+from evaluators.judge.check import CheckReport, SeedStream, check_engine, compare_outputs
 from evaluators.settings import EvaluatorSettings
 from tests import fake_workload as fw
 

@@ -221,8 +221,8 @@ def test_a_failed_deployment_is_its_replicas_last_exception_in_one_line():
                "\x1b[36mray::ServeReplica:engine:EngineServer.initialize_and_get_metadata()\x1b[39m (pid=1, ip=127.0.0.1)\n"
                '  File "ray/serve/_private/replica.py", line 1928, in initialize\n'
                "RuntimeError: Traceback (most recent call last):\n"
-               '  File "evaluators/served.py", line 59, in _start\n'
-               "evaluators.served.ServedEngineError: engine f11 failed its verification in the sandbox: incorrect\n"
+               '  File "evaluators/served/engine.py", line 59, in _start\n'
+               "evaluators.served.engine.ServedEngineError: engine f11 failed its verification in the sandbox: incorrect\n"
                "\nThe above exception was the direct cause of the following exception:\n\n"
                '  File "evo/serving/app.py", line 325, in reconfigure\n'
                "evo.serving.app.EngineRejected: engine f11 from /runs/x: engine f11 failed its verification\n"

@@ -14,7 +14,7 @@ import ray
 from mlflow.tracking import MlflowClient
 from ray.cluster_utils import Cluster
 
-from evaluators.pool import EvaluatorPool, PlacementError, PoolSettings
+from evaluators.pool.actors import EvaluatorPool, PlacementError, PoolSettings
 from evaluators.settings import EvaluatorSettings
 from evo.driver.config import config_from_dict
 from evo.core.records import OK, Proposal

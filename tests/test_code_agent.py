@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from evaluators.evaluator import Evaluator
+from evaluators.judge.evaluator import Evaluator
 from evaluators.settings import EvaluatorSettings
 from evo.core.code import code_hash
 from evo.core.records import OK, Evaluated

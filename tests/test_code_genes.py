@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from evaluators.evaluator import Evaluator
+from evaluators.judge.evaluator import Evaluator
 from evaluators.settings import EvaluatorSettings
 from evo.core.code import CodeError, CodeStore, check_source, code_hash, load_module, marked_blocks
 from evo.core.genome import Genome, GenomeError

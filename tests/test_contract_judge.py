@@ -1,5 +1,5 @@
 """The generation judge exercises the whole contract on traffic an engine cannot tell from a user's
-(evaluators.judge_traffic, evaluators.generation_judge), through the Evaluator's full path: engines wrong only
+(evaluators.judge.traffic, evaluators.judge.generation), through the Evaluator's full path: engines wrong only
 with stop ids, for sampled tokens past the eighth, beside an aborted row, leaking a row per abort, when queued,
 above R + 2 held requests, or honest only on the old judge's traffic (tests/contract_cheats.py; each was judged
 ok by the judge before issue 38) are incorrect at every evaluation; one that holds each request's first token
@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from evaluators.evaluator import Evaluator
-from evaluators.generation_judge import GenerationJudge
-from evaluators.judge_traffic import LONG, SAMPLING, check_sends, draw_timed, stop_case, timed_sends
+from evaluators.judge.evaluator import Evaluator
+from evaluators.judge.generation import GenerationJudge
+from evaluators.judge.traffic import LONG, SAMPLING, check_sends, draw_timed, stop_case, timed_sends
 from evaluators.settings import EvaluatorSettings
 from evo.core.records import INCORRECT, OK
 from evo.core.retiming import FAILED

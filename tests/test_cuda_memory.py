@@ -1,4 +1,4 @@
-"""CUDA arenas are allocations of their own (the driver's virtual memory API, `evaluators.cuda_memory`),
+"""CUDA arenas are allocations of their own (the driver's virtual memory API, `evaluators.sandbox.cuda_memory`),
 handed to an engine's process as descriptors over its channel exactly as CPU memory files are, and
 every engine process gets its own IPC namespace and /dev/shm on CUDA too.
 
@@ -16,12 +16,14 @@ from multiprocessing.connection import Connection
 import pytest
 import torch
 
-from evaluators import arena as arenas
-from evaluators import cuda_memory as cm
-from evaluators import engine_process, jail, sandbox
-from evaluators.sandbox import EngineProcess, EngineProcessError
-from evaluators.view import declared_view
-from evaluators.zygote import Spawned
+from evaluators.sandbox import arena as arenas
+from evaluators.sandbox import cuda_memory as cm
+from evaluators.sandbox import engine_process
+from evaluators.sandbox import jail
+from evaluators.sandbox import process as sandbox
+from evaluators.sandbox.process import EngineProcess, EngineProcessError
+from evaluators.sandbox.view import declared_view
+from evaluators.sandbox.zygote import Spawned
 
 MiB = 1 << 20
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from evaluators.check import compare_outputs, expected_dtypes
-from evaluators.evaluator import Evaluator
+from evaluators.judge.check import compare_outputs, expected_dtypes
+from evaluators.judge.evaluator import Evaluator
 from evaluators.settings import EvaluatorSettings
 from evo.core.records import INCORRECT, OK
 from evo.workloads.base import CheckCase, DeviceInfo, Preset, Workload

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from evaluators.evaluator import Evaluator
+from evaluators.judge.evaluator import Evaluator
 from evaluators.settings import EvaluatorSettings
 from evo.core.records import BUILD_ERROR, INCORRECT, OK, RUNTIME_ERROR, TIMEOUT, EvalResult
 from tests import fake_workload as fw

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from evaluators.evaluator import Evaluator
+from evaluators.judge.evaluator import Evaluator
 from evaluators.settings import EvaluatorSettings
 from evo.core.records import OK
 from evo.workloads.kda import WORKLOAD as workload

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from evaluators import calibration
-from evaluators import evaluator as evaluator_module
-from evaluators.evaluator import Evaluator
+from evaluators.judge import calibration
+from evaluators.judge import evaluator as evaluator_module
+from evaluators.judge.evaluator import Evaluator
 from evaluators.settings import EvaluatorSettings
 from evo.core.records import OK
 from evo.driver.progress import SUMMARY

@@ -1,4 +1,4 @@
-"""The judge of generation engines (evaluators.generation_judge), through the Evaluator's full path: the
+"""The judge of generation engines (evaluators.judge.generation), through the Evaluator's full path: the
 engine built in the strict sandbox, replayed as a client, every request scored on its own tokens against
 the float64 reference. An engine that reads ahead, answers from a one-shot forward, depends on its batch
 mates, stops early or runs past max_tokens is incorrect; one that sleeps and bursts gets the TTFT a client
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from evaluators.evaluator import Evaluator
+from evaluators.judge.evaluator import Evaluator
 from evaluators.settings import EvaluatorSettings
 from evo.core.records import INCORRECT, OK
 

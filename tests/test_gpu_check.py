@@ -1,6 +1,6 @@
 """The GPU check fits its budget and always reports: run on CPU (the dry run) with a budget too small
 for its engines, it still writes the table, lists what it did not reach, and puts a failing test in
-the table's header instead of stopping. Its isolation probes (`evaluators.isolation_probe`) find what a
+the table's header instead of stopping. Its isolation probes (`evaluators.sandbox.isolation_probe`) find what a
 candidate left for the next one, and their rows fail on every breach a GPU could report."""
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from evaluators import isolation_probe as probes
-from evaluators import jail
+from evaluators.sandbox import isolation_probe as probes
+from evaluators.sandbox import jail
 from evo.workloads.kda.gpu_baselines import missing_baselines
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,7 +14,7 @@ SCRIPT = textwrap.dedent("""
     import json, functools
     from evo.workloads.kda import WORKLOAD as kda, baselines, reference
     from evo.workloads.kda.reference import reference as bound_before        # an alias taken early
-    from evaluators.guard import ForbiddenCall, forbidden_targets, install_guards
+    from evaluators.sandbox.guard import ForbiddenCall, forbidden_targets, install_guards
 
     keep = {"method": kda.reference, "partial": functools.partial(baselines.chunk_pairwise, chunk_size=16)}
     calls = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from evaluators.synthetic import SyntheticEvaluator
+from evaluators.judge.synthetic import SyntheticEvaluator
 from evo.core.lessons import from_search
 from evo.core.loop import LocalExecutor, run_search
 from evo.core.retiming import EQUAL, FASTER, Challenge, IntensifySettings, PairedTiming, decide, paired_timing

@@ -129,7 +129,7 @@ def test_the_seed_matches_the_reference_and_a_wrong_kernel_does_not() -> None:
 @needs_triton
 def test_the_evaluator_judges_kernel_code_in_its_engine_processes(interpreted) -> None:
     """A wrong kernel is run (so its source was found, checked and loaded) and judged incorrect."""
-    from evaluators.evaluator import Evaluator
+    from evaluators.judge.evaluator import Evaluator
     from evaluators.settings import EvaluatorSettings
 
     evaluator = Evaluator("kda", "cpu_small", EvaluatorSettings(warmup=0, repeats=1), seed=7, name="triton-code-ev")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from evaluators.synthetic import SyntheticEvaluator
+from evaluators.judge.synthetic import SyntheticEvaluator
 from evo.core.loop import LocalExecutor, run_search
 from evo.core.search import Search, SearchSettings
 from evo.workloads import get_workload

@@ -1,4 +1,4 @@
-"""The kimi_linear generation engine, replayed by the judge's own client (evaluators.replay) on the cpu_small
+"""The kimi_linear generation engine, replayed by the judge's own client (evaluators.judge.replay) on the cpu_small
 trace and scored on its own tokens against the float64 reference: every gene value decodes the reference's
 tokens from logits within float32 rounding of it, batch mates change no request's tokens, an abort frees its
 row, seeded sampling is the draw the judge checks; the baselines are right on the same trace; and one
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from evaluators.replay import replay, request_problems, score
+from evaluators.judge.replay import replay, request_problems, score
 from evo.core.trace import TraceRequest
 from evo.workloads import get_workload
 from evo.workloads.base import DeviceInfo
@@ -281,7 +281,7 @@ def test_the_workload_hooks():
 
 
 def test_one_evaluation_through_the_judge_in_the_strict_sandbox_is_ok():
-    from evaluators.evaluator import Evaluator
+    from evaluators.judge.evaluator import Evaluator
     from evaluators.settings import EvaluatorSettings
     from evo.core.records import OK
 

@@ -184,7 +184,7 @@ def test_a_router_near_tie_taken_the_other_way_is_read_as_rounding_and_no_other_
     such flip failed a final re-timing). Tokens decoded greedily under the nearest tie flipped pass only through
     the reference's other readings, and only while that gap counts as a tie."""
     from evo.workloads.generation import GenerationRequest
-    from evaluators.replay import request_problems
+    from evaluators.judge.replay import request_problems
 
     preset, w, n = PRESETS["cpu_small"], reference.float64_weights(SMALL), 8
     moe_layers = [i for i, ffn in enumerate(SMALL.mlp_types) if ffn != DENSE]

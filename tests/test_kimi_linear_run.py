@@ -64,7 +64,7 @@ def _kda_lessons(path: Path) -> Lessons:
     sizes), exponent_form=factored_chunk fails. kimi_linear declares `threads` (values (1,) on one evaluator
     thread) and no exponent_form (its chunked prefill keeps the pairwise form): the threads=1 lesson holds there,
     the other two do not; lessons on chunk_size hold wherever kimi_linear declares it."""
-    from evaluators.device import cpu_name
+    from evaluators.machine.device import cpu_name
 
     effects = GeneEffects()
     for threads, chunk, form, ms in [(1, 16, "pairwise", 10.0), (1, 32, "pairwise", 12.0),
@@ -165,7 +165,7 @@ def test_the_best_engine_decodes_as_transformers_own_float64_model(search_run, c
 
 @pytest.mark.slow
 def test_a_kda_runs_lessons_warm_start_it_on_the_shared_genes_and_the_evidence_names_them(search_run):
-    from evaluators.device import cpu_name
+    from evaluators.machine.device import cpu_name
 
     preset_name, summary, run_dir, log, kda = search_run
     said = kda.to_dict()

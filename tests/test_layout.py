@@ -19,7 +19,13 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core", ("evo.core",)),
     ("workloads", ("evo.workloads",)),
     ("operators", ("operators",)),
-    ("evaluators", ("evaluators",)),
+    # the judge's rooms (evaluators/): the sandbox knows nothing of judges, served twins and the pool are peers
+    ("evaluators.settings", ("evaluators", "evaluators.settings")),
+    ("evaluators.machine", ("evaluators.machine",)),
+    ("evaluators.sandbox", ("evaluators.sandbox",)),
+    ("evaluators.judge", ("evaluators.judge",)),
+    ("evaluators.served", ("evaluators.served",)),
+    ("evaluators.pool", ("evaluators.pool",)),
     ("evidence", ("evo.evidence",)),
     ("driver", ("evo.driver",)),
     ("serving", ("evo.serving",)),
@@ -27,10 +33,13 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("entry", ("evo.cli", "evo.__main__", "evo.registry", "evo")),
 )
 # third-party modules a layer must not import
-FORBIDDEN_THIRD_PARTY = {"core": ("ray", "mlflow"), "workloads": ("ray", "mlflow"),
-                         "evaluators": ("mlflow",), "operators": ("mlflow",)}
-# operators and evaluators are peers: neither imports the other
-PEERS = {("operators", "evaluators"), ("evaluators", "operators")}
+EVALUATOR_ROOMS = tuple(layer for layer, _ in LAYERS if layer.startswith("evaluators."))
+FORBIDDEN_THIRD_PARTY = {"core": ("ray", "mlflow"), "workloads": ("ray", "mlflow"), "operators": ("mlflow",),
+                         **{room: ("mlflow",) if room == "evaluators.pool" else ("ray", "mlflow")
+                            for room in EVALUATOR_ROOMS}}
+# operators and evaluators are peers: neither imports the other; nor do the served twins and the Ray pool
+PEERS = {*((a, b) for room in EVALUATOR_ROOMS for a, b in (("operators", room), (room, "operators"))),
+         ("evaluators.served", "evaluators.pool"), ("evaluators.pool", "evaluators.served")}
 
 
 def module_files() -> dict[str, Path]:

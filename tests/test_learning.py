@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from optuna.trial import TrialState
 
-from evaluators.synthetic import SyntheticEvaluator
+from evaluators.judge.synthetic import SyntheticEvaluator
 from evo.bench.compare import compare
 from evo.driver.config import config_from_dict
 from evo.core.effects import GeneEffects

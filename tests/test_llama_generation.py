@@ -1,4 +1,4 @@
-"""The Llama generation engine in its plainest form, replayed by the judge as a client (evaluators.replay)
+"""The Llama generation engine in its plainest form, replayed by the judge as a client (evaluators.judge.replay)
 and scored on its own tokens against the float64 reference: right, and its metrics are the judge's."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from evaluators.replay import replay, score
+from evaluators.judge.replay import replay, score
 from evo.core.stream_metrics import serving_metrics
 from evo.core.trace import TraceSpec, draw
 from evo.workloads import get_workload
@@ -46,10 +46,10 @@ def test_the_plainest_generator_decodes_its_own_tokens_as_the_float64_reference_
 def test_the_generator_runs_confined_and_the_judge_scores_it_through_its_channel():
     """The generation contract over the engine's own channel: built in the strict sandbox, requests added
     and steps taken as messages, every answer checked; the same tokens as the reference."""
-    from evaluators import device as devices
-    from evaluators.guard import hidden_paths
-    from evaluators.replay import ConfinedGenerator
-    from evaluators.sandbox import EngineProcess, EngineProcessError, workload_modules
+    from evaluators.machine import device as devices
+    from evaluators.sandbox.guard import hidden_paths
+    from evaluators.judge.replay import ConfinedGenerator
+    from evaluators.sandbox.process import EngineProcess, EngineProcessError, workload_modules
 
     preset = W.presets()["cpu_small"]
     info = devices.device_info("cpu", 1)

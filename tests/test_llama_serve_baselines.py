@@ -1,5 +1,5 @@
 """The serving baselines (one request at a time, transformers' static and continuous batching), each replayed
-by the judge as a client (evaluators.replay) on the cpu_small preset and scored on its own tokens against
+by the judge as a client (evaluators.judge.replay) on the cpu_small preset and scored on its own tokens against
 the float64 reference; and each batching as it claims: static batches admitted together, one request at a
 time never overlapping, continuous batching streaming per token."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from evaluators.replay import Replay, replay, score
+from evaluators.judge.replay import Replay, replay, score
 from evo.core.trace import TraceSpec, draw
 from evo.workloads.base import DeviceInfo
 from evo.workloads.generation import GenerationRequest

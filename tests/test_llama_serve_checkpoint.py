@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from evaluators.replay import replay
+from evaluators.judge.replay import replay
 from evo.core.trace import TraceSpec, draw
 from evo.serving.text import TextCodec
 from evo.workloads.base import DeviceInfo

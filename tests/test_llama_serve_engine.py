@@ -1,4 +1,4 @@
-"""The searched generation engine of llama_serve, replayed by the judge's own client (evaluators.replay) on the
+"""The searched generation engine of llama_serve, replayed by the judge's own client (evaluators.judge.replay) on the
 cpu_small trace and scored on its own tokens against the float64 reference: each scheduling and memory design
 is right, a stop id ends a request, a request too long is refused, and batch mates change no request's tokens."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from evaluators.replay import replay, score
+from evaluators.judge.replay import replay, score
 from evo.core.genome import GenomeError
 from evo.core.trace import TraceRequest
 from evo.workloads.base import DeviceInfo
@@ -208,7 +208,7 @@ def test_the_shared_genes_reach_the_model_engine():
 def test_sampled_requests_are_the_seeded_draw_the_judge_checks():
     """Temperature and top_p per request, batched with greedy ones: every token passes the judge's sampling check
     against the float64 reference; the same seed draws the same tokens, another seed others."""
-    from evaluators.replay import request_problems
+    from evaluators.judge.replay import request_problems
 
     rng = np.random.default_rng(21)
     prompts = [tuple(rng.integers(0, V, n).tolist()) for n in (5, 17, 1, 9)]

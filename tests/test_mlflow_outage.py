@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from evaluators.synthetic import SyntheticEvaluator
+from evaluators.judge.synthetic import SyntheticEvaluator
 from evo.cli import main as cli_main
 from evo.evidence.journal import DiskEvidence
 from evo.core.loop import LocalExecutor, run_search

@@ -1,5 +1,5 @@
 """Paired re-timing: the statistics (evo.core.retiming), and the evaluator timing two engines interleaved
-(evaluators.paired) on engines of known latency with a noise model (tests/paired_workload.py)."""
+(evaluators.judge.paired) on engines of known latency with a noise model (tests/paired_workload.py)."""
 from __future__ import annotations
 
 import json
@@ -10,8 +10,8 @@ import re
 import numpy as np
 import pytest
 
-from evaluators.evaluator import Evaluator
-from evaluators.paired import balanced_orders
+from evaluators.judge.evaluator import Evaluator
+from evaluators.judge.paired import balanced_orders
 from evaluators.settings import EvaluatorSettings
 from evo.core.genome import Genome
 from evo.core.retiming import (EQUAL, FAILED, FASTER, SLOWER, IntensifySettings, PairedTiming, decide,
@@ -163,7 +163,7 @@ def test_evo_ab_prints_the_ratio_its_interval_and_a_verdict(tmp_path, capsys):
 
 
 def test_cpu_telemetry_reads_the_load_and_the_frequency_where_readable():
-    from evaluators import telemetry
+    from evaluators.machine import telemetry
 
     stamp = telemetry.sample("cpu")
     assert stamp["load_1m"] >= 0 and stamp["cpus"] == len(os.sched_getaffinity(0))

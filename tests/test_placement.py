@@ -1,7 +1,7 @@
 """Evaluator placement planned from a snapshot of the cluster's nodes (no Ray needed)."""
 import pytest
 
-from evaluators.placement import NodeView, PlacementError, SlotPlan, initial_plan, placement_kind, plan_slots
+from evaluators.pool.placement import NodeView, PlacementError, SlotPlan, initial_plan, placement_kind, plan_slots
 
 
 def node(name, cpus=8, gpus=0, types=(), cores=None, driver=False):

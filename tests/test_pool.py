@@ -3,7 +3,7 @@ import dataclasses
 
 import pytest
 
-from evaluators.pool import EvaluatorPool, PlacementError, PoolSettings
+from evaluators.pool.actors import EvaluatorPool, PlacementError, PoolSettings
 from evaluators.settings import EvaluatorSettings
 from evo.core.genome import Genome
 from evo.core.records import OK, RUNTIME_ERROR, TIMEOUT, Proposal
@@ -52,7 +52,7 @@ def test_baselines_run_through_the_pool(pool):
 
 def test_paired_re_timings_run_through_the_pool_one_answer_per_job(pool):
     """Each job in one evaluator actor (`Evaluator.retime`), answers in job order; a wrong engine fails."""
-    from evaluators.pool import RetimeJob
+    from evaluators.pool.actors import RetimeJob
 
     good, same = fake_workload.genome_json("cumsum"), fake_workload.genome_json("cumsum", threads=1)
     jobs = [RetimeJob((good, same), {}, calls=8, warmup=0, reason="parent", generation=3),

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import numpy as np
 import pytest
 
-from evaluators.synthetic import SyntheticEvaluator
+from evaluators.judge.synthetic import SyntheticEvaluator
 from evo.core.genome import GenomeError
 from evo.core.loop import LocalExecutor, run_search
 from evo.core.proposer import Feedback, ProposalRequest, improves_on_parent, proposer_class, register_proposer

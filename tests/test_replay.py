@@ -1,4 +1,4 @@
-"""The judge as a client of a generation engine (evaluators.replay): every token stamped on the judge's
+"""The judge as a client of a generation engine (evaluators.judge.replay): every token stamped on the judge's
 clock, each request scored on its own tokens. A toy model (next token a fixed function of the prefix)
 and engines honest or not, in-process: the contract's logic, apart from the sandbox's transport. Clients
 that arrive as others decode, that go away mid-decode (aborts), ids from the engine's own sequence, and the
@@ -11,8 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from evaluators.replay import Send, prefix_problem, replay, request_problems, score
-from evaluators.request_ids import RequestIds
+from evaluators.judge.replay import Send, prefix_problem, replay, request_problems, score
+from evaluators.judge.request_ids import RequestIds
 from evo.core.stream_metrics import serving_metrics
 from evo.core.trace import TraceSpec, draw
 from evo.workloads.generation import GenerationRequest, TokenEvent
@@ -149,7 +149,7 @@ def test_engines_that_do_not_decode_their_own_tokens_honestly_are_caught(engine,
 def test_a_near_tie_is_not_an_error():
     request = GenerationRequest(0, (1, 2), 1)
     tied = lambda prompt, tokens: np.array([[5.0, 5.0 - 1e-9] + [0.0] * (V - 2)])  # noqa: E731
-    from evaluators.replay import Replay
+    from evaluators.judge.replay import Replay
     from evo.core.stream_metrics import RequestTimeline
     result = Replay((request,), ((1,),), (RequestTimeline(0.0, (0.1,), 2),), (), 0.2)
     assert score(result, tied, tolerance=1e-6, vocab=V) == [] and score(result, tied, tolerance=1e-12, vocab=V)

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from evaluators.evaluator import Evaluator
+from evaluators.judge.evaluator import Evaluator
 from evaluators.settings import EvaluatorSettings
 from evo.core.population import Population, PopulationSettings
 from evo.core.records import OK, STATUSES, SUSPECT, EvalResult, Evaluated, Proposal

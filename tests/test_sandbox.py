@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import evaluators.evaluator as evaluator_module
-from evaluators import device as devices
-from evaluators import jail
-from evaluators.check import expected_dtypes
-from evaluators.evaluator import Evaluator
-from evaluators.guard import hidden_paths
-from evaluators.sandbox import EngineProcess, _members, workload_modules
+import evaluators.judge.evaluator as evaluator_module
+from evaluators.machine import device as devices
+from evaluators.sandbox import jail
+from evaluators.judge.check import expected_dtypes
+from evaluators.judge.evaluator import Evaluator
+from evaluators.sandbox.guard import hidden_paths
+from evaluators.sandbox.process import EngineProcess, _members, workload_modules
 from evaluators.settings import EvaluatorSettings
 from evo.core.records import INCORRECT, OK
 from tests import adversaries
@@ -83,7 +83,7 @@ def test_without_the_sandbox_the_same_probes_succeed(monkeypatch, attack):
 def test_a_jailed_engine_sees_only_its_declared_view(monkeypatch):
     """The engine walks the whole file tree and tries the project's tests, docs, scripts and configs, a
     sibling folder of the checkout, /root, /home, other site-packages: nothing outside the declared view
-    (`evaluators.view`) exists for it. Without the sandbox the same walk finds them."""
+    (`evaluators.sandbox.view`) exists for it. Without the sandbox the same walk finds them."""
     workload = adversaries.with_view(adversaries.AttackWorkload(fw.WORKLOAD, "attack_fake"))
     r = _evaluate(_evaluator(monkeypatch, workload, FAST), "escape_view")
     assert r.status == OK, f"{r.status} {r.message}\n{r.error}"
@@ -213,7 +213,7 @@ def test_the_engine_runs_unprivileged_and_filtered():
 
 
 def test_the_seccomp_filter_refuses_what_reaches_other_processes():
-    from evaluators import seccomp
+    from evaluators.sandbox import seccomp
 
     pid = os.fork()
     if pid == 0:
@@ -242,7 +242,7 @@ def test_a_bad_sandbox_setting_names_what_is_allowed():
 
 
 def test_no_key_or_secret_reaches_the_engine(secret):
-    from evaluators.zygote import engine_environment
+    from evaluators.sandbox.zygote import engine_environment
 
     env = engine_environment({**os.environ, "OPENAI_API_KEY": "x", "MLFLOW_TRACKING_PASSWORD": "y",
                               "RAY_ADDRESS": "z", "OMP_NUM_THREADS": "1"})
@@ -270,7 +270,7 @@ def test_torch_compile_keeps_working_inside(monkeypatch):
 def test_a_compiled_baseline_fills_the_machines_cache_which_no_candidate_sees(monkeypatch, tmp_path):
     """A baseline (trusted) compiles into the machine's baseline cache, bound read-write into its view
     only; a candidate's view holds no such folder, so nothing a candidate writes reaches a baseline."""
-    from evaluators.view import BASELINE_CACHE, declared_view
+    from evaluators.sandbox.view import BASELINE_CACHE, declared_view
 
     monkeypatch.setenv("EVO_BASELINE_CACHE", str(tmp_path / "cache"))
     assert declared_view((), (), trusted=True, cache=str(tmp_path)).allows(BASELINE_CACHE + "/.inductor_cache")

@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from evaluators.synthetic import SyntheticEvaluator
+from evaluators.judge.synthetic import SyntheticEvaluator
 from evo.core.genome import DOMAINS
 from evo.core.loop import LocalExecutor, run_search
 from evo.core.population import Population, PopulationSettings

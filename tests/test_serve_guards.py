@@ -1,4 +1,4 @@
-"""Serve lets no token out that nothing checks (issue 38): a served generation engine (evaluators.served_generator,
+"""Serve lets no token out that nothing checks (issue 38): a served generation engine (evaluators.served.generator,
 strict sandbox, llama_serve cpu_small wrapped by tests.serve_cheats) is held to guards on every token, to its
 judged speed, to canaries and, under `verify: all`, to the float64 reference before any token is released.
 
@@ -20,9 +20,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from evaluators.canaries import Canaries, window_or_variant
-from evaluators.served_generator import ServedGenerator, ServedGeneratorError
-from evaluators.served_guards import Judged, ServePolicy, SpeedWatch, breach, stall_deadline
+from evaluators.served.canaries import Canaries, window_or_variant
+from evaluators.served.generator import ServedGenerator, ServedGeneratorError
+from evaluators.served.guards import Judged, ServePolicy, SpeedWatch, breach, stall_deadline
 from evaluators.settings import EvaluatorSettings
 from evo.serving.app import check_user_config
 from evo.serving.rescoring import Rescorer
@@ -45,7 +45,7 @@ def greedy(prompt, n):
 
 
 def serve(cheat: str, **policy) -> ServedGenerator:
-    from evaluators import device as devices
+    from evaluators.machine import device as devices
 
     genome = W.gene_space(PRESET, devices.device_info("cpu", 1)).make({"cheat": cheat}).to_json()
     return ServedGenerator("tests.serve_cheats", "cpu_small", genome, settings=EvaluatorSettings(replays=1),

@@ -1,4 +1,4 @@
-"""A generation engine kept open for serving (evaluators.served_generator): checked in the strict sandbox,
+"""A generation engine kept open for serving (evaluators.served.generator): checked in the strict sandbox,
 then one engine loop serving many callers at once. Concurrent callers get, each on its own stream, the
 tokens the float64 reference's greedy decode gives; bounds are refused naming the field; a full queue is
 refused at once; a cancelled stream gets nothing more while the others go on; closing kills the engine; request
@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from evaluators.served_generator import Overloaded, RequestError, ServedGenerator, ServedGeneratorError
+from evaluators.served.generator import Overloaded, RequestError, ServedGenerator, ServedGeneratorError
 from evaluators.settings import EvaluatorSettings
 from evo.workloads import get_workload
 
@@ -36,7 +36,7 @@ def served():
 
 
 def _info():
-    from evaluators import device as devices
+    from evaluators.machine import device as devices
 
     return devices.device_info("cpu", 1)
 

@@ -1,12 +1,12 @@
 """Device telemetry on CPU: a measurement taken while the device throttled is flagged and timed once more,
 in an evaluation and in a paired re-timing. The throttle comes from a sampler of the test's own (the
-`evaluators.telemetry.Sampler` interface), not from NVML."""
+`evaluators.machine.telemetry.Sampler` interface), not from NVML."""
 from __future__ import annotations
 
 import pytest
 
-from evaluators import telemetry
-from evaluators.evaluator import Evaluator
+from evaluators.machine import telemetry
+from evaluators.judge.evaluator import Evaluator
 from evaluators.settings import EvaluatorSettings
 from tests import fake_workload
 

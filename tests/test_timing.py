@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from evaluators.timing import ARITHMETIC, Timing, floor_rates, measure_rates, num_threads, summarize
+from evaluators.judge.timing import ARITHMETIC, Timing, floor_rates, measure_rates, num_threads, summarize
 from evo.workloads.base import MachineRates
 from evo.workloads.kda import WORKLOAD as KDA
 
@@ -61,7 +61,7 @@ def test_merged_max_keeps_the_higher_of_each_rate():
 def test_tf32_switch_uses_the_current_api_and_restores_it():
     """Once the current fp32_precision API was used, the legacy allow_tf32 read raises; the switch the
     rate measurement uses must not read it (a CPU test: the flags are process-wide settings)."""
-    from evaluators.timing import matmul_tf32
+    from evaluators.judge.timing import matmul_tf32
 
     matmul = torch.backends.cuda.matmul
     before = matmul.fp32_precision

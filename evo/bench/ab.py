@@ -3,7 +3,7 @@
 A and B are each: genome JSON (a full genome, or a flat {gene: value} map that takes defaults), a file
 holding one, a genome hash (or its prefix) from a run's evidence (`--run RUN_DIR`, else every run
 directory under the config's `out_dir`), `default` (the gene space's default genome), or a baseline's
-name. Both are built in one evaluator and called interleaved (`evaluators.paired`); the answer is the
+name. Both are built in one evaluator and called interleaved (`evaluators.judge.paired`); the answer is the
 latency ratio A / B with its 95% interval and the verdict: faster, slower, or equal within noise.
 """
 from __future__ import annotations
@@ -79,7 +79,7 @@ def run_dirs(config: RunConfig, given: list[str]) -> list[Path]:
 def ab(config: RunConfig, a: str, b: str, *, calls: int, warmup: int, min_effect: float,
        runs: list[str] = ()) -> PairedTiming:
     """Time A against B, paired, with the config's workload, preset and evaluator settings."""
-    from evaluators.evaluator import Evaluator  # torch loads here, not at `python -m evo --help`
+    from evaluators.judge.evaluator import Evaluator  # torch loads here, not at `python -m evo --help`
 
     cores = tuple(range(config.evaluators.threads))
     evaluator = Evaluator(config.workload, config.preset, config.evaluator, derive_seed(config.search.seed, "ab"),

@@ -1,7 +1,7 @@
 """`python -m evo bench`: genomes and every baseline evaluated in this one process, side by side.
 
 No Ray and no MLflow on the import chain (GPU boxes often have neither): the plain
-`evaluators.evaluator.Evaluator` builds, checks and times each engine; an optional short search runs
+`evaluators.judge.evaluator.Evaluator` builds, checks and times each engine; an optional short search runs
 with the in-process agents (`operators.team.LocalTeam`), intensifying as a run does. Writes
 results.parquet, table.md and table.json under the output folder; logs to MLflow only when it is
 importable and enabled.
@@ -218,7 +218,7 @@ def log_mlflow(config: RunConfig, out_dir: Path, rows: list[BenchRow]) -> str:
 def bench(config: RunConfig, genomes_file: str | None, sample: int, search_budget: int,
           baselines: list[str] | None, out: str | None) -> tuple[list[BenchRow], Path]:
     """Evaluate the chosen genomes, a short search's genomes and every baseline; write the table."""
-    from evaluators.evaluator import Evaluator  # torch loads here, not at `python -m evo --help`
+    from evaluators.judge.evaluator import Evaluator  # torch loads here, not at `python -m evo --help`
 
     evaluator = Evaluator(config.workload, config.preset, config.evaluator, derive_seed(config.search.seed, "bench"),
                           name="bench")

@@ -331,7 +331,7 @@ def compare(config: RunConfig, names: list[str], seeds: int, budget: int, bench_
     workload = get_workload(config.workload)
     preset = workload.presets()[config.preset]
     if evaluator is None:
-        from evaluators.evaluator import Evaluator
+        from evaluators.judge.evaluator import Evaluator
 
         evaluator = Evaluator(config.workload, config.preset, config.evaluator, derive_seed(config.search.seed, "compare"),
                               "compare-0", tuple(range(config.evaluators.threads)))

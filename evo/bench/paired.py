@@ -1,5 +1,5 @@
 """Paired claims for `evo bench` and `evo compare`: every speedup they state comes from a paired re-timing
-taken in the same run (`evaluators.paired`, through the evaluator's `retime`), as a ratio with its 95%
+taken in the same run (`evaluators.judge.paired`, through the evaluator's `retime`), as a ratio with its 95%
 interval and a verdict, never from two single timings taken at different moments.
 
 `LocalRetimer` is the search's `evo.core.retiming.Retimer` in this process (intensification in the
@@ -19,7 +19,7 @@ _FLIPPED = {FASTER: SLOWER, SLOWER: FASTER, EQUAL: EQUAL, FAILED: FAILED}
 
 @runtime_checkable
 class PairedJudge(Protocol):
-    """An evaluator that can time engines interleaved (`evaluators.evaluator.Evaluator`)."""
+    """An evaluator that can time engines interleaved (`evaluators.judge.evaluator.Evaluator`)."""
 
     def retime(self, engines: Sequence[str], *, calls: int, warmup: int, min_effect: float,
                sources: Mapping[str, str] | None = None, reason: str = "ab", generation: int = -1

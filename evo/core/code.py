@@ -13,7 +13,7 @@ point with the declared parameters at top level. **This filter is a fast, readab
 obviously forbidden code, not a boundary**: Python offers many other paths to the same places (e.g.
 `torch.os`, `torch.sys`, `torch.save` pass it), so code that passes may still do anything the process
 it runs in can do. The boundary is the process: code genes run only inside a judge's confined engine
-process (`evaluators.jail`: no privileges, an allow-list view of the files, no network), in the
+process (`evaluators.sandbox.jail`: no privileges, an allow-list view of the files, no network), in the
 search, a benchmark and Serve alike.
 `load_module` turns a checked source into a module and refuses to run anywhere but in such a process
 (`allow_engine_code`, called there before the build); tests of the project's own seed sources opt in
@@ -172,7 +172,7 @@ def check_sources(genome_values: Mapping[str, object], sources: Mapping[str, str
     return chosen
 
 
-_engine_code_allowed = False  # set in an engine's confined process only (evaluators.engine_process)
+_engine_code_allowed = False  # set in an engine's confined process only (evaluators.sandbox.engine_process)
 MODULE_PREFIX = "evo_code_"  # the sys.modules names of loaded code genes
 
 
@@ -206,7 +206,7 @@ def load_module(source: str, stage: OpenStage) -> types.ModuleType:
     if not _engine_code_allowed:
         raise CodeError(f"load_module refuses to run the code gene {stage.gene} in this process (pid {os.getpid()}):"
                         " a genome's code runs only inside a judge's confined engine process"
-                        " (evaluators.engine_process), where the search, benchmarks and Serve build engines")
+                        " (evaluators.sandbox.engine_process), where the search, benchmarks and Serve build engines")
     check_source(source, stage)
     name = f"{MODULE_PREFIX}{stage.stage}_{code_hash(source)}"
     filename = f"<evo-code {stage.gene} {code_hash(source)}>"

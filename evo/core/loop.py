@@ -1,7 +1,7 @@
 """The search loop: ask, evaluate, tell, report. Executors and sinks are passed in.
 
 An executor turns proposals into (proposal, result) pairs in any order (`LocalExecutor` in-process,
-`evaluators.pool.EvaluatorPool` on Ray). Sinks subscribe to results and generations, called in list
+`evaluators.pool.actors.EvaluatorPool` on Ray). Sinks subscribe to results and generations, called in list
 order; disk sinks come first so evidence is on disk before anything is reported. `Sink` below is all
 the loop needs; `evo.evidence.sink.Sink` is the base class with every hook, empty by default.
 """

@@ -1,7 +1,7 @@
 """Paired re-timing: the record of one A/B comparison and the statistics that decide it. Pure: numpy only.
 
 A paired re-timing calls two engines interleaved, call by call in a shuffled order on fresh inputs
-(`evaluators.paired` does the measuring), so both see the same machine at the same moments: a load
+(`evaluators.judge.paired` does the measuring), so both see the same machine at the same moments: a load
 spike or a clock change hits a pair, not one engine. Each pair i gives d_i = log(a_i / b_i). The
 estimate of the latency ratio A/B is exp of the Hodges-Lehmann estimate of the d_i (the median of
 the Walsh averages (d_i + d_j) / 2, i <= j) and its 95% interval is the distribution-free one of
@@ -52,7 +52,7 @@ class PairedTiming:
     wall_s: float = math.nan  # its wall time, builds included
     evaluator: str = ""
     device: str = ""
-    telemetry: dict[str, Any] = field(default_factory=dict)  # the machine around the calls (evaluators.telemetry)
+    telemetry: dict[str, Any] = field(default_factory=dict)  # the machine around the calls (evaluators.machine.telemetry)
     # figures of each timed call beyond its latency, by name, in call order like the samples (a generation
     # engine's replay: output tokens/s, TTFT, TPOT, ...); empty for a call engine
     figures_a: dict[str, tuple[float, ...]] = field(default_factory=dict)

@@ -7,7 +7,7 @@ server): `burst` (all at time 0), `poisson` (independent arrivals at `rate` requ
 `closed` (a closed loop: `concurrency` clients, each sending its next request when its last one
 finished, so arrival times come from the engine's own speed). `concurrency` also caps how many
 requests are in flight for the two open processes (0: no cap). The judge draws a trace afresh for
-every evaluation from the OS's randomness (`evaluators.judge_traffic`), and its prompts' token ids at
+every evaluation from the OS's randomness (`evaluators.judge.traffic`), and its prompts' token ids at
 replay time; a spec fixes the process, the counts and the ranges, not the draw.
 """
 from __future__ import annotations

@@ -16,7 +16,7 @@ from typing import Any, Callable, TextIO
 import ray
 import yaml
 
-from evaluators.pool import EvaluatorPool
+from evaluators.pool.actors import EvaluatorPool
 from evo.core.code import CodeStore
 from evo.core.genome import GeneSpace
 from evo.core.lessons import Lessons, for_run as warm_lessons

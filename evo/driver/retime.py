@@ -1,12 +1,12 @@
 """Paired re-timing for a run: the search's challenges and the final comparison with the baselines,
-timed by the evaluator pool (`evaluators.pool.EvaluatorPool.retime`, `evaluators.paired`).
+timed by the evaluator pool (`evaluators.pool.actors.EvaluatorPool.retime`, `evaluators.judge.paired`).
 
 `PoolRetimer` is the search's `evo.core.retiming.Retimer`: the core decides what to re-time, the pool
 times it in its evaluators, each challenge in one evaluator, several at once across them.
 """
 from __future__ import annotations
 
-from evaluators.pool import EvaluatorPool, RetimeJob
+from evaluators.pool.actors import EvaluatorPool, RetimeJob
 from evo.core.records import EvalResult, Evaluated
 from evo.core.retiming import Challenge, IntensifySettings, PairedTiming
 from evo.evidence.engine_record import EngineRecord

@@ -1,6 +1,6 @@
 """The driver: a run's config -> its parts (`evo.driver.assemble`) -> baselines -> the search -> its summary.
 
-Ray lives here, in `evo.driver.assemble`, `evaluators.pool` and `operators.ray_team`; the search core
+Ray lives here, in `evo.driver.assemble`, `evaluators.pool.actors` and `operators.ray_team`; the search core
 never sees it.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import TextIO
 
 import ray
 
-from evaluators.calibration import CACHED
+from evaluators.judge.calibration import CACHED
 from evo.core.code import CodeStore
 from evo.core.genome import DOMAINS
 from evo.core.lessons import FILE as LESSONS_FILE, Lessons, from_search as lessons_from_search

@@ -1,6 +1,6 @@
 """The run's one roofline floor: where its rates came from, its revisions, and how it is shown.
 
-The driver measures the machine's rates once (robustly, see evaluators.calibration), hands them to every
+The driver measures the machine's rates once (robustly, see evaluators.judge.calibration), hands them to every
 evaluator, and keeps the floor here: the evaluators' `suspect` check and the summary use the same one.
 An engine that passed every check but timed below it means the floor was measured low; the floor is
 re-measured and a lower one recorded as a revision. A fraction of the floor above 100% is never shown:

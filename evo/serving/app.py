@@ -21,7 +21,7 @@ queue is 429 with Retry-After.
 
 The engine is named by `user_config.engine` (any source `evo.serving.source.resolve` accepts). The
 replica never runs engine code itself: it is a client of the engine, as the judge is. It starts the
-engine in the same confined process kind the evaluator judges engines in (`evaluators.served`: zygote,
+engine in the same confined process kind the evaluator judges engines in (`evaluators.served.engine`: zygote,
 jail with its allow-list view, seccomp, cgroups, filtered environment), where the engine is built and
 verified against the float64 reference over every check case and a fresh draw over the verified domain
 before the replica reports ready; a replica whose engine fails never becomes ready. Each engine call
@@ -30,7 +30,7 @@ sample of the engine calls (`rescore_fraction`) is re-scored against the referen
 own, off the request path; a mismatch takes the engine out of service (back to the previous engine
 where a hot swap left one, else `/healthz` and Serve's health check fail and `/v1/infer` answers 503)
 and is reported under "rescoring" in `/v1/engine` and in the logs. A generation engine is held to more
-on every request (`evaluators.served_generator`, user_config `verify`, `canary_every`, `slow_*`, `stall_*`):
+on every request (`evaluators.served.generator`, user_config `verify`, `canary_every`, `slow_*`, `stall_*`):
 guards on each token, its judged speed, canaries and, under `verify: all`, the reference before any token
 is released; it reports its own failure (`on_failure`) and leaves service the same way, under "guards".
 `reconfigure` (a new user_config) first checks every key and value, then builds and verifies the new
@@ -68,9 +68,9 @@ from fastapi.responses import JSONResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from evaluators.sandbox import SANDBOXES
-from evaluators.served import ServedEngine, ServedEngineError
-from evaluators.served_guards import POLICY_DEFAULTS, ServePolicy
+from evaluators.sandbox.process import SANDBOXES
+from evaluators.served.engine import ServedEngine, ServedEngineError
+from evaluators.served.guards import POLICY_DEFAULTS, ServePolicy
 from evaluators.settings import EvaluatorSettings
 from evo.serving.codec import ENCODINGS, RequestError, decode_request, encode_outputs, parse_body, request_schema
 from evo.serving.example import example_body
@@ -98,7 +98,7 @@ USER_CONFIG_DEFAULTS: dict[str, Any] = {
     # generation engines (the OpenAI routes)
     "served_model_name": None,  # the id clients name in `model`; None: the checkpoint folder's name, else WORKLOAD/PRESET
     "max_waiting_requests": 256,  # requests queued or running in the engine; beyond, 429 with Retry-After
-    # what a generation engine is held to while it serves (evaluators.served_guards.ServePolicy: each key's doc and
+    # what a generation engine is held to while it serves (evaluators.served.guards.ServePolicy: each key's doc and
     # check there): verify (sampled | all), verify_chunk, canary_every, slow_action (report | remove), slow_factor,
     # slow_window_s, stall_factor, stall_floor_s
     **POLICY_DEFAULTS,

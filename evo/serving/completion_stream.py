@@ -1,6 +1,6 @@
 """One OpenAI request's tokens, from the engine loop to the HTTP answer, on the replica's event loop.
 
-`pieces` submits a `Job` to the served generator (`evaluators.served_generator.ServedGenerator`) and
+`pieces` submits a `Job` to the served generator (`evaluators.served.generator.ServedGenerator`) and
 yields `Piece`s as the engine makes tokens: the new token ids, the new text (detokenized incrementally,
 held back while it could still become a stop string) and, on the last, why it finished. The engine's
 loop thread hands tokens over with `call_soon_threadsafe`, so no thread waits per token; tokens that
@@ -16,7 +16,7 @@ import asyncio
 from dataclasses import dataclass, replace
 from typing import AsyncIterator, Callable, Sequence
 
-from evaluators.served_generator import DONE, Token
+from evaluators.served.generator import DONE, Token
 from evo.serving.openai_api import Job
 
 

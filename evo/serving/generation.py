@@ -1,6 +1,6 @@
 """A generation engine behind the Serve app's OpenAI-compatible routes (`evo.serving.app`).
 
-`load_generator` starts the engine as the judge does (`evaluators.served_generator.ServedGenerator`: its
+`load_generator` starts the engine as the judge does (`evaluators.served.generator.ServedGenerator`: its
 own confined process, the check replay, one engine loop batching every request the replica gets, the
 guards, canaries and verification of `ServePolicy` on what it serves) and reads the checkpoint folder's
 tokenizer, if it has one, on the replica's side: text in and out, the chat template and the end-of-text ids are the replica's job, the engine only
@@ -18,8 +18,8 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from evaluators.served_generator import Overloaded, RequestError, ServedGenerator, ServedGeneratorError
-from evaluators.served_guards import ServePolicy
+from evaluators.served.generator import Overloaded, RequestError, ServedGenerator, ServedGeneratorError
+from evaluators.served.guards import ServePolicy
 from evaluators.settings import EvaluatorSettings
 from evo.core import code
 from evo.serving import openai_api

@@ -128,7 +128,7 @@ class Workload:
     # runs today); None, or absent from a run: the fastest baseline
     contract: str = "call"  # "call": engine(**inputs) -> outputs, one batch per call (`Engine`); "generation":
     # a long-lived engine, requests in and tokens out (`evo.workloads.generation`), judged as a client
-    # (`evaluators.generation_judge`) through the generation hooks below
+    # (`evaluators.judge.generation`) through the generation hooks below
 
     # ------------------------------------------------------------------ required hooks
     def presets(self) -> dict[str, Preset]:
@@ -257,7 +257,7 @@ class Workload:
 
     def engine_files(self, preset: Preset) -> tuple[str, ...]:
         """Files or folders an engine for `preset` reads in its process (e.g. a checkpoint's weights): bound
-        read-only into the engine's view of the files (`evaluators.view`), which holds nothing else of the
+        read-only into the engine's view of the files (`evaluators.sandbox.view`), which holds nothing else of the
         machine's data. Default: none."""
         return ()
 

@@ -8,7 +8,7 @@ batches requests, pools its KV memory or splits prefill from decode is its own b
 
 What it never gets is the tokens it is to produce: a request carries only its prompt, how many tokens
 it may generate and when to stop. Decoding therefore depends on the engine's own outputs, and the
-judge (`evaluators.replay`) scores every request's own trajectory against the float64 reference and
+judge (`evaluators.judge.replay`) scores every request's own trajectory against the float64 reference and
 stamps every token on its own clock when `step` hands it over.
 """
 from __future__ import annotations

@@ -32,7 +32,7 @@ class GenerationWorkload(Workload):
         return preset
 
     def check_cases(self, preset: Preset) -> list[list[CheckCase]]:
-        return []  # the judge's check replay covers the domain's edges (evaluators.generation_judge)
+        return []  # the judge's check replay covers the domain's edges (evaluators.judge.generation)
 
     def timing_case(self, preset: Preset) -> CheckCase:
         return CheckCase(f"trace:{preset.name}", dict(preset.shape), "uniform")

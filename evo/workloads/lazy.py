@@ -6,7 +6,7 @@ behind `lazy(...)`, an agent starts ~2.5 s of CPU sooner (four of them at every 
 Where a real module is needed, call `.load()`. The zygote calls `load_all()` before it forks an engine's
 process: engines start with the engine-side modules loaded. Modules declared `judge_only` (a workload's
 reference and baselines) are never loaded there: an engine's process does not hold them, and the jail's
-view leaves their files out (`evaluators.view`), so nothing of them is within an engine's reach.
+view leaves their files out (`evaluators.sandbox.view`), so nothing of them is within an engine's reach.
 """
 from __future__ import annotations
 

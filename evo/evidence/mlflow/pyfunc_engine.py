@@ -2,7 +2,7 @@
 
 `mlflow.pyfunc.load_model("models:/NAME@champion")` imports this module and calls `_load_pyfunc` with
 the model's `engine/` folder (`engine.json`: workload, preset, genome and the search's figures). The
-engine runs where the judge judged it, never in the caller's process: `evaluators.served.ServedEngine`
+engine runs where the judge judged it, never in the caller's process: `evaluators.served.engine.ServedEngine`
 builds and verifies it in a confined engine process (the strict sandbox where this machine can build it;
 elsewhere a genome without code genes, the project's own engines, runs in an unconfined process of its
 own, and one with code genes is refused). MLflow checks the inputs against the model's signature (the
@@ -58,8 +58,8 @@ def input_check(record: EngineRecord) -> Callable[[Mapping[str, Any]], dict[str,
 
 def confined_engine(record: EngineRecord) -> Any:
     """The record's engine, built and verified in its own engine process (strict sandbox where possible)."""
-    from evaluators import jail
-    from evaluators.served import ServedEngine
+    from evaluators.sandbox import jail
+    from evaluators.served.engine import ServedEngine
     from evaluators.settings import EvaluatorSettings
 
     why = jail.unavailable()

@@ -1,6 +1,6 @@
 """Kimi Linear (the KDA + MLA hybrid MoE decoder) as a serving engine (the generation contract,
 `evo.workloads.generation`): requests in, tokens out, judged as a client on a request trace, every request
-scored on its own tokens against the float64 reference (`evaluators.generation_judge`), as `llama_serve`.
+scored on its own tokens against the float64 reference (`evaluators.judge.generation`), as `llama_serve`.
 
 Modules: model (the architecture as a `KimiSpec`, config.json and weights in transformers' names), presets
 (models and the request traces they are judged on, `hf:<folder>` checkpoints), genes (the engine's decisions),

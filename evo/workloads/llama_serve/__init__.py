@@ -1,6 +1,6 @@
 """A Llama decoder as a serving engine (the generation contract, `evo.workloads.generation`): requests
 in, tokens out. The engine owns its scheduler and its KV memory; the judge replays a request trace
-against it as a client and scores every request's own tokens (`evaluators.generation_judge`).
+against it as a client and scores every request's own tokens (`evaluators.judge.generation`).
 
 Modules: presets (the model and its trace), genes (the engine's decisions), engine (the batched
 generator the genes describe), baselines (what a user would run instead: transformers' static and

@@ -6,7 +6,7 @@ started, with `setsid`, `vfork` or a double fork, stops with it), bounds its cor
 and process count (and, where it is given fewer threads than cores, its CPU time) from outside, lists its processes and kills them all at the end. cgroup v1
 hierarchies (freezer, cpuset, memory, pids) and the unified v2 hierarchy are both used as this machine
 mounts them; `CandidateCgroup.controls` says which controls are in effect. Where no freezer exists the sandbox
-freezes by signals to the candidate's PID namespace instead (`evaluators.sandbox`).
+freezes by signals to the candidate's PID namespace instead (`evaluators.sandbox.process`).
 """
 from __future__ import annotations
 

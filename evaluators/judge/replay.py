@@ -21,7 +21,7 @@ first stop id, never before; an aborted request's tokens up to its abort are sco
 (`prefix_problem`). Batch mates cannot change a request's tokens beyond that rule.
 
 Here the engine is any object with the `GenerationEngine` methods: in the judge, `ConfinedGenerator`,
-a client of the engine's sandboxed process (`evaluators.sandbox.EngineProcess` built with the
+a client of the engine's sandboxed process (`evaluators.sandbox.process.EngineProcess` built with the
 generation contract), whose answers are checked before they count; in tests, an engine object itself.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from evaluators.request_ids import RequestIds
+from evaluators.judge.request_ids import RequestIds
 from evo.core.stream_metrics import RequestTimeline
 from evo.core.trace import TraceRequest
 from evo.workloads import sampling
@@ -153,7 +153,7 @@ def replay(engine: GenerationEngine, trace: Sequence[TraceRequest] | Sequence[Se
     time), or the cap on requests in flight (0: none). `stall_steps` (the most positions a request holds, P + N;
     0: no stall rule): a request the engine holds that gets no token in (requests held when it was sent + 1) x
     `stall_steps` engine steps, whether or not others progress, is a violation, and the replay stops there.
-    `ids`: each request is sent under the next id of the engine's sequence (`evaluators.request_ids`), so the
+    `ids`: each request is sent under the next id of the engine's sequence (`evaluators.judge.request_ids`), so the
     engine sees ids counting up in the order it was sent requests, as from any client; a `Send`'s own id then
     only names it within the replay (for `after`). The result names requests by the ids the engine saw."""
     sends = _as_sends(trace, prompts, stop_ids)

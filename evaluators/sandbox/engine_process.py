@@ -1,18 +1,18 @@
 """The engine's own process: builds one engine and answers the judge's calls. Nothing else runs here.
 
-Everything in this module runs in the untrusted process (see `evaluators.sandbox` for the judge's
+Everything in this module runs in the untrusted process (see `evaluators.sandbox.process` for the judge's
 side). It holds no reference outputs, no comparison and no timer that matters: the judge draws the
 inputs, owns the clock and compares. What this process is told, it is told in pickles from the judge;
 what it says back is JSON, so nothing it sends can run code in the judge.
 
 Set up once, before any workload code is imported or the engine is built, and the same for every
 call afterwards (so a check and a timed call look alike from inside), after the zygote confined the
-process (`evaluators.jail`):
+process (`evaluators.sandbox.jail`):
 - its own session and death with its parent;
-- the environment the judge gives engines (`evaluators.zygote.engine_environment`), its cores and
+- the environment the judge gives engines (`evaluators.sandbox.zygote.engine_environment`), its cores and
   thread count;
 - memory poisoning always on (torch.empty & co. return NaN-filled memory), if the judge asks for it;
-- guards on the workload's reference and baselines (`evaluators.guard`), for genome engines.
+- guards on the workload's reference and baselines (`evaluators.sandbox.guard`), for genome engines.
 Each call: read the inputs from the judge's arena, call the engine, require plain contiguous tensors of
 the expected shape/dtype/device that alias neither an input nor each other, copy them into the judge's
 arena, synchronise the device, answer.
@@ -32,8 +32,8 @@ from typing import Any, Mapping
 
 import torch
 
-from evaluators import arena as arenas
-from evaluators.guard import ForbiddenCall, install_guards
+from evaluators.sandbox import arena as arenas
+from evaluators.sandbox.guard import ForbiddenCall, install_guards
 
 _PR_SET_PDEATHSIG = 1
 _CLONE_NEWNET = 0x40000000
@@ -42,7 +42,7 @@ _TRACEBACK_CHARS = 4000
 
 
 def main(conn: Any) -> None:
-    """Entry point of the engine's process (started by `evaluators.sandbox.EngineProcess`)."""
+    """Entry point of the engine's process (started by `evaluators.sandbox.process.EngineProcess`)."""
     os.setsid()
     die_with_parent()
     spec = conn.recv()
@@ -136,7 +136,7 @@ class _Runner:
         try:
             workload = pickle.loads(spec["workload"]) if spec["workload"] is not None else _named(spec["workload_name"])
             if spec["guarded"]:
-                from evaluators.guard import forbidden_targets
+                from evaluators.sandbox.guard import forbidden_targets
 
                 install_guards(forbidden_targets(workload, load=False), self._report_forbidden)
             self.engine = self._construct(workload, spec)

@@ -1,5 +1,5 @@
 """Where evaluators go, planned from a snapshot of the cluster's nodes (no Ray here, so it is testable
-alone; `evaluators.pool` reads the snapshot from Ray and starts the actors).
+alone; `evaluators.pool.actors` reads the snapshot from Ray and starts the actors).
 
 - "gpu" placement: one evaluator per GPU on every node of the run's accelerator type.
 - "cpu" placement: on every node, `CPU // threads` evaluators, each owning `threads` cores of its node
@@ -12,7 +12,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-PLACEMENTS = ("auto", "gpu", "cpu")
+from evaluators.settings import PLACEMENTS
+
 ACCELERATOR_PREFIX = "accelerator_type:"
 
 

@@ -4,14 +4,14 @@ works where no package can be installed, and keeps the zygote's millisecond fork
 The zygote forks a holder, which joins nothing, unshares PID, mount, IPC, UTS (and network) namespaces
 and forks the engine's process: PID 1 of its own namespace, so when it dies the kernel kills every
 process it started, whatever they called. That process then, still as root and before any engine code:
-1. joins the candidate's cgroups (`evaluators.cgroups`);
-2. replaces its root with an allow-list view (`evaluators.view`): a fresh tmpfs root holding, read-only,
+1. joins the candidate's cgroups (`evaluators.sandbox.cgroups`);
+2. replaces its root with an allow-list view (`evaluators.sandbox.view`): a fresh tmpfs root holding, read-only,
    only what an engine needs (the system's libraries, its Python and the distributions engines import,
    the project's engine-side packages less the hidden files), a fresh /proc (only its own processes) and
    private tmpfs on /tmp, /var/tmp and /dev/shm; the old root is detached, so nothing else exists there;
 3. keeps only its channel's descriptor (stdin and stdout go to /dev/null);
 4. drops to an unprivileged user with no groups, no capabilities (bounding set included) and
-   no_new_privs, and loads the seccomp filter (`evaluators.seccomp`).
+   no_new_privs, and loads the seccomp filter (`evaluators.sandbox.seccomp`).
 `JailPlan` is what the judge decides; `enter_namespaces` runs in the holder, `confine` in the engine's process.
 """
 from __future__ import annotations
@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from evaluators import seccomp
-from evaluators.view import NOBODY, View, under
+from evaluators.sandbox import seccomp
+from evaluators.sandbox.view import NOBODY, View, under
 
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = (
     0x00020000, 0x04000000, 0x08000000, 0x20000000, 0x40000000)

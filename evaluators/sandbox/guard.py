@@ -127,7 +127,7 @@ def forbidden_targets(workload: Workload, load: bool = True) -> list[tuple[objec
 
 
 def hidden_paths(workload: Workload) -> tuple[str, ...]:
-    """What an untrusted engine's view of the files leaves out (`evaluators.jail`), so it cannot load a
+    """What an untrusted engine's view of the files leaves out (`evaluators.sandbox.jail`), so it cannot load a
     fresh, unguarded copy of what it may not call: the source and compiled files of every module that
     owns a forbidden callable (the reference's and the baselines' modules) and of every workload's
     judge-only modules (`evo.workloads.lazy`) declared in this process, the judge's own package, and
@@ -140,7 +140,7 @@ def hidden_paths(workload: Workload) -> tuple[str, ...]:
     for source in [*sources, *map(Path, judge_only_files())]:  # every workload's oracles, not only this one's
         paths.append(source)
         paths.extend(sorted(source.parent.glob(f"__pycache__/{source.stem}.*.pyc")))
-    judge = Path(__file__).resolve().parent
+    judge = Path(__file__).resolve().parents[1]  # evaluators/: every room of the judge
     paths.append(judge)
     if (judge.parent / ".git").exists():
         paths.append(judge.parent / ".git")

@@ -17,8 +17,8 @@ from typing import Mapping
 
 import torch
 
-from evaluators.evaluator import Evaluator
-from evaluators.sandbox import EngineProcess, EngineProcessError
+from evaluators.judge.evaluator import Evaluator
+from evaluators.sandbox.process import EngineProcess, EngineProcessError
 from evaluators.settings import EvaluatorSettings
 
 CALL_TIMEOUT_S = 120.0  # one request's engine call; past it the engine process is killed

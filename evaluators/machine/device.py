@@ -69,3 +69,9 @@ def versions(device: str) -> dict[str, str]:
         stamp["cuda"] = str(torch.version.cuda)
         stamp["gpu"] = torch.cuda.get_device_name(torch.device(device))
     return stamp
+
+
+def sync(device: str) -> None:
+    """Wait for queued device work, so a timer read covers the work and only the work."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)

@@ -2,7 +2,7 @@
 one engine loop that serves every caller (continuous batching across requests), and every token it hands
 out accounted for.
 
-Like `evaluators.served.ServedEngine` for call engines, the replica is a client of its engine: an
+Like `evaluators.served.engine.ServedEngine` for call engines, the replica is a client of its engine: an
 `Evaluator` launches the engine's process (jail, seccomp, cgroups, the allow-list view), builds the
 engine there and passes it through the judge's check replay (`GenerationJudge.hold`: the whole contract,
 seeded sampling and aborts included), whose figures (`held_metrics`: its E2E p99 and ITL median) scale the
@@ -11,17 +11,17 @@ submitted since its last step, steps while anything is in flight, and routes eac
 `Stream`. A request's bounds are the verified domain's,
 checked before it reaches the engine; a full queue refuses a request at once (`Overloaded`). A cancelled
 request (its client went away) is aborted in the engine before its next step. Every id, a user's or the
-replica's own, continues the sequence the judge's check drew from (`evaluators.request_ids`).
+replica's own, continues the sequence the judge's check drew from (`evaluators.judge.request_ids`).
 
-What the replica holds the engine to while it serves (`evaluators.served_guards.ServePolicy`, docs/serving.md):
+What the replica holds the engine to while it serves (`evaluators.served.guards.ServePolicy`, docs/serving.md):
 - **guards**, on every token before it is released: it belongs to a request the engine holds, lies in the
   vocabulary, ends its request exactly at max_tokens or a stop id and is marked finished then; and every
   held request progresses within the stall bound (the watch thread, which also catches a loop blocked in a
   step or an engine that answers empty steps forever). A breach fails the engine at once: every waiting
   caller gets `ServedGeneratorError`, and `on_failure` tells the replica (which takes it out of service);
 - **speed**: served token gaps against the judged ITL (reported, or with `slow_action: remove` a failure);
-- **canaries**: requests of the replica's own, drawn like users' (`evaluators.canaries`), verified whole;
-- **`verify: all`**: each request's tokens released only in chunks the verifier (`evaluators.served_verifier`)
+- **canaries**: requests of the replica's own, drawn like users' (`evaluators.served.canaries`), verified whole;
+- **`verify: all`**: each request's tokens released only in chunks the verifier (`evaluators.served.verifier`)
   has checked against the float64 reference; under `sampled`, the replica re-scores a sample after the answer.
 """
 from __future__ import annotations
@@ -36,13 +36,13 @@ import time
 from dataclasses import asdict
 from typing import Any, Callable, Mapping, Sequence
 
-from evaluators.canaries import Canaries
-from evaluators.evaluator import Evaluator
-from evaluators.replay import ConfinedGenerator, GenerationError, prefix_problem, request_problems
-from evaluators.sandbox import EngineProcess, EngineProcessError
-from evaluators.served_guards import Judged, ServePolicy, SpeedWatch, breach, stall_deadline
-from evaluators.served_stream import DONE, Stream, Token
-from evaluators.served_verifier import Verifier
+from evaluators.served.canaries import Canaries
+from evaluators.judge.evaluator import Evaluator
+from evaluators.judge.replay import ConfinedGenerator, GenerationError, prefix_problem, request_problems
+from evaluators.sandbox.process import EngineProcess, EngineProcessError
+from evaluators.served.guards import Judged, ServePolicy, SpeedWatch, breach, stall_deadline
+from evaluators.served.stream import DONE, Stream, Token
+from evaluators.served.verifier import Verifier
 from evaluators.settings import EvaluatorSettings
 from evo.workloads.generation import GenerationRequest
 
@@ -67,7 +67,7 @@ class RequestError(ValueError):
 
 
 class GuardBreach(GenerationError):
-    """A token or a request's progress broke the serving contract (`evaluators.served_guards`)."""
+    """A token or a request's progress broke the serving contract (`evaluators.served.guards`)."""
 
 
 def _nowhere(item: object) -> None:

@@ -4,7 +4,7 @@ inputs and outputs without pickling tensors back to the judge.
 The judge allocates the arenas and hands each to the engine's process as a file descriptor over the
 engine's own channel (no key of the judge's is handed out): on CPU an anonymous memory file
 (`memfd_create`), on CUDA an allocation of its own made with the driver's virtual memory API
-(`evaluators.cuda_memory`), apart from torch's caching allocator. Either way the descriptor reaches the
+(`evaluators.sandbox.cuda_memory`), apart from torch's caching allocator. Either way the descriptor reaches the
 arena and nothing else: the judge's inputs and expected outputs (ordinary tensors, on CUDA from the
 caching allocator) never share an allocation with an arena. The judge writes inputs and reads outputs
 through views; the engine's process gets the same views from a `Slot` table. Only the judge ever sends
@@ -26,7 +26,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from evaluators import cuda_memory
+from evaluators.sandbox import cuda_memory
 
 ALIGN = 256  # bytes: every slot starts on a boundary any dtype (and vector loads) can use
 

@@ -2,17 +2,17 @@
 requests and returns tokens, judged as a client sees it.
 
 One evaluation (the engine built in its own sandboxed process, as for a call engine):
-1. a **check replay** that exercises the whole contract (`evaluators.judge_traffic.check_sends`): a burst of
+1. a **check replay** that exercises the whole contract (`evaluators.judge.traffic.check_sends`): a burst of
    at least 2R + 2 requests with no cap, so the engine queues; the domain's edges; stop ids the reference
    hits and ids it need not; seeded sampled requests; 2R + 1 aborts mid-decode, each followed by a request
    that may take the freed row; requests arriving while others decode;
 2. `replays` **timed replays** of the run's trace, drawn afresh for this evaluation (its lengths and arrival
    times; prompts fresh for each replay), a stop-id request, a sampled one and an aborted one mixed in at
-   random places, each stamped on the judge's clock (`evaluators.replay`);
+   random places, each stamped on the judge's clock (`evaluators.judge.replay`);
 3. every request of every replay scored against the float64 reference on its own tokens (on the CPU
    after the last timed replay, so the reference never evicts the engine's caches between them).
 Everything the judge sends is drawn from the OS's randomness, and the engine sees request ids from its own
-`evaluators.request_ids.RequestIds` sequence: nothing marks the judge's traffic. A request the engine holds
+`evaluators.judge.request_ids.RequestIds` sequence: nothing marks the judge's traffic. A request the engine holds
 that gets no token in (requests held when it was sent + 1) x (P + N) steps is a violation (the stall rule).
 The result's latency is the run's objective (by default milliseconds per output token: the inverse
 of output tokens/s) as the median over the timed replays; `serving` keeps the median replay's
@@ -20,7 +20,7 @@ metrics under `vllm bench serve`'s names. A TPOT objective is scored under the c
 TTFT's under its TPOT bound (`evaluators.settings.OBJECTIVE_BOUNDS`): a timed replay past it is not
 ranked. A median below the roofline floor is re-timed and, still below, `suspect`.
 
-Paired re-timing (`evaluators.paired`) uses the same pieces through `hold`, `timed_call` and `verify`:
+Paired re-timing (`evaluators.judge.paired`) uses the same pieces through `hold`, `timed_call` and `verify`:
 one "call" is one whole replay; the k-th call of every held engine replays the k-th shape drawn since the
 last `hold` (A and B of one round see the same trace and the same stop-id request, drawn with the reference
 before the round's first call, which balanced orders give A and B alike; their other prompts and their ids
@@ -35,11 +35,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from evaluators.judge_traffic import TimedShape, check_sends, draw_timed, stop_case, timed_sends
-from evaluators.replay import (ConfinedGenerator, ForbiddenCallError, GenerationError, Replay, Send, replay,
+from evaluators.judge.traffic import TimedShape, check_sends, draw_timed, stop_case, timed_sends
+from evaluators.judge.replay import (ConfinedGenerator, ForbiddenCallError, GenerationError, Replay, Send, replay,
                                score)
-from evaluators.request_ids import RequestIds
-from evaluators.sandbox import EngineProcess, EngineProcessError
+from evaluators.judge.request_ids import RequestIds
+from evaluators.sandbox.process import EngineProcess, EngineProcessError
 from evaluators.settings import OBJECTIVE_BOUNDS
 from evo.core.records import INCORRECT, OK, RUNTIME_ERROR, SUSPECT, TIMEOUT, EvalResult
 from evo.core.stream_metrics import ServingMetrics, Slo, serving_metrics
@@ -101,7 +101,7 @@ class GenerationJudge:
     """The generation contract's evaluation and held-engine pieces, for one `Evaluator` (its settings,
     sandbox, seeds, roofline and result records)."""
 
-    def __init__(self, evaluator) -> None:  # an evaluators.evaluator.Evaluator (which imports this module)
+    def __init__(self, evaluator) -> None:  # an evaluators.judge.evaluator.Evaluator (which imports this module)
         self.ev = evaluator
         self.workload, self.preset, settings = evaluator.workload, evaluator.preset, evaluator.settings
         self.trace: TraceSpec = self.workload.trace(self.preset)

@@ -1,11 +1,11 @@
 """The judge's side of an engine's own process: start it, have it build the engine, call it, kill it.
 
 One fresh process per candidate (forked from a clean zygote that only imported torch, never an engine,
-see `evaluators.zygote`), so whatever an engine patches or leaks dies with it. With `sandbox="strict"`
-(the default) the process is confined before any engine code runs (`evaluators.jail`): an unprivileged
+see `evaluators.sandbox.zygote`), so whatever an engine patches or leaks dies with it. With `sandbox="strict"`
+(the default) the process is confined before any engine code runs (`evaluators.sandbox.jail`): an unprivileged
 user with no capabilities and a seccomp filter, in PID, mount, IPC, UTS and network namespaces of its
 own, a read-only view of the files with the reference, the baselines and the judge's modules hidden,
-a private /tmp, and cgroups (`evaluators.cgroups`) that bound its cores, memory and processes. The judge:
+a private /tmp, and cgroups (`evaluators.sandbox.cgroups`) that bound its cores, memory and processes. The judge:
 - sends pickles (it is trusted) and reads only size-capped JSON back (the engine is not); shared
   arenas travel as file descriptors over the engine's own channel (no key of the judge's is handed out);
 - writes each call's inputs into a shared arena and NaN-fills the output slots before the call;
@@ -37,12 +37,12 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from evaluators import arena as arenas
-from evaluators import jail
-from evaluators.cgroups import CandidateCgroup
-from evaluators.timing import sync
-from evaluators.view import BASELINE_CACHE, baseline_cache
-from evaluators.zygote import Zygote, engine_environment
+from evaluators.sandbox import arena as arenas
+from evaluators.sandbox import jail
+from evaluators.sandbox.cgroups import CandidateCgroup
+from evaluators.machine.device import sync
+from evaluators.sandbox.view import BASELINE_CACHE, baseline_cache
+from evaluators.sandbox.zygote import Zygote, engine_environment
 from evo.workloads.base import DeviceInfo, Preset
 
 _MAX_MESSAGE = 1 << 20  # bytes: the largest answer the judge reads from an engine's process
@@ -129,7 +129,7 @@ class EngineProcess:
             cpu = self.device.type == "cpu"
             self._cgroup = CandidateCgroup(self.cores, self.memory_bytes if cpu else None, _MAX_PIDS, self.threads)
             # Its own IPC namespace and /dev/shm on every device: CUDA arenas travel as descriptors over
-            # its channel, as CPU ones do (`evaluators.cuda_memory`), so it needs nothing of the judge's.
+            # its channel, as CPU ones do (`evaluators.sandbox.cuda_memory`), so it needs nothing of the judge's.
             plan = jail.JailPlan(cgroup_procs=tuple(self._cgroup.procs_files), hidden=self.hidden,
                                  network=self.network, cuda=not cpu, trusted=self.trusted,
                                  readable=self.readable, cache=baseline_cache() if self.trusted else "").to_json()
@@ -276,7 +276,7 @@ class EngineProcess:
             out = arenas.view(self._out_arena, slot)
             out.fill_(math.nan) if out.is_floating_point() else out.fill_(0)
         # A new pair travels as two descriptors over this channel (memory files on CPU, allocations of their
-        # own on CUDA: `evaluators.cuda_memory`), their sizes in the message.
+        # own on CUDA: `evaluators.sandbox.cuda_memory`), their sizes in the message.
         shared = {"fds": [self._in_arena.numel(), self._out_arena.numel()]} if new else None
         payload = ForkingPickler.dumps({"op": op, "inputs": in_slots, "outputs": out_slots, "arenas": shared})
         deadline = time.monotonic() + timeout_s
@@ -541,7 +541,7 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def workload_modules(workload: Any) -> tuple[str, ...]:
     """The modules the engine's process needs to unpickle `workload` (its class's, and those of every
     class or function its pickle names), for the zygote to load before the jail: a test or user
-    workload's files are not in an engine's view (`evaluators.view`)."""
+    workload's files are not in an engine's view (`evaluators.sandbox.view`)."""
     names = [type(workload).__module__]
     try:
         data = pickle.dumps(workload)

@@ -28,7 +28,7 @@ mid-decode. A drawn `TimedShape` fixes all of that but the prompts and seeds, wh
 each replay (the stop-id request's, `stop_case`, drawn beforehand: it asks the reference): paired re-timing
 gives A and B of one round the same shape.
 
-Requests are numbered 0.. within a replay here; `evaluators.replay.replay` sends each under the next id of
+Requests are numbered 0.. within a replay here; `evaluators.judge.replay.replay` sends each under the next id of
 the engine's own `RequestIds` sequence.
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from evaluators.replay import Send
+from evaluators.judge.replay import Send
 from evo.core.trace import TraceRequest, TraceSpec, draw
 from evo.workloads.generation import GenerationRequest
 

@@ -1,6 +1,6 @@
 """Timing helpers: device sync, median and IQR of timed calls, and the machine's ceilings (matmul
 FLOP/s per arithmetic, copy bandwidth) for the roofline floor. The calls themselves are timed by the
-judge around each call to an isolated engine (evaluators/sandbox.py, evaluators/evaluator.py).
+judge around each call to an isolated engine (evaluators/sandbox/process.py, evaluators/judge/evaluator.py).
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
+from evaluators.machine.device import sync  # noqa: F401 - the judge's timers sync through it
 from evo.workloads.base import MachineRates
 
 
@@ -22,12 +23,6 @@ class Timing:
     median_ms: float
     spread_ms: float
     samples_ms: tuple[float, ...]
-
-
-def sync(device: str) -> None:
-    """Wait for queued device work, so a timer read covers the work and only the work."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def summarize(samples_ms: Sequence[float]) -> Timing:

@@ -2,7 +2,7 @@
 reference, whose tokens go to no client.
 
 An engine that is right while it is checked and wrong for users has to tell the two apart. A canary gives
-it nothing to tell by: its id comes from the same sequence as the users' (`evaluators.request_ids`), it is
+it nothing to tell by: its id comes from the same sequence as the users' (`evaluators.judge.request_ids`), it is
 sent when a user request is (each user request brings one with probability 1 / `canary_every`, so no count
 marks it), and its prompt is drawn from the recent users' prompts, one of two ways at random:
 - a **window**: a random contiguous part of one recent prompt (real tokens in a real order);

@@ -1,13 +1,13 @@
 """Evaluator actors on a Ray cluster: placement, asynchronous dispatch, hard timeouts, elasticity.
 
 This is the one module of `evaluators/` that imports Ray. Each actor wraps the plain `Evaluator`.
-Placement (see `evaluators.placement`): one actor per GPU (`num_gpus=1`) on every node of the run's
+Placement (see `evaluators.pool.placement`): one actor per GPU (`num_gpus=1`) on every node of the run's
 accelerator type, or CPU actors pinned to disjoint cores of their node. Every actor is pinned to its
 node and declares its resources (`num_cpus`, `num_gpus`) explicitly.
 
 Dispatch keeps every ready actor busy while proposals remain; each proposal gets exactly one result:
 - an engine that hangs or dies only takes its own process down: the evaluator kills it at
-  `eval_timeout_s` and records the result itself (see evaluators/sandbox.py);
+  `eval_timeout_s` and records the result itself (see evaluators/sandbox/process.py);
 - an evaluation that outlives `eval_timeout_s` + a grace period anyway is an evaluator hang: the actor
   is killed and replaced;
 - an actor whose process dies is replaced and the death is the proposal's recorded result;
@@ -30,9 +30,9 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from evaluators.calibration import Calibration
-from evaluators.evaluator import Evaluator
-from evaluators.placement import NodeView, PlacementError, SlotPlan, initial_plan, placement_kind, plan_slots
+from evaluators.judge.calibration import Calibration
+from evaluators.judge.evaluator import Evaluator
+from evaluators.pool.placement import NodeView, PlacementError, SlotPlan, initial_plan, placement_kind, plan_slots
 from evaluators.settings import EvaluatorSettings, PoolSettings
 from evo.core.records import RUNTIME_ERROR, TIMEOUT, EvalResult, Proposal
 from evo.core.retiming import PairedTiming, failed_timing
@@ -290,7 +290,7 @@ class EvaluatorPool:
         yield from self._dispatch(jobs)
 
     def retime(self, jobs: list[RetimeJob]) -> list[list[PairedTiming]]:
-        """Paired re-timings (`evaluators.paired`), each in one evaluator, spread over the ready ones;
+        """Paired re-timings (`evaluators.judge.paired`), each in one evaluator, spread over the ready ones;
         the answers in job order. An evaluator that dies or hangs answers `failed` records."""
         calls = [_Job(i, "retime", (list(job.engines),),
                       {"calls": job.calls, "warmup": job.warmup, "min_effect": job.min_effect, "sources": job.sources,

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from evaluators import cuda_memory
+from evaluators.sandbox import cuda_memory
 
 LEAVE, LOOK, READ_PAST = 0, 1, 2
 REPORT_BYTES = 4096
@@ -156,7 +156,7 @@ def run_probes(device: str, sandbox: str = "strict") -> Findings:
 @contextlib.contextmanager
 def candidate(device: str, sandbox: str) -> Iterator[Any]:
     """A built probe engine in its own engine process (killed at the end)."""
-    from evaluators.sandbox import EngineProcess, EngineProcessError
+    from evaluators.sandbox.process import EngineProcess, EngineProcessError
 
     try:
         with EngineProcess(device, sandbox=sandbox) as process:
@@ -189,7 +189,7 @@ def _call(process: Any, action: int, key: int) -> Any:
 
 def _ask_read_past(process: Any, key: int) -> tuple[str, bool]:
     """(how the read ended, whether it returned data)."""
-    from evaluators.sandbox import EngineProcessError
+    from evaluators.sandbox.process import EngineProcessError
 
     try:
         result = _call(process, READ_PAST, key)

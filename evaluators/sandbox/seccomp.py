@@ -5,7 +5,7 @@ with EPERM; everything else an honest engine does (threads, forks, compilers, CU
 libseccomp resolves each name to this machine's architecture and adds the architecture check, so no
 syscall numbers are written here. The filter is compiled to BPF once per process (`program()`: the zygote
 does it before it forks, ~5 ms) and `install()` loads that program with prctl; the caller has set
-no_new_privs first (`evaluators.jail`), and the filter holds for every process the engine starts afterwards.
+no_new_privs first (`evaluators.sandbox.jail`), and the filter holds for every process the engine starts afterwards.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 this class with `ray.remote`; tests call it directly.
 
 The judge never runs an engine in its own process. Each candidate's engine is built and called in a
-fresh process of its own (`evaluators.sandbox`); the judge draws every input, computes the float64
+fresh process of its own (`evaluators.sandbox.process`); the judge draws every input, computes the float64
 reference, compares outputs and owns the clock, so an engine that patches timers, comparisons, the
 reference or anything else only patches its own process, which dies with the candidate.
 
@@ -15,7 +15,7 @@ One evaluation:
    engine can tell a check from a timed call. EVERY call gets freshly drawn inputs and is checked
    against the reference (outputs, inputs unchanged, output types and memory), timed calls included;
    the first `warmup` calls at the timing shape are not timed; a device that throttled meanwhile
-   (heat or power, `evaluators.telemetry`) gets the timed calls run once more, and the result says so;
+   (heat or power, `evaluators.machine.telemetry`) gets the timed calls run once more, and the result says so;
 4. a median below the roofline floor re-measures the machine and re-verifies the engine on fresh
    inputs; still below it, the result is `suspect` (never ranked).
 Engine faults become statuses with a message; only configuration and programming errors raise.
@@ -41,18 +41,18 @@ from evo.core.retiming import PairedTiming
 from evo.core.seeds import derive_seed
 from evo.workloads import get_workload
 from evo.workloads.base import CheckCase, DeviceInfo, MachineRates, Preset, Workload
-from evaluators import device as devices
-from evaluators import telemetry
-from evaluators.check import compare_outputs, expected_dtypes, worse
-from evaluators import jail
-from evaluators.arena import ArenaPool
-from evaluators.generation_judge import GenerationJudge
-from evaluators.guard import hidden_paths
-from evaluators.sandbox import CallResult, EngineProcess, EngineProcessError, workload_modules
+from evaluators.machine import device as devices
+from evaluators.machine import telemetry
+from evaluators.judge.check import compare_outputs, expected_dtypes, worse
+from evaluators.sandbox import jail
+from evaluators.sandbox.arena import ArenaPool
+from evaluators.judge.generation import GenerationJudge
+from evaluators.sandbox.guard import hidden_paths
+from evaluators.sandbox.process import CallResult, EngineProcess, EngineProcessError, workload_modules
 from evaluators.settings import EvaluatorSettings
-from evaluators.calibration import RUN, Calibration, machine_key, remember
-from evaluators.timing import Timing, num_threads, probe_rates, summarize
-from evaluators.zygote import Zygote
+from evaluators.judge.calibration import RUN, Calibration, machine_key, remember
+from evaluators.judge.timing import Timing, num_threads, probe_rates, summarize
+from evaluators.sandbox.zygote import Zygote
 
 _SPEC_CACHE_SIZE = 256  # output specs kept for cases of distinct shapes
 _CALIBRATION_CALLS = 5  # echo calls that measure the judge's own cost of a call, before the engine is built
@@ -146,12 +146,12 @@ class Evaluator:
             self.generation = GenerationJudge(self)
         self._timing_case = None if self.generation else self.workload.timing_case(self.preset)
         self._rates: MachineRates | None = None  # the driver's (use_rates), or measured on first need; then kept
-        self._rates_source = ""  # evaluators.calibration: MEASURED, CACHED or RUN
+        self._rates_source = ""  # evaluators.judge.calibration: MEASURED, CACHED or RUN
         self._rates_key = machine_key(self._info, self.preset.dtype)
         self._floor_ms: float | None = None
         self._spec_cache: dict[tuple, dict] = {}
         self._seen: dict[tuple, str] = {}  # fingerprints of this evaluation's outputs -> the call that returned them
-        self._telemetry_start: dict = {}  # the machine as the current evaluation started (evaluators.telemetry)
+        self._telemetry_start: dict = {}  # the machine as the current evaluation started (evaluators.machine.telemetry)
         self._retimed_after_throttle = False  # this evaluation's calls were timed again: the device throttled
         self.sampler = sampler or telemetry.MachineSampler()  # tests pass one of their own (a throttle)
         self._paired_seed, self._retimings = derive_seed(seed, f"{name}:paired"), 0  # paired call orders
@@ -217,7 +217,7 @@ class Evaluator:
         """The machine's ceilings for the preset's arithmetic (matmul FLOP/s per dtype, copy bandwidth):
         the driver's run-wide rates (`use_rates`), else measured in this process, which never runs an
         engine, on first need and kept. A measurement is the best of short probes and never below this
-        machine's cached calibration, which it raises when it beats it (evaluators.calibration). `again`
+        machine's cached calibration, which it raises when it beats it (evaluators.judge.calibration). `again`
         measures once more and keeps the higher of each rate: ceilings read low when another process
         disturbs a measurement, and a low ceiling would make an honest engine look too fast."""
         if self._rates is None or again:
@@ -601,16 +601,16 @@ class Evaluator:
         return f"{self._info.kind}:{self._info.name}"
 
     def _stamp(self) -> dict:
-        """The machine from the evaluation's start (or its re-timing's) to now (`evaluators.telemetry`)."""
+        """The machine from the evaluation's start (or its re-timing's) to now (`evaluators.machine.telemetry`)."""
         stamp = telemetry.around(self._telemetry_start, self.sampler.sample(self.device))
         return {**stamp, "retimed_after_throttle": True} if self._retimed_after_throttle else stamp
 
     # ================================================================= held engines: paired re-timing
-    # The pieces `evaluators.paired` times several engines with, interleaved call by call: the same build,
+    # The pieces `evaluators.judge.paired` times several engines with, interleaved call by call: the same build,
     # first call, call checks and clock as an evaluation, with each engine's process kept open.
     def compare(self, a: str, b: str, *, calls: int = 16, warmup: int = 2, min_effect: float = 0.02,
                 sources: Mapping[str, str] | None = None, reason: str = "ab", generation: int = -1) -> PairedTiming:
-        """Engine `a` against engine `b`, paired (`evaluators.paired`): each is genome JSON, `default` (the
+        """Engine `a` against engine `b`, paired (`evaluators.judge.paired`): each is genome JSON, `default` (the
         gene space's default genome), `baseline:NAME` or a baseline's name. Ratio = a's latency / b's."""
         return self.retime([a, b], calls=calls, warmup=warmup, min_effect=min_effect, sources=sources,
                            reason=reason, generation=generation)[0]
@@ -618,7 +618,7 @@ class Evaluator:
     def retime(self, engines: Sequence[str], *, calls: int = 16, warmup: int = 2, min_effect: float = 0.02,
                sources: Mapping[str, str] | None = None, reason: str = "ab", generation: int = -1) -> list[PairedTiming]:
         """The first engine against each of the others, all timed in one interleaved run (see `compare`)."""
-        from evaluators.paired import retime  # the module builds on this class's pieces below
+        from evaluators.judge.paired import retime  # the module builds on this class's pieces below
 
         rng = np.random.default_rng([self._paired_seed, self._retimings])  # the call orders: seeded, by count
         self._retimings += 1

@@ -1,4 +1,4 @@
-"""A clean process that forks engine processes on request: `python -m evaluators.zygote FD PATHS`.
+"""A clean process that forks engine processes on request: `python -m evaluators.sandbox.zygote FD PATHS`.
 
 Started once per judge process and set of preloaded modules (`Zygote.shared(preload)`: the engines of
 one workload never start from a zygote that loaded another workload's modules, which may hold that
@@ -9,7 +9,7 @@ server it does not re-import the judge's `__main__` (a Ray worker's, or pytest's
 Protocol on a Unix socket to the judge (both sides are ours; engines never see it):
 - `{"op": "spawn", "preload": [module, ...], "jail": plan}` with one file descriptor attached (the
   engine's end of its connection): import the modules once (the workload's: later forks start with
-  them loaded), fork a holder; the holder enters the plan's namespaces (`evaluators.jail`) and forks
+  them loaded), fork a holder; the holder enters the plan's namespaces (`evaluators.sandbox.jail`) and forks
   the engine's process, which confines itself and runs `engine_process.main`; answer
   `{"pid": N, "holder": H, "error": ""}` once it is confined (or why it could not be);
 - `{"op": "wait", "holder": H}`: wait for that holder (the judge killed the engine first), answer
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Mapping
 
-from evaluators import jail
+from evaluators.sandbox import jail
 
 _MESSAGE = 4096
 
@@ -81,7 +81,7 @@ class Zygote:
         self._sock = ours
         self._lock = threading.Lock()
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "evaluators.zygote", str(theirs.fileno()), json.dumps(sys.path)],
+            [sys.executable, "-m", "evaluators.sandbox.zygote", str(theirs.fileno()), json.dumps(sys.path)],
             pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=engine_environment(os.environ),
         )
         theirs.close()
@@ -128,7 +128,7 @@ class Zygote:
 
 
 def _serve(sock: socket.socket) -> None:
-    from evaluators import engine_process  # preloaded here, so each fork starts ready
+    from evaluators.sandbox import engine_process  # preloaded here, so each fork starts ready
 
     reports: dict[int, _Reports] = {}
     while True:
@@ -204,8 +204,8 @@ def _view_of(plan: dict | None) -> Any:
     depends on the modules loaded so far, the hidden paths and the device)."""
     if plan is None:
         return None
-    from evaluators import seccomp
-    from evaluators.view import declared_view
+    from evaluators.sandbox import seccomp
+    from evaluators.sandbox.view import declared_view
 
     seccomp.program()  # compiled once here, loaded by each engine process
 
@@ -310,7 +310,7 @@ def _child(engine_process: Any, fd: int, plan: dict | None, view: Any, report: i
 def main(argv: list[str]) -> None:
     fd, paths = int(argv[0]), json.loads(argv[1])
     sys.path[:] = paths
-    from evaluators.engine_process import die_with_parent
+    from evaluators.sandbox.engine_process import die_with_parent
 
     die_with_parent()
     import torch

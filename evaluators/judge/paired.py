@@ -6,7 +6,7 @@ called once, in orders drawn by the explicit RNG and balanced (each engine goes 
 rounds as the others: AB BA BA AB ...), each call on freshly drawn inputs and checked against the
 float64 reference (on the CPU after the last round, as an evaluation does). Round i gives
 engine A's and engine B's i-th samples: a pair that saw the same machine at nearly the same moment.
-`evo.core.retiming` turns the pairs into a ratio, its 95% interval and a verdict. The machine's telemetry (`evaluators.telemetry`) is sampled before and after; a GPU
+`evo.core.retiming` turns the pairs into a ratio, its 95% interval and a verdict. The machine's telemetry (`evaluators.machine.telemetry`) is sampled before and after; a GPU
 that throttled meanwhile gets the rounds run once more, and the record says so.
 
 Failure is a value: an engine that fails to build or fails a call gives `failed` records naming it.
@@ -19,12 +19,12 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from evaluators import telemetry
+from evaluators.machine import telemetry
 from evo.core.retiming import MIN_PAIRS, PairedTiming, failed_timing, paired_timing
 
 
 class Judge(Protocol):
-    """What `retime` needs of an evaluator (`evaluators.evaluator.Evaluator`'s held-engine block)."""
+    """What `retime` needs of an evaluator (`evaluators.judge.evaluator.Evaluator`'s held-engine block)."""
 
     name: str
     device: str

@@ -1,6 +1,6 @@
 """What an engine's process may see of the machine's files: an allow-list, declared here once.
 
-The jail (`evaluators.jail`) starts the engine's mount namespace from an empty tmpfs root and binds in,
+The jail (`evaluators.sandbox.jail`) starts the engine's mount namespace from an empty tmpfs root and binds in,
 read-only, exactly the paths of a `View`; nothing else of the machine exists there. A view holds:
 - the system's programs and libraries (`/usr` and its merged-usr links, the dynamic linker's cache,
   `/etc/alternatives` for the C compiler torch.compile calls), and a passwd/group naming only root and
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-PROJECT = Path(__file__).resolve().parents[1]
+PROJECT = Path(__file__).resolve().parents[2]
 ENGINE_PACKAGES = ("evo/__init__.py", "evo/core", "evo/workloads")  # the project's engine side
 ROOT_DISTRIBUTIONS = ("torch", "triton", "numpy",  # what engine code may import (evo.core.code)
                       "safetensors")  # how engines read a checkpoint's weights (Workload.engine_files)

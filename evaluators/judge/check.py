@@ -1,8 +1,8 @@
 """Correctness policy: an engine against the workload's float64 reference, on fresh inputs.
 
 `compare_outputs` is the policy every call of every engine is judged by (the evaluator applies it to
-each call an isolated engine makes, see evaluators/evaluator.py; Serve's replica verifies through the same
-evaluator, `evaluators.served`). `check_engine` runs the cascade on a trusted engine in this process (the
+each call an isolated engine makes, see evaluators/judge/evaluator.py; Serve's replica verifies through the same
+evaluator, `evaluators.served.engine`). `check_engine` runs the cascade on a trusted engine in this process (the
 policy's own tests); untrusted engines never run in the caller's process.
 
 For each case of each cascade stage (cheap stages first, stop at the first failing one) the check
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from evo.workloads.base import CheckCase, Engine, Preset, Workload
-from evaluators.timing import sync
+from evaluators.judge.timing import sync
 
 
 class SeedStream:

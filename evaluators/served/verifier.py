@@ -10,7 +10,7 @@ Two kinds of work, most urgent first:
    often instead of falling further behind. A failed check hands `on_problem` the reason: the replica
    fails the engine (every stream, this one included, gets the error; nothing of the failed chunk is
    released).
-2. **Canaries** (`evaluators.canaries`): each whole request checked once it ended, as the judge scores one.
+2. **Canaries** (`evaluators.served.canaries`): each whole request checked once it ended, as the judge scores one.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Callable
 
-from evaluators.served_stream import DONE, Stream, Token
+from evaluators.served.stream import DONE, Stream, Token
 from evo.workloads.generation import GenerationRequest
 
 logger = logging.getLogger(__name__)
