@@ -9,12 +9,9 @@ import time
 from collections import deque
 from typing import Mapping
 
-from evo.core.genome import Gene, GeneSpace, Genome
-from evo.workloads.base import NO_SOURCES, DeviceInfo, Preset
+from evo.workloads.base import DeviceInfo, Preset
 from evo.workloads.generation import GenerationRequest, TokenEvent
-from evo.workloads.llama_serve import LlamaServeWorkload
-
-HONEST = "none"
+from tests.serve_cheats import HONEST, CheatWorkload  # noqa: F401 - HONEST: the honest value, for tests
 
 
 class _Wrapper:
@@ -215,20 +212,12 @@ CHEATS = {"stop_ids": _StopIds, "sampled_late": _SampledLate, "abort_hole": _Abo
           "queued": _Queued, "truncates": _Truncates, "judge_shaped": _JudgeShaped, "held_first": _HeldFirst}
 
 
-class ContractCheats(LlamaServeWorkload):
+class ContractCheats(CheatWorkload):
     name = "contract_cheats"
+    cheats = tuple(CHEATS)
 
-    def gene_space(self, preset: Preset, device: DeviceInfo) -> GeneSpace:
-        honest = super().gene_space(preset, device)
-        cheat = Gene("cheat", "fusion", (HONEST, *CHEATS), HONEST, "which cheat wraps the honest engine")
-        return GeneSpace(self.name, (*honest.genes, cheat), honest.constraints, honest.code_genes, honest.ignored)
-
-    def build_generator(self, genome: Genome, preset: Preset, device: DeviceInfo,
-                        sources: Mapping[str, str] = NO_SOURCES):
-        values = genome.values()
-        cheat = values.pop("cheat")
-        honest = super().build_generator(super().gene_space(preset, device).make(values), preset, device, sources)
-        return honest if cheat == HONEST else CHEATS[cheat](honest, preset.shape)
+    def wrap(self, cheat: str, honest, preset: Preset, device: DeviceInfo):
+        return CHEATS[cheat](honest, preset.shape)
 
 
 WORKLOAD = ContractCheats()

@@ -408,12 +408,15 @@ WRAPPERS = {"precog": _Precog, "batch_mate": _BatchMate, "early_stop": _EarlySto
             "leak_per_abort": _LeakPerAbort, "slower_after": _SlowerAfter, "hang": _Hang}
 
 
-class ServeCheats(LlamaServeWorkload):
-    name = "serve_cheats"
+class CheatWorkload(LlamaServeWorkload):
+    """llama_serve with a `cheat` gene: HONEST builds the honest engine, every other value wraps it in one cheat
+    (`wrap`)."""
+
+    cheats: tuple[str, ...] = ()
 
     def gene_space(self, preset: Preset, device: DeviceInfo) -> GeneSpace:
         honest = super().gene_space(preset, device)
-        cheat = Gene("cheat", "fusion", (HONEST, *CHEATS), HONEST, "which cheat wraps the honest engine")
+        cheat = Gene("cheat", "fusion", (HONEST, *self.cheats), HONEST, "which cheat wraps the honest engine")
         return GeneSpace(self.name, (*honest.genes, cheat), honest.constraints, honest.code_genes, honest.ignored)
 
     def build_generator(self, genome: Genome, preset: Preset, device: DeviceInfo,
@@ -421,14 +424,22 @@ class ServeCheats(LlamaServeWorkload):
         values = genome.values()
         cheat = values.pop("cheat")
         honest = super().build_generator(super().gene_space(preset, device).make(values), preset, device, sources)
-        if cheat == HONEST:
-            return honest
+        return honest if cheat == HONEST else self.wrap(cheat, honest, preset, device)
+
+    def wrap(self, cheat: str, honest, preset: Preset, device: DeviceInfo):
+        raise NotImplementedError
+
+
+class ServeCheats(CheatWorkload):
+    name = "serve_cheats"
+    cheats = CHEATS
+
+    def wrap(self, cheat: str, honest, preset: Preset, device: DeviceInfo):
         if cheat == "one_shot":
             from evo.workloads import get_workload
-
-            llama = get_workload("llama")
             from evo.workloads.llama.engine import build
 
+            llama = get_workload("llama")
             engine = build(llama.gene_space(preset, device).default(), preset, device, preset.max_positions)
             return _OneShot(honest, engine)
         engine = WRAPPERS[cheat](honest)

@@ -156,3 +156,15 @@ def test_no_workload_is_named_outside_its_folder():
                 hits.append(f"{rel}:{number}: {line.strip()}")
     if hits:
         pytest.fail("a workload's name outside evo/workloads/:\n" + "\n".join(hits))
+
+
+@pytest.mark.parametrize("room", [layer.split(".")[1] for layer in EVALUATOR_ROOMS if layer != "evaluators.settings"])
+def test_each_room_of_the_judge_offers_what_its_face_says(room):
+    import importlib
+
+    face = importlib.import_module(f"evaluators.{room}")
+    assert face.__doc__ and face.OFFERS
+    for name in face.OFFERS:
+        assert getattr(face, name) is not None, f"evaluators.{room} offers {name}"
+    with pytest.raises(AttributeError, match="offers"):
+        getattr(face, "not_offered")

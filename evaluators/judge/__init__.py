@@ -9,16 +9,10 @@
 """
 from __future__ import annotations
 
+from evaluators.face import offers
+
 OFFERS = {"Evaluator": "evaluator", "GenerationJudge": "generation", "objective_of": "generation",
           "replay": "replay", "score": "replay", "request_problems": "replay", "ConfinedGenerator": "replay",
           "retime": "paired", "Calibration": "calibration", "SyntheticEvaluator": "synthetic",
           "RequestIds": "request_ids", "check_engine": "check"}
-
-
-def __getattr__(name: str):
-    """The names above, imported from their module on first use (a face imports nothing by itself)."""
-    import importlib
-
-    if name not in OFFERS:
-        raise AttributeError(f"module {__name__!r} offers {sorted(OFFERS)}, not {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{OFFERS[name]}"), name)
+__getattr__ = offers(__name__, OFFERS)

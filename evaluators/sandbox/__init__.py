@@ -8,14 +8,8 @@ Offers: `EngineProcess`, `EngineProcessError`, `CallResult`, `SANDBOXES` (the co
 """
 from __future__ import annotations
 
+from evaluators.face import offers
+
 OFFERS = {"EngineProcess": "process", "EngineProcessError": "process", "CallResult": "process",
           "SANDBOXES": "process", "probe_strict": "process", "workload_modules": "process"}
-
-
-def __getattr__(name: str):
-    """The names above, imported from their module on first use (a face imports nothing by itself)."""
-    import importlib
-
-    if name not in OFFERS:
-        raise AttributeError(f"module {__name__!r} offers {sorted(OFFERS)}, not {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{OFFERS[name]}"), name)
+__getattr__ = offers(__name__, OFFERS)
