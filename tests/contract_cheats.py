@@ -181,7 +181,7 @@ class _HeldFirst(_Wrapper):
     out from a loaded machine's noise: so the first request it releases after being idle (one a replay) comes
     after a nap of NAP_S, a TTFT p99 over any bound below ~0.89 NAP_S (its TPOT stays ~0)."""
 
-    NAP_S = 1.5
+    NAP_S = 3.0
 
     def __init__(self, honest, shape) -> None:
         super().__init__(honest, shape)

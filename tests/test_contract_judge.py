@@ -26,7 +26,7 @@ from evo.workloads import get_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = EvaluatorSettings(replays=1, build_timeout_s=120, eval_timeout_s=240)
-TTFT_BOUND_MS = 1000.0  # the configs' own; the honest engine's TTFT p99 here: ~7 ms, 0.5 s at worst seen (loaded)
+TTFT_BOUND_MS = 2000.0  # the honest engine's TTFT p99 here: ~7 ms, 0.5 s at worst seen (loaded): a wide margin
 WRONG = r"step \d+: token|without a stop id|not marked finished"  # a wrong token, a stop id missed or run past
 
 
