@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from evaluators.judge.traffic import TimedShape, check_sends, draw_timed, stop_case, timed_sends
 from evaluators.judge.replay import (ConfinedGenerator, ForbiddenCallError, GenerationError, Replay, Send, replay,
-                               score)
+                                     score)
 from evaluators.judge.request_ids import RequestIds
+from evaluators.judge.traffic import TimedShape, check_sends, draw_timed, stop_case, timed_sends
 from evaluators.sandbox.process import EngineProcess, EngineProcessError
 from evaluators.settings import OBJECTIVE_BOUNDS
 from evo.core.records import INCORRECT, OK, RUNTIME_ERROR, SUSPECT, TIMEOUT, EvalResult
@@ -129,7 +129,7 @@ class GenerationJudge:
             return failed
         stamp, deadline = built.stamp, built.deadline
         generator = ConfinedGenerator(process)  # each replay bounds it by the evaluation's deadline
-        held = _Held(greedy_only=self._greedy_only(engine))
+        held = _Held(greedy_only=self.greedy_only(engine))
         problem = self.check(generator, deadline, held.greedy_only, held.ids)
         if problem:
             return ev.result(genome_hash, problem[0], start, message=problem[1], **stamp)
@@ -227,10 +227,9 @@ class GenerationJudge:
         bound = OBJECTIVE_BOUNDS.get(self.objective)
         if bound is None:
             return None
-        figure = "ttft_ms" if bound == "ttft_ms" else "tpot_ms"
-        seen, limit = getattr(metrics, figure)["p99"], float(getattr(self.slo, bound))
+        seen, limit = getattr(metrics, bound)["p99"], float(getattr(self.slo, bound))  # the SLO key names the figure
         if seen > limit:  # a TPOT of nan (only one-token requests) holds nothing back
-            return INCORRECT, (f"{what}: objective {self.objective} is scored under slo.{bound}: {figure[:4].upper()} "
+            return INCORRECT, (f"{what}: objective {self.objective} is scored under slo.{bound}: {bound[:4].upper()} "
                                f"p99 {seen:.4g} ms over {limit:g}: not ranked")
         return None
 
@@ -252,7 +251,7 @@ class GenerationJudge:
         """A generator seeded from the OS's randomness (never the run's seed nor the trace's)."""
         return np.random.default_rng(self.ev.next_seed())
 
-    def _greedy_only(self, engine: dict) -> bool:
+    def greedy_only(self, engine: dict) -> bool:
         """Whether `engine` is a baseline its workload declares greedy-only (candidates never are)."""
         name = engine.get("baseline")
         return name is not None and name in self.workload.greedy_baselines(self.preset)
@@ -279,7 +278,7 @@ class GenerationJudge:
         built, failed = self.ev.built(process, "held", time.perf_counter(), engine, contract="generation")
         if failed is not None:
             return f"{failed.status}: {failed.message}", 0.0
-        held = self._held[process] = _Held(greedy_only=self._greedy_only(engine))
+        held = self._held[process] = _Held(greedy_only=self.greedy_only(engine))
         self._rounds = []
         problem = self.check(ConfinedGenerator(process), deadline, held.greedy_only, held.ids)
         if problem is not None:

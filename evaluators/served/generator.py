@@ -36,10 +36,10 @@ import time
 from dataclasses import asdict
 from typing import Any, Callable, Mapping, Sequence
 
-from evaluators.served.canaries import Canaries
 from evaluators.judge.evaluator import Evaluator
 from evaluators.judge.replay import ConfinedGenerator, GenerationError, prefix_problem, request_problems
 from evaluators.sandbox.process import EngineProcess, EngineProcessError
+from evaluators.served.canaries import Canaries
 from evaluators.served.guards import Judged, ServePolicy, SpeedWatch, breach, stall_deadline
 from evaluators.served.stream import DONE, Stream, Token
 from evaluators.served.verifier import Verifier
@@ -130,7 +130,7 @@ class ServedGenerator:
         self.judged = Judged.of(judge.held_metrics, int(self.judge.preset.shape["R"]), "the judge's check replay")
         self.ids = judge.request_ids(self._process)  # users' and canaries' ids continue the check's sequence
         # the check replay covers seeded sampling, except for a baseline its workload declares greedy-only
-        greedy = spec.get("baseline") in self.judge.workload.greedy_baselines(self.judge.preset)
+        greedy = judge.greedy_only(spec)
         self.sampling_check = "a baseline that decodes greedily only (checked on greedy requests)" if greedy else ""
         self.sampling = not greedy
 

@@ -33,10 +33,7 @@ from evo.workloads.kda.definition import L2NORM_EPS
 from evo.workloads.kimi_linear.genes import KimiPlan, gene_space
 from evo.workloads.kimi_linear.model import DENSE, FP32_TENSORS, KDA, LATENT_NORM_EPS, KimiSpec, load_weights
 from evo.workloads.kimi_linear.presets import KimiPreset
-from evo.workloads.llama_serve.engine import ModelRunner
-
-Pick = tuple[GenerationRequest, int]  # how a row's token is chosen: its request, and the index of the token
-pick_tokens = ModelRunner._pick  # logits [n, V], picks -> tokens (greedy argmax or the seeded draw)
+from evo.workloads.llama_serve.engine import pick_tokens
 
 
 def _rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

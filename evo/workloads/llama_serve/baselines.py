@@ -26,13 +26,13 @@ from typing import Callable
 
 import torch
 
-from evo.workloads import sampling
 from evo.workloads.base import DeviceInfo, greedy_only
 from evo.workloads.generation import GenerationEngine, GenerationRequest, TokenEvent, check_fits
 from evo.workloads.llama.baselines import _Transformers, transformers_available
 from evo.workloads.llama.engine import build as build_llama
 from evo.workloads.llama.generator import LlamaGenerator
 from evo.workloads.llama.genes import gene_space
+from evo.workloads.llama_serve.engine import pick_tokens
 from evo.workloads.llama_serve.presets import ServePreset
 
 
@@ -122,7 +122,8 @@ class HFStatic:
         with torch.inference_mode():
             out = self.model(input_ids=batch.inputs, attention_mask=batch.mask, position_ids=batch.positions,
                              cache=batch.cache, use_cache=True, logits_to_keep=1)
-            tokens = self._pick(out.logits[:, -1], batch)  # [B]
+            picks = [(request, len(made)) for request, made in zip(batch.requests, batch.made)]
+            tokens = torch.tensor(pick_tokens(out.logits[:, -1], picks), device=batch.inputs.device)  # [B]
         events = []
         for row, (request, token) in enumerate(zip(batch.requests, tokens.tolist())):
             if batch.done[row]:
@@ -137,17 +138,6 @@ class HFStatic:
             batch.positions = batch.positions[:, -1:] + 1
             batch.mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch.requests), 1)], 1)
         return events
-
-    @staticmethod
-    def _pick(logits: torch.Tensor, batch: _Batch) -> torch.Tensor:
-        """Each row's next token from logits [B, V]: the argmax, or for a sampled request the seeded draw."""
-        tokens = logits.argmax(-1)
-        for row, request in enumerate(batch.requests):
-            if not request.greedy and not batch.done[row]:
-                row_logits = logits[row].float().cpu().numpy()
-                tokens[row] = sampling.choose(row_logits, request.temperature, request.top_p, request.seed,
-                                              len(batch.made[row]))
-        return tokens
 
     def abort(self, request_id: int) -> None:
         """Out of the queue; in the running batch its row rides along to the batch's end (static batching)."""

@@ -41,6 +41,20 @@ KV = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tenso
 Pick = tuple[GenerationRequest, int]  # how a row's token is chosen: its request, and the index of the token
 
 
+def pick_tokens(logits: torch.Tensor, picks: list[Pick]) -> list[int]:
+    """Each row's token from logits [n, V]: greedy rows by argmax (the first of equal maxima; on the CPU
+    through numpy: torch's argmax over rows is ~20x slower there, 165 us vs 7 us at [16, 4096]), sampled
+    rows by `sampling.choose` with their request's temperature, top_p, seed and output index. Every generation
+    engine and baseline here picks through it, so a sampled token is the draw the judge checks."""
+    rows = logits.float().numpy() if logits.device.type == "cpu" else None
+    tokens = np.argmax(rows, 1).tolist() if rows is not None else logits.argmax(-1).tolist()
+    for r, (request, index) in enumerate(picks):
+        if not request.greedy:
+            row = rows[r] if rows is not None else logits[r].float().cpu().numpy()
+            tokens[r] = sampling.choose(row, request.temperature, request.top_p, request.seed, index)
+    return tokens
+
+
 # ---------------------------------------------------------------------------------------------- KV pools
 class SlotPool:
     """Keys and values of `rows` requests x `length` positions, a tensor per layer (K and V), each read as
@@ -273,18 +287,7 @@ class ModelRunner:
         mask = torch.where(self.key_positions[:S] <= pos[:, None], self.visible, self.hidden)  # [n, S]
         return mask[:, None, None, None] if self.engine.plan.attention == "matmul" else mask[:, None, None]
 
-    @staticmethod
-    def _pick(logits: torch.Tensor, picks: list[Pick]) -> list[int]:
-        """Each row's token from logits [n, V]: greedy rows by argmax (the first of equal maxima; on the CPU
-        through numpy: torch's argmax over rows is ~20x slower there, 165 us vs 7 us at [16, 4096]), sampled
-        rows by `sampling.choose` with their request's temperature, top_p, seed and output index."""
-        rows = logits.float().numpy() if logits.device.type == "cpu" else None
-        tokens = np.argmax(rows, 1).tolist() if rows is not None else logits.argmax(-1).tolist()
-        for r, (request, index) in enumerate(picks):
-            if not request.greedy:
-                row = rows[r] if rows is not None else logits[r].float().cpu().numpy()
-                tokens[r] = sampling.choose(row, request.temperature, request.top_p, request.seed, index)
-        return tokens
+    _pick = staticmethod(pick_tokens)
 
 
 # ---------------------------------------------------------------------------------------------- the scheduler
