@@ -163,9 +163,11 @@ def _cpu():
 
 
 def _environment() -> dict:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    commit = git("rev-parse", "--short", "HEAD") + ("+uncommitted" if git("status", "--porcelain", "--untracked-files=no")
+                                                    else "")
     return {"host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "commit": commit.strip() + "+uncommitted",
+            "torch_threads": torch.get_num_threads(), "commit": commit,
             "at": time.strftime("%Y-%m-%d %H:%M")}
 
 

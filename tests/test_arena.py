@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from evaluators.judge.evaluator import Evaluator
 from evaluators.sandbox import jail
 from evaluators.sandbox.arena import ArenaPool
-from evaluators.judge.evaluator import Evaluator
 from evaluators.settings import EvaluatorSettings
 from tests import fake_workload as fw
 

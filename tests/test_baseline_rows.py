@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 
 from evaluators.judge.evaluator import Evaluator
+from evaluators.judge.synthetic import SyntheticEvaluator
 from evaluators.pool.actors import EvaluatorPool
 from evaluators.settings import EvaluatorSettings
-from evaluators.judge.synthetic import SyntheticEvaluator
 from evo.core.loop import LocalExecutor, run_search
 from evo.core.records import OK, TIMEOUT, EvalResult
 from evo.core.search import Search, SearchSettings

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from evaluators.judge.check import expected_dtypes
 import evaluators.judge.evaluator as evaluator_module
+from evaluators.judge.evaluator import Evaluator
 from evaluators.machine import device as devices
 from evaluators.sandbox import jail
-from evaluators.judge.check import expected_dtypes
-from evaluators.judge.evaluator import Evaluator
 from evaluators.sandbox.guard import hidden_paths
 from evaluators.sandbox.process import EngineProcess, _members, workload_modules
 from evaluators.settings import EvaluatorSettings

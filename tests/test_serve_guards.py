@@ -28,6 +28,7 @@ from evo.serving.app import check_user_config
 from evo.serving.rescoring import Rescorer
 from evo.workloads import get_workload
 from evo.workloads.generation import GenerationRequest
+from tests.waiting import wait_for
 from tests.serve_cheats import ARM, ARM_AFTER, TRIGGER
 
 W = get_workload("tests.serve_cheats")
@@ -35,6 +36,7 @@ PRESET = W.presets()["cpu_small"]
 V, N, P = PRESET.shape["V"], PRESET.shape["N"], PRESET.shape["P"]
 SECRET = [201, 17, 99, 250, 3, 77, 140, 66, 9, 188, 45, 230]  # client A's prompt: what must not reach B
 CHUNK = 4
+POLL_S = 0.01  # the replica's threads move fast: tests that time how soon they react poll often
 
 
 def greedy(prompt, n):
@@ -70,16 +72,6 @@ def take(stream) -> tuple[list[int], Exception | None]:
     except ServedGeneratorError as exc:
         return got, exc
     return got, None
-
-
-def until(predicate, timeout_s: float) -> bool:
-    """Whether `predicate()` came true within `timeout_s` (polled every 10 ms: the replica's threads move fast)."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def leaked(tokens) -> bool:
@@ -206,7 +198,7 @@ def test_under_sampled_canaries_alone_find_a_cache_keyed_on_less_than_the_prompt
                 break
             if served.failure is not None:
                 break
-            assert until(lambda: served.idle or served.failure is not None, 30), "the canaries' checks"
+            wait_for(lambda: served.idle or served.failure is not None, 30, "the canaries' checks", poll_s=POLL_S)
         assert served.failure is not None and "canary" in str(served.failure), served.failure
         assert sent <= 40
     finally:
@@ -229,7 +221,8 @@ def test_a_token_that_breaks_the_contract_takes_the_engine_out_at_once(cheat, sa
             assert got == greedy([9, 8, 7], 6) and error is not None
         else:
             got2, error = take(served.submit([9, 8], 8)) if error is None else (got, error)
-        assert until(lambda: failures, 10) and failures == [str(served.failure)] and says in failures[0], failures
+        wait_for(lambda: failures, 10, "the replica told of the failure", poll_s=POLL_S)
+        assert failures == [str(served.failure)] and says in failures[0], failures
         assert "broke the serving contract" in failures[0]
     finally:
         served.close()
@@ -304,12 +297,12 @@ def test_an_engine_turned_ten_times_slower_is_reported_then_removed():
         start = time.perf_counter()
         for c in clients:
             c.start()
-        until(lambda: served.speed.report is not None, 30)
+        wait_for(lambda: served.speed.report is not None, 30, "the slow report", poll_s=POLL_S)
         took = time.perf_counter() - start
         assert served.speed.report is not None and took <= 2 * 1.0 + 2.0, (took, served.speed.report)
         assert served.failure is None and "slower than judged" in served.speed.report["message"]
         served.policy = ServePolicy(canary_every=0, slow_window_s=1.0, slow_factor=3.0, slow_action="remove")
-        assert until(lambda: served.failure is not None, 10)
+        wait_for(lambda: served.failure is not None, 10, "the slow engine's removal", poll_s=POLL_S)
         assert "slower than judged" in str(served.failure) and "slow_action: remove" in str(served.failure)
     finally:
         stop.set()

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from evaluators.machine import telemetry
 from evaluators.judge.evaluator import Evaluator
+from evaluators.machine import telemetry
 from evaluators.settings import EvaluatorSettings
 from tests import fake_workload
 

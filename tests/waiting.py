@@ -2,9 +2,11 @@
 import time
 
 
-def wait_for(predicate, timeout: float, what: str, tolerate: tuple[type[BaseException], ...] = ()):
-    """The first truthy value of `predicate()`, polled every 0.5 s; errors in `tolerate` count as
-    "not yet". Fails the test after `timeout` seconds naming `what` it waited for."""
+def wait_for(predicate, timeout: float, what: str, tolerate: tuple[type[BaseException], ...] = (),
+             poll_s: float = 0.5):
+    """The first truthy value of `predicate()`, polled every `poll_s` seconds (0.5: another process; shorter
+    where a test times how soon something came about); errors in `tolerate` count as "not yet". Fails the
+    test after `timeout` seconds naming `what` it waited for."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -13,5 +15,5 @@ def wait_for(predicate, timeout: float, what: str, tolerate: tuple[type[BaseExce
                 return value
         except tolerate:
             pass
-        time.sleep(0.5)
+        time.sleep(poll_s)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")

@@ -41,18 +41,18 @@ from evo.core.retiming import PairedTiming
 from evo.core.seeds import derive_seed
 from evo.workloads import get_workload
 from evo.workloads.base import CheckCase, DeviceInfo, MachineRates, Preset, Workload
+from evaluators.judge.calibration import RUN, Calibration, machine_key, remember
+from evaluators.judge.check import compare_outputs, expected_dtypes, worse
+from evaluators.judge.generation import GenerationJudge
+from evaluators.judge.timing import Timing, num_threads, probe_rates, summarize
 from evaluators.machine import device as devices
 from evaluators.machine import telemetry
-from evaluators.judge.check import compare_outputs, expected_dtypes, worse
 from evaluators.sandbox import jail
 from evaluators.sandbox.arena import ArenaPool
-from evaluators.judge.generation import GenerationJudge
 from evaluators.sandbox.guard import hidden_paths
 from evaluators.sandbox.process import CallResult, EngineProcess, EngineProcessError, workload_modules
-from evaluators.settings import EvaluatorSettings
-from evaluators.judge.calibration import RUN, Calibration, machine_key, remember
-from evaluators.judge.timing import Timing, num_threads, probe_rates, summarize
 from evaluators.sandbox.zygote import Zygote
+from evaluators.settings import EvaluatorSettings
 
 _SPEC_CACHE_SIZE = 256  # output specs kept for cases of distinct shapes
 _CALIBRATION_CALLS = 5  # echo calls that measure the judge's own cost of a call, before the engine is built

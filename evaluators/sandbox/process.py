@@ -37,10 +37,10 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from evaluators.machine.device import sync
 from evaluators.sandbox import arena as arenas
 from evaluators.sandbox import jail
 from evaluators.sandbox.cgroups import CandidateCgroup
-from evaluators.machine.device import sync
 from evaluators.sandbox.view import BASELINE_CACHE, baseline_cache
 from evaluators.sandbox.zygote import Zygote, engine_environment
 from evo.workloads.base import DeviceInfo, Preset
