@@ -136,12 +136,17 @@ class Gene:
     values: tuple[Scalar, ...]
     default: Scalar
     doc: str
+    # values that trade precision for speed (bfloat16 weights at a float32 preset, int8 weights): an engine with
+    # one is judged only under the accuracy contract's budget mode; an exact run's space leaves them out
+    lossy: tuple[Scalar, ...] = ()
 
     def __post_init__(self) -> None:
         if self.domain not in DOMAINS:
             raise ValueError(f"gene {self.name!r}: domain {self.domain!r} not in {DOMAINS}")
         if self.default not in self.values:
             raise ValueError(f"gene {self.name!r}: default {self.default!r} not in {self.values}")
+        if not set(self.lossy) <= set(self.values):
+            raise ValueError(f"gene {self.name!r}: lossy values {self.lossy} must be among its values {self.values}")
 
 
 @dataclass(frozen=True)
@@ -414,10 +419,20 @@ class GeneSpace:
             if illegal or not values:
                 raise GenomeError(f"cannot restrict gene {name!r} to {list(values)}: allowed values are {list(gene.values)}")
             default = gene.default if _legal(gene.default, values) else values[0]
-            narrowed.append(replace(gene, values=values, default=default))
+            narrowed.append(replace(gene, values=values, default=default, lossy=tuple(v for v in gene.lossy if v in values)))
         genes.update({g.name: g for g in narrowed})
         # the same constraints, ignored-genes rules and pipeline: its genomes are canonical here too
         return replace(self, genes=tuple(genes[g.name] for g in self.genes))
+
+    def exact_only(self) -> GeneSpace:
+        """The space without lossy values (`Gene.lossy`): what an exact-mode run searches."""
+        narrowed = {g.name: [v for v in g.values if v not in g.lossy] for g in self.genes if g.lossy}
+        return self.restrict(narrowed) if narrowed else self
+
+    def lossy_values(self, values: Mapping[str, Scalar]) -> dict[str, Scalar]:
+        """The genes of `values` set to a lossy value (name -> value)."""
+        lossy = {g.name: g.lossy for g in self.genes if g.lossy}
+        return {name: value for name, value in values.items() if name in lossy and value in lossy[name]}
 
     def describe(self) -> list[dict[str, Any]]:
         """The gene table (for docs, configs and logs); `constraint` names the rules that mention the gene."""
