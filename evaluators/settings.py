@@ -57,6 +57,32 @@ def _tolerances_ok(x: Any) -> bool:
     return isinstance(x, Mapping) and len(x) > 0 and all(isinstance(k, str) and _positive(v) for k, v in x.items())
 
 
+# the accuracy contract (`evaluators.judge.accuracy`): its modes and the keys of `evaluator.accuracy`
+ACCURACY_MODES = ("exact", "budget")
+BUDGET_KEYS = ("min_agreement", "max_mean_gap", "max_gap", "tie_window", "tie_alpha", "request_alpha")
+_ACCURACY_KEYS = ("mode", "against", "factor", *BUDGET_KEYS)
+
+
+def accuracy_problem(accuracy: Mapping) -> str:
+    """Why `evaluator.accuracy` is malformed, or "" (the budget the workload resolves is `evaluators.judge.accuracy.resolve`'s)."""
+    unknown = sorted(set(accuracy) - set(_ACCURACY_KEYS))
+    if unknown:
+        return f"unknown keys {unknown}; allowed: {list(_ACCURACY_KEYS)}"
+    if accuracy.get("mode", "exact") not in ACCURACY_MODES:
+        return f"mode {accuracy.get('mode')!r} is not one of {list(ACCURACY_MODES)}"
+    for key in ("factor", "max_mean_gap", "max_gap", "tie_window", "tie_alpha", "request_alpha", "min_agreement"):
+        value = accuracy.get(key)
+        if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+            return f"{key} must be a positive number, got {value!r}"
+    if not 0 < accuracy.get("min_agreement", 0.5) <= 1:
+        return f"min_agreement must be in (0, 1], got {accuracy['min_agreement']!r}"
+    if accuracy.get("against") not in (None, "bfloat16", "float16"):
+        return f"against {accuracy['against']!r}: calibrate against 'bfloat16' or 'float16'"
+    if accuracy.get("mode", "exact") == "exact" and set(accuracy) - {"mode"}:
+        return f"mode exact takes no budget: {sorted(set(accuracy) - {'mode'})} apply to mode budget"
+    return ""
+
+
 @dataclass(frozen=True)
 class EvaluatorSettings:
     """How an evaluator checks and times engines. See the module docstring for the tolerance policy."""
@@ -162,6 +188,16 @@ class EvaluatorSettings:
         factory=True,
         hash=False,
     )
+    accuracy: dict = _option(
+        dict,
+        "the accuracy contract of a generation workload (docs/evidence.md): {mode: exact|budget} (default exact at"
+        " a float32/float64 preset, budget at bfloat16); a budget's bounds {min_agreement, max_mean_gap, max_gap,"
+        " tie_window, tie_alpha, request_alpha}, any left out calibrated against an honest execution at {against:"
+        " bfloat16} times {factor: 2}",
+        lambda x: isinstance(x, Mapping) and not accuracy_problem(x),
+        factory=True,
+        hash=False,
+    )
     replays: int = _option(2, "timed replays of the trace per evaluation of a generation engine (fresh prompts"
                               " each); the result is their median", _count(1))
     min_timing_s: float | None = _option(
@@ -171,6 +207,9 @@ class EvaluatorSettings:
     )
 
     def __post_init__(self) -> None:
+        if isinstance(self.accuracy, Mapping) and accuracy_problem(self.accuracy):
+            raise ValueError(f"EvaluatorSettings.accuracy={dict(self.accuracy)!r} is not valid: "
+                             f"{accuracy_problem(self.accuracy)}")
         for f in fields(self):
             value = getattr(self, f.name)
             if not f.metadata["check"](value):

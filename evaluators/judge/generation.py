@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from evaluators.judge import accuracy
 from evaluators.judge.replay import (ConfinedGenerator, ForbiddenCallError, GenerationError, Replay, Send, replay,
                                      score)
 from evaluators.judge.request_ids import RequestIds
@@ -112,6 +113,7 @@ class GenerationJudge:
         self.replays = settings.replays
         self.vocab = int(self.preset.shape["V"])
         self.tolerance = self.workload.tie_tolerance(self.preset)
+        self.accuracy = accuracy.resolve(settings.accuracy, self.workload, self.preset)  # the accuracy contract
         self.slo = Slo(**settings.slo) if settings.slo else None  # goodput's bounds, if the config sets any
         self.stall_steps = int(self.preset.shape["P"]) + int(self.preset.shape["N"])  # the stall rule's unit
         self.held_metrics: ServingMetrics | None = None  # the check replay of the engine `hold` passed last
@@ -130,11 +132,12 @@ class GenerationJudge:
         stamp, deadline = built.stamp, built.deadline
         generator = ConfinedGenerator(process)  # each replay bounds it by the evaluation's deadline
         held = _Held(greedy_only=self.greedy_only(engine))
-        problem = self.check(generator, deadline, held.greedy_only, held.ids)
+        tally = self.tally()
+        problem = self.check(generator, deadline, held.greedy_only, held.ids, tally)
         if problem:
             return ev.result(genome_hash, problem[0], start, message=problem[1], **stamp)
         shape = draw_timed(self.trace, self._rng())  # this evaluation's trace
-        timed, problem = self._timed(generator, deadline, self.replays, shape, held)
+        timed, problem = self._timed(generator, deadline, self.replays, shape, held, tally)
         if problem:
             return ev.result(genome_hash, problem[0], start, message=problem[1], **stamp)
         median = self._median(timed)
@@ -142,29 +145,38 @@ class GenerationJudge:
                 f"{self.checked_requests} of a check replay, each scored on its own tokens")
         if ev.below_floor(median):
             first = median
-            again, problem = self._timed(generator, deadline, self.replays, shape, held)
+            again, problem = self._timed(generator, deadline, self.replays, shape, held, tally)
             if problem:
                 return ev.result(genome_hash, problem[0], start, message=f"re-verification: {problem[1]}", **stamp)
             timed, median = again, self._median(again)
             if ev.below_floor(median):
                 return ev.result(genome_hash, SUSPECT, start, latency_ms=median, serving=self._serving(timed),
+                                 accuracy=self.loss(tally),
                                  message=f"{self.objective} {median:.4g} (first {first:.4g}, re-timed on fresh prompts)"
                                          f" is below the roofline floor {ev.roofline_floor_ms():.4g}: never ranked",
                                  **stamp)
             note += f"; re-timed after a first {first:.4g} below the floor"
+        breach = self.breach(tally)
+        if breach:
+            return ev.result(genome_hash, INCORRECT, start, message=breach, accuracy=self.loss(tally), **stamp)
         values = sorted(objective_of(t.metrics, self.objective) for t in timed)
         return ev.result(genome_hash, OK, start, latency_ms=median, latency_spread_ms=values[-1] - values[0],
-                         serving=self._serving(timed), message=note, **stamp)
+                         serving=self._serving(timed), accuracy=self.loss(tally), message=note, **stamp)
 
     def check(self, generator: ConfinedGenerator, deadline: float, greedy_only: bool = False,
-              ids: RequestIds | None = None) -> tuple[str, str] | None:
+              ids: RequestIds | None = None, tally: accuracy.Tally | None = None) -> tuple[str, str] | None:
         """The check replay (see the module): (status, message) of its first problem, or None. `greedy_only`: a
         baseline that decodes greedily only, sent greedy requests in place of sampled ones; `ids`: the engine's
-        request ids (a fresh sequence if not given)."""
+        request ids (a fresh sequence if not given); `tally`: where its tokens' loss is marked (in budget mode
+        the caller judges it; without one, the check replay's own tally is judged here)."""
         sends = check_sends(self.preset.shape, self._rng(), self.continuation, greedy_only)
         self.checked_requests, self._checked_metrics = len(sends), None
         timed, problem = self._replay(generator, sends, deadline, "the check replay", 0, ids or RequestIds())
-        problem = problem or self._score([timed], "the check replay")
+        own = tally is None
+        tally = self.tally() if own else tally
+        problem = problem or self._score([timed], "the check replay", tally)
+        if problem is None and own and self.breach(tally):
+            problem = INCORRECT, f"the check replay: {self.breach(tally)}"
         if problem is None:
             self._checked_metrics = timed.metrics
         return problem
@@ -178,8 +190,8 @@ class GenerationJudge:
             made.append(sampling.choose(row, request.temperature, request.top_p, request.seed, index))
         return made
 
-    def _timed(self, generator: ConfinedGenerator, deadline: float, replays: int, shape: TimedShape, held: _Held
-               ) -> tuple[list[_Timed], tuple[str, str] | None]:
+    def _timed(self, generator: ConfinedGenerator, deadline: float, replays: int, shape: TimedShape, held: _Held,
+               tally: accuracy.Tally) -> tuple[list[_Timed], tuple[str, str] | None]:
         """`replays` replays of `shape` on fresh prompts, then every request scored. Their stop-id requests are
         drawn first: the reference never runs between timed replays."""
         stops = [stop_case(shape, self._rng(), self.vocab, self.continuation) for _ in range(replays)]
@@ -189,7 +201,7 @@ class GenerationJudge:
             if problem:
                 return timed, problem
             timed.append(one)
-        return timed, self._score(timed, "a timed replay")
+        return timed, self._score(timed, "a timed replay", tally)
 
     def _timed_replay(self, generator: ConfinedGenerator, shape: TimedShape, stop: GenerationRequest | None,
                       held: _Held, deadline: float, what: str) -> tuple[_Timed | None, tuple[str, str] | None]:
@@ -233,12 +245,32 @@ class GenerationJudge:
                                f"p99 {seen:.4g} ms over {limit:g}: not ranked")
         return None
 
-    def _score(self, timed: list[_Timed], what: str) -> tuple[str, str] | None:
+    def _score(self, timed: list[_Timed], what: str, tally: accuracy.Tally) -> tuple[str, str] | None:
         for one in timed:
-            problems = score(one.result, self.reference, self.tolerance, self.vocab, self.alternatives)
+            problems = score(one.result, self.reference, self.rule_tolerance, self.vocab, self.alternatives, tally)
             if problems:
                 return INCORRECT, _first(what, problems)
         return None
+
+    # ----------------------------------------------------------------- the accuracy contract
+    @property
+    def rule_tolerance(self) -> float | None:
+        """The near-tie tolerance every token is held to (exact mode), None in budget mode (the budget judges)."""
+        return None if self.accuracy.budget is not None else self.tolerance
+
+    def tally(self) -> accuracy.Tally:
+        """An empty tally of tokens' loss, in the contract's near-tie window."""
+        return accuracy.Tally(self.accuracy.window(self.tolerance))
+
+    def breach(self, tally: accuracy.Tally) -> str:
+        """Why the tallied tokens break the budget ("" in exact mode: there every token was held to the rule)."""
+        budget = self.accuracy.budget
+        why = budget.breach(tally) if budget is not None else ""
+        return f"the accuracy budget: {why}" if why else ""
+
+    def loss(self, tally: accuracy.Tally) -> dict:
+        """What a result records of its accuracy: the contract (mode, budget) and the tally's figures."""
+        return {**self.accuracy.to_dict(), **tally.figures().to_dict()}
 
     def reference(self, prompt, tokens) -> np.ndarray:
         return self.workload.reference_logits(self.preset, prompt, tokens)
@@ -280,7 +312,7 @@ class GenerationJudge:
             return f"{failed.status}: {failed.message}", 0.0
         held = self._held[process] = _Held(greedy_only=self.greedy_only(engine))
         self._rounds = []
-        problem = self.check(ConfinedGenerator(process), deadline, held.greedy_only, held.ids)
+        problem = self.check(ConfinedGenerator(process), deadline, held.greedy_only, held.ids)  # its own budget
         if problem is not None:
             return f"{problem[0]}: {problem[1]}", 0.0
         self.held_metrics = self._checked_metrics
@@ -311,5 +343,8 @@ class GenerationJudge:
 
     def verify(self, pending: tuple) -> str | None:
         one, where = pending
-        problem = self._score([one], where)
+        tally = self.tally()
+        problem = self._score([one], where, tally)
+        if problem is None and self.breach(tally):
+            problem = INCORRECT, f"{where}: {self.breach(tally)}"
         return None if problem is None else f"{problem[0]}: {problem[1]}"

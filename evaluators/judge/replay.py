@@ -303,8 +303,8 @@ Reference = Callable[[Sequence[int], Sequence[int]], np.ndarray]
 Alternatives = Callable[[Sequence[int], Sequence[int]], Iterable[np.ndarray]]
 
 
-def score(result: Replay, reference_logits: Reference, tolerance: float, vocab: int,
-          alternatives: Alternatives | None = None) -> list[str]:
+def score(result: Replay, reference_logits: Reference, tolerance: float | None, vocab: int,
+          alternatives: Alternatives | None = None, tally=None) -> list[str]:
     """Each request's problems with its own tokens (see the module); [] when every request is right.
     `vocab`: tokens must lie in [0, vocab), checked before the reference is handed any of them.
     `reference_logits(prompt, tokens)`: the float64 reference's logits [len(tokens), V], row i the
@@ -312,20 +312,24 @@ def score(result: Replay, reference_logits: Reference, tolerance: float, vocab: 
     `alternatives(prompt, tokens)`: the reference's other readings of the same tokens, each as those logits, where
     a discrete choice inside the model (an MoE router's) was a near tie that an engine's rounding may take the
     other way; asked only when the first reading fails, and the tokens pass if any reading passes them all.
-    A request the judge aborted is scored on the tokens it had (a prefix: no length rule)."""
+    A request the judge aborted is scored on the tokens it had (a prefix: no length rule).
+    `tally` (an `evaluators.judge.accuracy.Tally`): each request's tokens marked against the reference's first
+    reading; `tolerance` None (the accuracy contract's budget mode): no token is held to the rule here, the
+    tally's budget judges them (every other rule still holds)."""
     problems = list(result.violations)
     aborted = set(result.aborted)
     for request, tokens in zip(result.requests, result.tokens):
         if request.id in aborted:
-            problem = prefix_problem(request, tokens, reference_logits, tolerance, alternatives, vocab)
+            problem = prefix_problem(request, tokens, reference_logits, tolerance, alternatives, vocab, tally)
             problems += [problem] if problem else []
         else:
-            problems += request_problems(request, tokens, reference_logits, tolerance, vocab, alternatives)
+            problems += request_problems(request, tokens, reference_logits, tolerance, vocab, alternatives, tally)
     return problems
 
 
 def request_problems(request: GenerationRequest, tokens: Sequence[int], reference_logits: Reference,
-                      tolerance: float, vocab: int, alternatives: Alternatives | None = None) -> list[str]:
+                     tolerance: float | None, vocab: int, alternatives: Alternatives | None = None,
+                     tally=None) -> list[str]:
     """A finished request's problems ([] when right): every token by the rule, and it ends at max_tokens or at
     its first stop id, never before."""
     name = f"request {request.id}"
@@ -336,12 +340,13 @@ def request_problems(request: GenerationRequest, tokens: Sequence[int], referenc
         return [f"{name}: {problem}"]
     if not any(t in request.stop_ids for t in tokens) and len(tokens) < request.max_tokens:
         return [f"{name}: stopped after {len(tokens)} of {request.max_tokens} tokens without a stop id"]
-    problem = _reference_problem(request, tokens, reference_logits, tolerance, alternatives)
+    problem = _reference_problem(request, tokens, reference_logits, tolerance, alternatives, tally)
     return [f"{name}: {problem}"] if problem else []
 
 
 def prefix_problem(request: GenerationRequest, tokens: Sequence[int], reference_logits: Reference,
-                   tolerance: float, alternatives: Alternatives | None = None, vocab: int = 0) -> str:
+                   tolerance: float | None, alternatives: Alternatives | None = None, vocab: int = 0,
+                   tally=None) -> str:
     """Why the tokens a request has so far break the rule, naming the request ("" when each obeys it): no more
     than max_tokens, none after a stop id, each the rule's pick from the reference (any reading of it). No length
     rule: a prefix may end anywhere. `vocab` > 0: tokens outside [0, vocab) are refused before the reference sees
@@ -349,7 +354,7 @@ def prefix_problem(request: GenerationRequest, tokens: Sequence[int], reference_
     if not tokens:
         return ""
     problem = _prefix_bounds(request, tokens, vocab) or _reference_problem(request, tokens, reference_logits,
-                                                                            tolerance, alternatives)
+                                                                            tolerance, alternatives, tally)
     return f"request {request.id}: {problem}" if problem else ""
 
 
@@ -367,9 +372,15 @@ def _prefix_bounds(request: GenerationRequest, tokens: Sequence[int], vocab: int
 
 
 def _reference_problem(request: GenerationRequest, tokens: Sequence[int], reference_logits: Reference,
-                       tolerance: float, alternatives: Alternatives | None) -> str:
-    """The first token the rule does not pick under the reference's first reading and under every other, or ""."""
-    problem = _first_problem(request, tokens, reference_logits(request.prompt, tokens), tolerance)
+                       tolerance: float | None, alternatives: Alternatives | None, tally=None) -> str:
+    """The first token the rule does not pick under the reference's first reading and under every other, or ""
+    (always "" in budget mode, `tolerance` None); the tokens marked on `tally` if given."""
+    rows = reference_logits(request.prompt, tokens)
+    if tally is not None:
+        tally.score(request, tokens, rows)
+    if tolerance is None:
+        return ""
+    problem = _first_problem(request, tokens, rows, tolerance)
     if not problem:
         return ""
     readings = 0

@@ -95,6 +95,9 @@ class EvalResult:
     # a generation engine's replay metrics under `vllm bench serve`'s names (the objective, output tokens/s,
     # TTFT, TPOT, ITL, E2E in ms); empty for a call engine
     serving: dict[str, Any] = field(default_factory=dict)
+    # a generation engine's accuracy contract and what it lost against the float64 reference
+    # (`evaluators.judge.accuracy`: mode, top-1 agreement, gaps, near ties, the budget); empty for a call engine
+    accuracy: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:

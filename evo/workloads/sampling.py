@@ -22,7 +22,7 @@ def gumbel(seed: int, index: int, vocab: int) -> np.ndarray:
     return -np.log(-np.log(np.clip(u, 1e-300, 1.0 - 2 ** -53)))
 
 
-def _preceding_mass(scaled: np.ndarray) -> np.ndarray:
+def preceding_mass(scaled: np.ndarray) -> np.ndarray:
     """Per token, the probability of the tokens ranked above it (softmax of `scaled`)."""
     p = np.exp(scaled - scaled.max())
     p /= p.sum()
@@ -40,7 +40,7 @@ def choose(logits, temperature: float, top_p: float, seed: int, index: int) -> i
     scaled = row / temperature
     scores = scaled + gumbel(seed, index, len(row))
     if top_p < 1:
-        scores = np.where(_preceding_mass(scaled) < top_p, scores, -math.inf)
+        scores = np.where(preceding_mass(scaled) < top_p, scores, -math.inf)
     return int(np.argmax(scores))
 
 

@@ -1,0 +1,349 @@
+"""The accuracy contract: what a generation engine may lose against the float64 reference, measured on its own
+tokens (docs/evidence.md, "The accuracy contract").
+
+Two modes, declared by the run (`evaluator.accuracy`) and carried by every claim:
+- `exact` (the default for float32 and float64 presets): every token is the rule's pick on the reference or a
+  near tie with it (`evo.workloads.sampling.check`, the workload's `tie_tolerance`);
+- `budget` (the default for bfloat16 presets): the tokens' loss must stay within a `Budget`, tested with
+  confidence over every request the judge scored.
+
+The loss is read off tokens alone, teacher-forced: at each step of a request the reference's row over the prompt
+and the engine's own tokens before it gives the rule's **pick** (greedy: the argmax; sampled: the seeded draw of
+`evo.workloads.sampling`) and the **gap** of the engine's token, how far its score lies below the pick's, in logits
+(for a sampled step, the Gumbel-perturbed scores times the temperature; a token outside the reference's nucleus
+by more than `NUCLEUS_SLACK` of probability mass: infinite). An engine that took a token `gap` below the pick had
+logits off by at least `gap` in that pair: the gap is a lower bound on its logit error that no engine can talk
+its way out of (the judge never asks an engine for its own probabilities). Per evaluation:
+- **top-1 agreement**: the share of steps whose token is the pick (Wilson 95% interval);
+- **mean gap** over all steps (0 where they agree; a ratio estimate with a 95% interval clustered by request),
+  the log-probability the float64 model loses per token;
+- **largest gap** (where: request, step): a bound on every step, so on every request;
+- per request, its disagreements against the budget's agreement (a binomial tail, Bonferroni over requests): an
+  engine cannot spend the budget on a few prompts (a trigger, a prompt class);
+- **near ties**: steps whose runner-up lies within the budget's tie window of the pick. An honest engine's rounding
+  takes the other token of a tie at most half the time (it is more likely to err the short way than the long
+  way); an engine that takes it in k of n ties with P(Binomial(n, 1/2) >= k) < `tie_alpha` steers them.
+
+A `Budget` is given in the config or calibrated (`calibrate`): an honest execution of the reference in a lower
+precision (`Workload.honest_logits`, e.g. bfloat16) against float64 over fixed sequences, each of its figures
+times `factor`.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from evaluators.settings import ACCURACY_MODES, BUDGET_KEYS
+from evo.workloads import sampling
+
+NUCLEUS_SLACK = 0.01  # probability mass by which a sampled token may lie outside the reference's top_p nucleus
+Z95 = 1.959963984540054
+
+
+# ---------------------------------------------------------------------------------------------- per step
+@dataclass(frozen=True)
+class Marks:
+    """One request's steps: whether each token is the pick, its gap (logits), whether the step was a near tie
+    (runner-up within the window)."""
+
+    agree: np.ndarray
+    gap: np.ndarray
+    tie: np.ndarray
+
+
+def mark(request, tokens: Sequence[int], rows: np.ndarray, window: float) -> Marks:
+    """`Marks` of `tokens` (a request's own, in order) against the reference's `rows` [len(tokens), V]."""
+    n = len(tokens)
+    agree, gap, tie = np.zeros(n, bool), np.zeros(n), np.zeros(n, bool)
+    for step, (token, row) in enumerate(zip(tokens, np.asarray(rows, dtype=np.float64))):
+        scores, allowed = _scores(row, request.temperature, request.top_p, request.seed, step)
+        pick = int(np.argmax(scores))
+        second = np.partition(scores, -2)[-2] if scores.size > 1 else -math.inf
+        scale = request.temperature or 1.0
+        agree[step] = token == pick
+        gap[step] = 0.0 if token == pick else (scale * (scores[pick] - scores[token]) if allowed[token] else math.inf)
+        tie[step] = scale * (scores[pick] - second) < window
+    return Marks(agree, gap, tie)
+
+
+def _scores(row: np.ndarray, temperature: float, top_p: float, seed: int, index: int):
+    """The rule's scores over the vocabulary (greedy: the logits; sampled: logits / T + Gumbel noise, -inf outside
+    the nucleus) and the tokens an engine may take at all (inside the nucleus up to `NUCLEUS_SLACK`)."""
+    if temperature == 0:
+        return row, np.isfinite(row)
+    scaled = row / temperature
+    scores = scaled + sampling.gumbel(seed, index, len(row))
+    if top_p >= 1:
+        return scores, np.isfinite(row)
+    before = sampling.preceding_mass(scaled)
+    return np.where(before < top_p, scores, -math.inf), before < top_p + NUCLEUS_SLACK
+
+
+# ---------------------------------------------------------------------------------------------- a tally
+@dataclass(frozen=True)
+class Figures:
+    """What an engine lost, over the requests of a tally (see the module); `to_dict` is what records carry."""
+
+    steps: int
+    requests: int
+    agreement: float
+    agreement_ci: tuple[float, float]
+    mean_gap: float
+    mean_gap_ci: tuple[float, float]
+    max_gap: float
+    max_gap_at: str
+    ties: int
+    tie_flips: int
+    tie_p: float
+
+    def to_dict(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
+
+
+class Tally:
+    """Marks of the requests scored so far (one evaluation's, or a replica's running estimate)."""
+
+    def __init__(self, window: float) -> None:
+        self.window = window
+        self.requests: dict[str, Marks] = {}
+
+    def add(self, name: str, marks: Marks) -> None:
+        """A request's marks (`name`: how messages call it); a request marked again replaces its earlier prefix."""
+        if len(marks.agree):
+            self.requests[name] = marks
+
+    def score(self, request, tokens: Sequence[int], rows: np.ndarray, name: str = "") -> None:
+        self.add(name or f"request {request.id}", mark(request, tokens, rows, self.window))
+
+    @property
+    def steps(self) -> int:
+        return sum(len(m.agree) for m in self.requests.values())
+
+    def figures(self) -> Figures:
+        marks = list(self.requests.values())
+        steps = self.steps
+        if not steps:
+            return Figures(0, 0, math.nan, (math.nan, math.nan), math.nan, (math.nan, math.nan), math.nan, "", 0, 0, 1.0)
+        agreed = sum(int(m.agree.sum()) for m in marks)
+        sums = np.array([float(m.gap.sum()) for m in marks])
+        counts = np.array([len(m.gap) for m in marks], dtype=float)
+        mean = float(sums.sum() / steps)
+        worst_name, worst = max(((n, m) for n, m in self.requests.items()), key=lambda nm: float(nm[1].gap.max()))
+        ties = sum(int(m.tie.sum()) for m in marks)
+        flips = sum(int((m.tie & ~m.agree).sum()) for m in marks)
+        return Figures(steps, len(marks), agreed / steps, wilson(agreed, steps), mean,
+                       clustered_interval(sums, counts), float(worst.gap.max()),
+                       f"{worst_name} step {int(worst.gap.argmax())}", ties, flips, binomial_tail(flips, ties, 0.5))
+
+
+def wilson(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """The Wilson score interval of a proportion."""
+    if n == 0:
+        return (math.nan, math.nan)
+    p = successes / n
+    centre, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return (max(0.0, (centre - half) / (1 + z * z / n)), min(1.0, (centre + half) / (1 + z * z / n)))
+
+
+def clustered_interval(sums: np.ndarray, counts: np.ndarray, z: float = Z95) -> tuple[float, float]:
+    """A 95% interval of the ratio sum(sums) / sum(counts) with requests as clusters (the linearised variance of
+    a ratio estimator): steps of one request are not independent draws. Infinite gaps give (inf, inf)."""
+    total, mean = counts.sum(), sums.sum() / counts.sum()
+    if not math.isfinite(mean):
+        return (mean, mean)
+    k = len(sums)
+    if k < 2:
+        return (0.0, math.inf)
+    spread = math.sqrt(k / (k - 1) * float(((sums - mean * counts) ** 2).sum())) / total
+    return (max(0.0, mean - z * spread), mean + z * spread)
+
+
+def binomial_tail(k: int, n: int, p: float) -> float:
+    """P(Binomial(n, p) >= k)."""
+    if k <= 0:
+        return 1.0
+    if k > n or p <= 0:
+        return 0.0
+    if p >= 1:
+        return 1.0
+    logs = [math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * math.log(p)
+            + (n - i) * math.log1p(-p) for i in range(k, n + 1)]
+    top = max(logs)
+    return min(1.0, math.exp(top) * sum(math.exp(x - top) for x in logs))
+
+
+# ---------------------------------------------------------------------------------------------- the budget
+@dataclass(frozen=True)
+class Budget:
+    """The loss an engine may have (see the module), and where the bounds come from (`basis`)."""
+
+    min_agreement: float
+    max_mean_gap: float
+    max_gap: float
+    tie_window: float
+    tie_alpha: float = 1e-3
+    request_alpha: float = 1e-3
+    basis: str = "config"
+
+    def breach(self, tally: Tally) -> str:
+        """Why the tally breaks the budget (with 95% confidence for the averages; every step for the largest
+        gap; Bonferroni over requests for one request's agreement), or ""."""
+        f = tally.figures()
+        if not f.steps:
+            return ""
+        if f.max_gap > self.max_gap:
+            return (f"{f.max_gap_at}: a token {f.max_gap:.4g} logits below the reference's pick, beyond the budget's "
+                    f"largest gap {self.max_gap:.4g}")
+        if f.agreement_ci[1] < self.min_agreement:
+            return (f"top-1 agreement {_pct(f.agreement)} {_pct_ci(f.agreement_ci)} over {f.steps} steps, below the "
+                    f"budget's {_pct(self.min_agreement)} with 95% confidence")
+        if f.mean_gap_ci[0] > self.max_mean_gap:
+            return (f"mean gap {f.mean_gap:.3g} [{f.mean_gap_ci[0]:.3g}, {f.mean_gap_ci[1]:.3g}] logits per token, "
+                    f"over the budget's {self.max_mean_gap:.3g} with 95% confidence")
+        if f.tie_p < self.tie_alpha:
+            return (f"near ties steered: a token other than the reference's pick in {f.tie_flips} of {f.ties} near "
+                    f"ties (runner-up within {self.tie_window:.3g}); an honest engine takes each at most half the "
+                    f"time: p = {f.tie_p:.2g} < {self.tie_alpha:g}")
+        return self._request_breach(tally)
+
+    def _request_breach(self, tally: Tally) -> str:
+        miss = 1.0 - self.min_agreement
+        worst, worst_p = "", 1.0
+        for name, marks in tally.requests.items():
+            wrong = int((~marks.agree).sum())
+            p = binomial_tail(wrong, len(marks.agree), miss)
+            if p < worst_p:
+                worst, worst_p = f"{name}: {wrong} of {len(marks.agree)} tokens not the reference's pick", p
+        if worst_p < self.request_alpha / len(tally.requests):
+            return (f"{worst}: p = {worst_p:.2g} under the budget's {_pct(self.min_agreement)} agreement, below "
+                    f"{self.request_alpha:g} / {len(tally.requests)} requests: the loss is not spread over requests")
+        return ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _pct_ci(ci: Sequence[float]) -> str:
+    return f"[{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
+
+
+# ---------------------------------------------------------------------------------------------- the contract
+DEFAULT_FACTOR = 2.0
+
+
+@dataclass(frozen=True)
+class AccuracyContract:
+    """A run's mode and, in budget mode, its budget."""
+
+    mode: str = "exact"
+    budget: Budget | None = None
+    settings: dict = field(default_factory=dict)  # what the config said (`evaluator.accuracy`)
+
+    def window(self, tolerance: float) -> float:
+        """The near-tie window the figures count ties in: the budget's, else (exact) the tie tolerance."""
+        return self.budget.tie_window if self.budget is not None else tolerance
+
+    def to_dict(self) -> dict:
+        return {"mode": self.mode, **({"budget": self.budget.to_dict()} if self.budget else {})}
+
+
+def resolve(accuracy: Mapping, workload, preset) -> AccuracyContract:
+    """The run's contract from `evaluator.accuracy` (see the module): the mode defaults to `exact` at a float32
+    or float64 preset and `budget` at a lower precision; a budget's bounds are the config's, any left out
+    calibrated against an honest execution `against` (default: the preset's dtype, else bfloat16) times `factor`.
+    ValueError names what is missing."""
+    accuracy = dict(accuracy or {})
+    default = "exact" if preset.dtype in ("float32", "float64") else "budget"
+    mode = accuracy.get("mode", default)
+    if mode == "exact":
+        return AccuracyContract("exact", None, accuracy)
+    given = {k: float(accuracy[k]) for k in BUDGET_KEYS if k in accuracy}
+    if not {"min_agreement", "max_mean_gap", "max_gap"} <= set(given):
+        against = accuracy.get("against") or (preset.dtype if preset.dtype not in ("float32", "float64") else "bfloat16")
+        factor = float(accuracy.get("factor", DEFAULT_FACTOR))
+        try:
+            calibrated = calibrate(workload, preset, against, factor)
+        except NotImplementedError as exc:
+            raise ValueError(f"evaluator.accuracy: mode budget needs min_agreement, max_mean_gap and max_gap, or a "
+                             f"workload that can calibrate them ({exc})") from exc
+        given = {**{k: v for k, v in asdict(calibrated).items() if k in BUDGET_KEYS}, **given}
+        basis = calibrated.basis + (f"; set in the config: {sorted(set(accuracy) & set(BUDGET_KEYS))}"
+                                    if set(accuracy) & set(BUDGET_KEYS) else "")
+    else:
+        basis = "config"
+    given.setdefault("tie_window", given["max_gap"])
+    return AccuracyContract("budget", Budget(**given, basis=basis), accuracy)
+
+
+# ---------------------------------------------------------------------------------------------- calibration
+CALIBRATION_SEQUENCES = 16
+CALIBRATION_SEED = 20261205  # fixed: every evaluator and every replica computes the same budget
+
+
+def calibrate(workload, preset, dtype: str, factor: float) -> Budget:
+    """A budget `factor` times an honest `dtype` execution's loss (see the module): over fixed random sequences of
+    the preset's longest length, every row of the reference computed in `dtype` teacher-forced against float64,
+    its argmax taken as an engine's greedy token. NotImplementedError: the workload has no `honest_logits`."""
+    return _calibrated(workload, preset, dtype, float(factor))
+
+
+_CALIBRATIONS: dict[tuple, Budget] = {}
+
+
+def _calibrated(workload, preset, dtype: str, factor: float) -> Budget:
+    key = (workload.name, preset, dtype, factor)
+    if key not in _CALIBRATIONS:
+        _CALIBRATIONS[key] = _measure(workload, preset, dtype, factor)
+    return _CALIBRATIONS[key]
+
+
+def _measure(workload, preset, dtype: str, factor: float) -> Budget:
+    rng = np.random.default_rng(CALIBRATION_SEED)
+    vocab, prompt_len = int(preset.shape["V"]), max(1, int(preset.shape["P"]) // 2)
+    length = min(int(preset.shape["P"]) + int(preset.shape["N"]), 2 * prompt_len + 16)
+    tally, error = Tally(math.inf), 0.0
+    for i in range(CALIBRATION_SEQUENCES):
+        seq = rng.integers(0, vocab, size=length).tolist()
+        prompt, rest = seq[:prompt_len], seq[prompt_len:]
+        exact = workload.reference_logits(preset, prompt, rest)
+        honest = workload.honest_logits(preset, prompt, rest, dtype)
+        tally.score(_Greedy(i), np.argmax(honest, axis=1).tolist(), exact, name=f"sequence {i}")
+        error = max(error, _logprob_error(exact, honest))
+    f = tally.figures()
+    miss = max(1.0 - f.agreement, 1.0 / f.steps)  # no flip seen still allows the rate one in the sample implies
+    return Budget(min_agreement=max(0.0, 1.0 - factor * miss),
+                  max_mean_gap=factor * max(f.mean_gap, 2 * error / f.steps),  # no flip seen: still one at 2E
+                  max_gap=factor * max(f.max_gap, 2 * error),
+                  tie_window=max(f.max_gap, error),  # where honest rounding flips: a narrow window tests steering hardest
+                  basis=(f"calibrated: {factor:g} x an honest {dtype} execution of the reference over "
+                         f"{CALIBRATION_SEQUENCES} sequences, {f.steps} rows: agreement {_pct(f.agreement)}, mean gap "
+                         f"{f.mean_gap:.3g}, largest gap {f.max_gap:.3g}, largest log-probability error of a top-10 "
+                         f"token {error:.3g}"))
+
+
+@dataclass(frozen=True)
+class _Greedy:
+    """A calibration sequence as a greedy request (what `mark` reads of a request)."""
+
+    id: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+def _logprob_error(exact: np.ndarray, honest: np.ndarray, top: int = 10) -> float:
+    """The largest |log-probability error| of the float64 top-`top` tokens over rows."""
+    def logsoftmax(x):
+        x = x - x.max(axis=1, keepdims=True)
+        return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+    a, b = logsoftmax(exact), logsoftmax(honest)
+    k = min(top, exact.shape[1])
+    idx = np.argpartition(-exact, k - 1, axis=1)[:, :k]
+    return float(np.abs(np.take_along_axis(a, idx, 1) - np.take_along_axis(b, idx, 1)).max()) if len(exact) else 0.0
