@@ -63,6 +63,12 @@ BUDGET_KEYS = ("min_agreement", "max_mean_gap", "max_gap", "tie_window", "tie_al
 _ACCURACY_KEYS = ("mode", "against", "factor", *BUDGET_KEYS)
 
 
+def accuracy_mode(accuracy: Mapping, dtype: str) -> str:
+    """The mode `evaluator.accuracy` declares for a preset of `dtype`: its `mode`, else exact at float32 or float64
+    and budget at a lower precision (whose honest engines cannot give float64's tokens)."""
+    return accuracy.get("mode") or ("exact" if dtype in ("float32", "float64") else "budget")
+
+
 def accuracy_problem(accuracy: Mapping) -> str:
     """Why `evaluator.accuracy` is malformed, or "" (the budget the workload resolves is `evaluators.judge.accuracy.resolve`'s)."""
     unknown = sorted(set(accuracy) - set(_ACCURACY_KEYS))

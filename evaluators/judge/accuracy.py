@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from evaluators.settings import ACCURACY_MODES, BUDGET_KEYS
+from evaluators.settings import BUDGET_KEYS, accuracy_mode
 from evo.workloads import sampling
 
 NUCLEUS_SLACK = 0.01  # probability mass by which a sampled token may lie outside the reference's top_p nucleus
@@ -260,9 +260,7 @@ def resolve(accuracy: Mapping, workload, preset) -> AccuracyContract:
     calibrated against an honest execution `against` (default: the preset's dtype, else bfloat16) times `factor`.
     ValueError names what is missing."""
     accuracy = dict(accuracy or {})
-    default = "exact" if preset.dtype in ("float32", "float64") else "budget"
-    mode = accuracy.get("mode", default)
-    if mode == "exact":
+    if accuracy_mode(accuracy, preset.dtype) == "exact":
         return AccuracyContract("exact", None, accuracy)
     given = {k: float(accuracy[k]) for k in BUDGET_KEYS if k in accuracy}
     if not {"min_agreement", "max_mean_gap", "max_gap"} <= set(given):

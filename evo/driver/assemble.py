@@ -17,6 +17,7 @@ import ray
 import yaml
 
 from evaluators.pool.actors import EvaluatorPool
+from evaluators.settings import accuracy_mode
 from evo.core.code import CodeStore
 from evo.core.genome import GeneSpace
 from evo.core.lessons import Lessons, for_run as warm_lessons
@@ -112,6 +113,8 @@ def assemble(config: RunConfig, run_dir: Path, resume: SavedRun | None, lessons:
     gene_space = workload.gene_space(preset, device)
     if config.genes:
         gene_space = gene_space.restrict(config.genes)
+    if workload.contract != "generation" or accuracy_mode(config.evaluator.accuracy, preset.dtype) == "exact":
+        gene_space = gene_space.exact_only()  # lossy values are judged only under a budget
     lessons = warm_lessons(run_dir, lessons, resume is not None, config.workload, config.preset,
                            f"{device.kind}:{device.name}", gene_space)
     if lessons:

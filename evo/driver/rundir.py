@@ -50,6 +50,10 @@ def check_config(config: RunConfig) -> None:
     elif config.evaluator.trace:
         raise ConfigError(f"evaluator.trace: workload {config.workload!r} takes calls, not requests (the call "
                           f"contract): a request trace applies to generation workloads only, e.g. llama_serve")
+    elif config.evaluator.accuracy:
+        raise ConfigError(f"evaluator.accuracy: workload {config.workload!r} takes calls, judged by relative error "
+                          f"(evaluator.tolerances); the accuracy contract applies to generation workloads only")
+    _check_accuracy(config, workload, preset)
     if config.baselines is not None:
         available = sorted(workload.baselines(preset))
         missing = [n for n in config.baselines if n not in available]
@@ -63,6 +67,27 @@ def check_config(config: RunConfig) -> None:
             space.restrict(config.genes)
         except (GenomeError, KeyError, ValueError, TypeError) as exc:
             raise ConfigError(f"genes: {exc}".replace("\n", " ")) from None
+
+
+def _check_accuracy(config: RunConfig, workload, preset) -> None:
+    """An exact run names no lossy gene value; a budget needs its bounds, or a workload that calibrates them."""
+    from evaluators.settings import BUDGET_KEYS, accuracy_mode
+    from evo.workloads.base import DeviceInfo, Workload
+
+    accuracy = config.evaluator.accuracy
+    mode = accuracy_mode(accuracy, preset.dtype) if workload.contract == "generation" else "exact"
+    if mode == "budget" and not {"min_agreement", "max_mean_gap", "max_gap"} <= set(accuracy) \
+            and type(workload).honest_logits is Workload.honest_logits:
+        raise ConfigError(f"evaluator.accuracy: mode budget needs min_agreement, max_mean_gap and max_gap: workload "
+                          f"{config.workload!r} cannot calibrate a budget (it has no honest_logits)")
+    if mode == "exact" and config.genes:
+        space = workload.gene_space(preset, DeviceInfo(preset.device, preset.device, config.evaluators.threads))
+        lossy = {g.name: [v for v in config.genes.get(g.name, ()) if v in g.lossy] for g in space.genes if g.lossy}
+        lossy = {name: values for name, values in lossy.items() if values}
+        if lossy:
+            raise ConfigError(f"genes: {lossy} trade precision (lossy values), which an exact run cannot accept: set "
+                              f"evaluator.accuracy.mode: budget (its bounds {list(BUDGET_KEYS)}, or calibrated), or "
+                              f"leave them out")
 
 
 def check_new_run_dir(path: Path) -> None:
