@@ -190,6 +190,13 @@ class Workload:
         reference teacher-forced over an engine's own tokens, which it was never handed)."""
         raise NotImplementedError(f"workload {self.name!r} has no generation reference")
 
+    def honest_logits(self, preset: Preset, prompt, tokens, dtype: str) -> np.ndarray:
+        """The reference's own computation executed with weights and activations in `dtype` (e.g. "bfloat16"), as
+        float64 numbers [len(tokens), V] (rows as `reference_logits`'s): an honest execution at that precision,
+        which calibrates the accuracy contract's budget. Default: none (no calibration: a budget must be given)."""
+        raise NotImplementedError(f"workload {self.name!r} has no honest execution at {dtype!r} "
+                                  f"(Workload.honest_logits): give the accuracy contract's budget explicitly")
+
     def reference_alternatives(self, preset: Preset, prompt, tokens) -> Iterable[np.ndarray]:
         """The reference's other readings of the same tokens, each as `reference_logits`'s: where the model makes
         a discrete choice (an MoE router's top-k) between near-tied options, an honest engine's rounding may take

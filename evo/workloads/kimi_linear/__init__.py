@@ -40,6 +40,11 @@ class KimiLinearWorkload(GenerationWorkload):
     def reference_logits(self, preset: Preset, prompt, tokens):
         return _reference.continuation_logits(self._use(preset), prompt, tokens)
 
+    def honest_logits(self, preset: Preset, prompt, tokens, dtype: str):
+        """The oracle's computation in `dtype`, keeping float32 where this workload's engine does (the guarded
+        `continuation_logits`, so no engine may call it)."""
+        return _reference.continuation_logits(self._use(preset), prompt, tokens, dtype)
+
     def reference_alternatives(self, preset: Preset, prompt, tokens):
         return _reference.continuation_alternatives(self._use(preset), prompt, tokens)
 

@@ -13,7 +13,7 @@ outputs 1 to N; `PresetTable` resolves it when named.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from evo.core.trace import TraceSpec
 from evo.workloads.base import Preset
@@ -75,6 +75,17 @@ PRESETS: dict[str, KimiPreset] = {p.name: p for p in (
             TraceSpec("closed", count=256, concurrency=64, prompt_len=(128, 1024), output_len=(64, 256)),
             "bfloat16", "cuda"),
 )}
+
+
+def _in_bfloat16(preset: KimiPreset) -> KimiPreset:
+    """`preset`'s model stored in bfloat16 (the same seeded draw rounded; FP32_TENSORS kept float32) at a bfloat16
+    preset, on the same device and trace: named <name>_bf16."""
+    return _preset(f"{preset.name}_bf16", replace(preset.model, storage_dtype="bfloat16"), preset.trace, "bfloat16",
+                   preset.device)
+
+
+# the CPU models in bfloat16, for the accuracy contract's budget mode on a CPU (calibrated by honest_logits)
+PRESETS.update({p.name: p for p in (_in_bfloat16(PRESETS["cpu_small"]), _in_bfloat16(PRESETS["cpu"]))})
 
 
 def checkpoint_preset(name: str) -> KimiPreset:

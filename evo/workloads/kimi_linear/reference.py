@@ -21,6 +21,16 @@ The feed-forwards: dense = (silu(x Wg^T) * x Wu^T) Wd^T; sparse (MoE) = shared(x
 e of w_e expert_e(x), with s = sigmoid(x Wr^T) [E], the choice made on s + bias: the n_group groups scored by
 the sum of their top two, the best topk_group groups kept, the top_k experts among them; w_e = s_e (divided
 by their sum + 1e-20 when renormalised) times routed_scaling_factor.
+
+The same computation runs at a lower `Precision` too (`Workload.honest_logits`, llama_serve's `Precision`):
+weights and activations in its `act` dtype, and in its `wide` one (float32) what this workload's engine
+(`evo.workloads.kimi_linear.engine`) keeps wider at a bfloat16 preset, and nothing more: the weights it keeps in
+float32 (FP32_TENSORS: the router, its bias, dt_bias); KDA's q, k, v after the convolution, its gates g and
+beta and the recurrence (o returns to `act` before its norm); MLA's scores and softmax (its SDPA accumulates
+them in float32; the probabilities meet v in `act`); the MoE router, scored in float32 from the `act`
+activations, its weights renormalised there (+ 1e-20 stays finite) and rounded to `act` before they scale the
+experts. RMSNorms run in `act`, as the engine's do (transformers' normalise in float32). The oracle is the
+float64 precision, whose every conversion is a no-op.
 """
 from __future__ import annotations
 
@@ -33,14 +43,28 @@ import torch
 import torch.nn.functional as F
 
 from evo.workloads.kda.reference import recurrent_kda
-from evo.workloads.kimi_linear.model import DENSE, KDA, LATENT_NORM_EPS, KimiSpec, load_weights
+from evo.workloads.kimi_linear.model import DENSE, FP32_TENSORS, KDA, LATENT_NORM_EPS, KimiSpec, load_weights
 from evo.workloads.kimi_linear.presets import KimiPreset
+from evo.workloads.llama_serve.reference import FLOAT64, Precision
 
 
 @functools.lru_cache(maxsize=2)
 def float64_weights(spec: KimiSpec) -> dict[str, torch.Tensor]:
     """The model's weights in float64, converted once per judge process (the last two models kept)."""
     return {name: w.to(torch.float64) for name, w in load_weights(spec).items()}
+
+
+@functools.lru_cache(maxsize=2)
+def _rounded_weights(spec: KimiSpec, precision: Precision) -> dict[str, torch.Tensor]:
+    """The model's weights in the precision's `act` dtype, FP32_TENSORS in its `wide` one (as the engine keeps
+    them), converted once per judge process (the last two kept)."""
+    return {name: w.to(precision.wide if name.endswith(FP32_TENSORS) else precision.act)
+            for name, w in load_weights(spec).items()}
+
+
+def weights_in(spec: KimiSpec, precision: Precision) -> dict[str, torch.Tensor]:
+    """The oracle's float64 weights, or the model's weights at a lower precision (`_rounded_weights`)."""
+    return float64_weights(spec) if precision.act == torch.float64 else _rounded_weights(spec, precision)
 
 
 def _rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -59,22 +83,23 @@ def _causal_conv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return sum(w[:, j] * padded[j: j + x.shape[0]] for j in range(taps))
 
 
-def _kda(spec: KimiSpec, w: dict, p: str, x: torch.Tensor) -> torch.Tensor:
+def _kda(spec: KimiSpec, w: dict, p: str, x: torch.Tensor, pr: Precision = FLOAT64) -> torch.Tensor:
     T, H, K = x.shape[0], spec.kda_heads, spec.kda_head_dim
     qkv = torch.cat([x @ w[p + n + "_proj.weight"].T for n in ("q", "k", "v")], -1)  # [T, 3HK]
-    qkv = F.silu(_causal_conv(qkv, w[p + "conv1d.weight"][:, 0]))
+    qkv = F.silu(_causal_conv(qkv, w[p + "conv1d.weight"][:, 0])).to(pr.wide)
     q, k, v = (z.reshape(1, T, H, K) for z in qkv.split(H * K, -1))  # [1, T, H, K]
-    f = (x @ w[p + "forget_gate.f_a_proj.weight"].T) @ w[p + "forget_gate.f_b_proj.weight"].T  # [T, HK]
+    f = ((x @ w[p + "forget_gate.f_a_proj.weight"].T) @ w[p + "forget_gate.f_b_proj.weight"].T).to(pr.wide)  # [T, HK]
     # softplus: its default threshold (x > 20 -> x) is transformers' too
-    g = -w[p + "forget_gate.A_log"].exp().reshape(H, 1) * F.softplus(f + w[p + "forget_gate.dt_bias"]).view(T, H, K)
-    beta = torch.sigmoid(x @ w[p + "b_proj.weight"].T)  # [T, H]
-    o = recurrent_kda({"q": q, "k": k, "v": v, "g": g[None], "beta": beta[None]}, torch.float64)["o"][0]  # [T, H, K]
+    g = (-w[p + "forget_gate.A_log"].to(pr.wide).exp().reshape(H, 1)
+         * F.softplus(f + w[p + "forget_gate.dt_bias"]).view(T, H, K))
+    beta = torch.sigmoid((x @ w[p + "b_proj.weight"].T).to(pr.wide))  # [T, H]
+    o = recurrent_kda({"q": q, "k": k, "v": v, "g": g[None], "beta": beta[None]}, pr.wide)["o"][0]  # [T, H, K]
     gate = ((x @ w[p + "g_a_proj.weight"].T) @ w[p + "g_b_proj.weight"].T).view(T, H, K)
-    o = _rmsnorm(o, w[p + "o_norm.weight"], spec.rms_eps) * torch.sigmoid(gate)
+    o = _rmsnorm(o.to(pr.act), w[p + "o_norm.weight"], spec.rms_eps) * torch.sigmoid(gate)
     return o.reshape(T, H * K) @ w[p + "o_proj.weight"].T
 
 
-def _mla(spec: KimiSpec, w: dict, p: str, x: torch.Tensor) -> torch.Tensor:
+def _mla(spec: KimiSpec, w: dict, p: str, x: torch.Tensor, pr: Precision = FLOAT64) -> torch.Tensor:
     T, H, nope, R = x.shape[0], spec.mla_heads, spec.qk_nope_dim, spec.kv_lora_rank
     if spec.q_lora_rank is None:
         q = x @ w[p + "q_proj.weight"].T
@@ -86,15 +111,16 @@ def _mla(spec: KimiSpec, w: dict, p: str, x: torch.Tensor) -> torch.Tensor:
     kv = (_rmsnorm(latent, w[p + "kv_a_layernorm.weight"], LATENT_NORM_EPS) @ w[p + "kv_b_proj.weight"].T)
     k_nope, v = kv.view(T, H, nope + spec.v_head_dim).split([nope, spec.v_head_dim], -1)  # [T, H, nope], [T, H, dv]
     k = torch.cat([k_nope, k_rope[:, None].expand(T, H, spec.qk_rope_dim)], -1)  # [T, H, nope + rope]
-    scores = torch.einsum("thd,shd->hts", q, k) * spec.qk_head_dim**-0.5  # [H, T, T]
+    scores = torch.einsum("thd,shd->hts", q.to(pr.wide), k.to(pr.wide)) * spec.qk_head_dim**-0.5  # [H, T, T]
     causal = torch.ones(T, T, dtype=torch.bool).tril()
-    o = torch.einsum("hts,shd->thd", scores.masked_fill(~causal, float("-inf")).softmax(-1), v)  # [T, H, dv]
+    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1).to(pr.act)
+    o = torch.einsum("hts,shd->thd", probs, v)  # [T, H, dv]
     return o.reshape(T, H * spec.v_head_dim) @ w[p + "o_proj.weight"].T
 
 
-def _moe(spec: KimiSpec, w: dict, p: str, x: torch.Tensor, route: _Routing) -> torch.Tensor:
+def _moe(spec: KimiSpec, w: dict, p: str, x: torch.Tensor, route: _Routing, pr: Precision = FLOAT64) -> torch.Tensor:
     T, E, G = x.shape[0], spec.experts, spec.expert_groups
-    scores = torch.sigmoid(x @ w[p + "gate.weight"].T)  # [T, E]
+    scores = torch.sigmoid(x.to(pr.wide) @ w[p + "gate.weight"].T)  # [T, E]: gate.weight is wide (FP32_TENSORS)
     choice = scores + w[p + "gate.e_score_correction_bias"]
     group_score = choice.view(T, G, E // G).topk(2, -1).values.sum(-1)  # [T, G]
     kept = torch.zeros(T, G, dtype=torch.bool)
@@ -105,7 +131,7 @@ def _moe(spec: KimiSpec, w: dict, p: str, x: torch.Tensor, route: _Routing) -> t
     weight = scores.gather(1, chosen)  # the scores, not the biased choice
     if spec.renormalize:
         weight = weight / (weight.sum(-1, keepdim=True) + 1e-20)
-    weight = weight * spec.routed_scaling
+    weight = (weight * spec.routed_scaling).to(pr.act)
     out = _swiglu(x, w[p + "shared_experts.gate_proj.weight"], w[p + "shared_experts.up_proj.weight"],
                   w[p + "shared_experts.down_proj.weight"])
     I = spec.moe_intermediate
@@ -138,36 +164,41 @@ class _Routing:
 
 
 def logits(spec: KimiSpec, weights: dict[str, torch.Tensor], tokens: torch.Tensor,
-           routing: dict[int, _Routing] | None = None) -> torch.Tensor:
-    """Teacher-forced float64 logits [T, V] of token ids [T]: row t predicts token t + 1. `weights` in float64;
-    `routing`: per MoE layer index, its `_Routing` (default: the top_k everywhere)."""
-    w, eps, routing = weights, spec.rms_eps, routing or {}
+           routing: dict[int, _Routing] | None = None, precision: Precision = FLOAT64) -> torch.Tensor:
+    """Teacher-forced logits [T, V] of token ids [T]: row t predicts token t + 1, computed in `precision` (the
+    oracle: float64), with `weights` in it (`weights_in`); `routing`: per MoE layer index, its `_Routing`
+    (default: the top_k everywhere)."""
+    w, eps, routing, pr = weights, spec.rms_eps, routing or {}, precision
     x = w["model.embed_tokens.weight"][tokens.cpu()]  # [T, D]
     with torch.inference_mode():
         for i, (mixer, ffn) in enumerate(zip(spec.layer_types, spec.mlp_types)):
             p = f"model.layers.{i}."
             h = _rmsnorm(x, w[p + "input_layernorm.weight"], eps)
-            x = x + (_kda if mixer == KDA else _mla)(spec, w, p + "self_attn.", h)
+            x = x + (_kda if mixer == KDA else _mla)(spec, w, p + "self_attn.", h, pr)
             h = _rmsnorm(x, w[p + "post_attention_layernorm.weight"], eps)
             if ffn == DENSE:
                 x = x + _swiglu(h, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"], w[p + "mlp.down_proj.weight"])
             else:
-                x = x + _moe(spec, w, p + "mlp.", h, routing.get(i) or _Routing())
+                x = x + _moe(spec, w, p + "mlp.", h, routing.get(i) or _Routing(), pr)
         return _rmsnorm(x, w["model.norm.weight"], eps) @ w["lm_head.weight"].T
 
 
-def continuation_logits(preset: KimiPreset, prompt: Sequence[int], tokens: Sequence[int]) -> np.ndarray:
-    """Float64 logits [len(tokens), V]: row i predicts tokens[i] from the prompt and tokens[:i]."""
+def continuation_logits(preset: KimiPreset, prompt: Sequence[int], tokens: Sequence[int],
+                        dtype: str = "float64") -> np.ndarray:
+    """Float64 logits [len(tokens), V]: row i predicts tokens[i] from the prompt and tokens[:i]; computed in
+    `dtype` (a `Precision`'s name; the oracle: float64), returned as float64 numbers."""
+    precision = Precision.named(dtype)
     if not len(tokens):
         return np.zeros((0, preset.model.vocab))
-    return _continuation(preset.model, prompt, tokens)
+    return _continuation(preset.model, prompt, tokens, precision=precision)
 
 
 def _continuation(spec: KimiSpec, prompt: Sequence[int], tokens: Sequence[int],
-                  routing: dict[int, _Routing] | None = None) -> np.ndarray:
+                  routing: dict[int, _Routing] | None = None, precision: Precision = FLOAT64) -> np.ndarray:
     """`logits` teacher-forced over the prompt and tokens[:-1], the rows that predict `tokens` (non-empty)."""
     ids = torch.tensor([*prompt, *tokens[:-1]], dtype=torch.long)
-    return logits(spec, float64_weights(spec), ids, routing)[len(prompt) - 1:].numpy()
+    out = logits(spec, weights_in(spec, precision), ids, routing, precision)[len(prompt) - 1:]
+    return out.to(torch.float64).numpy()
 
 
 # The gap between the last chosen expert's choice score and the first left out's under which an engine's rounding

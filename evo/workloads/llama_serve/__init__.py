@@ -41,6 +41,10 @@ class LlamaServeWorkload(GenerationWorkload):
     def reference_logits(self, preset: Preset, prompt, tokens):
         return _reference.continuation_logits(self._use(preset).model, prompt, tokens)
 
+    def honest_logits(self, preset: Preset, prompt, tokens, dtype: str):
+        """The oracle's computation in `dtype` (the guarded `continuation_logits`, so no engine may call it)."""
+        return _reference.continuation_logits(self._use(preset).model, prompt, tokens, dtype)
+
     def forbidden_callables(self) -> list[tuple[object, str]]:
         """The float64 oracles and every baseline: their answers would pass the check for free."""
         return [(_reference, "continuation_logits"), (_llama_reference, "generate"),
