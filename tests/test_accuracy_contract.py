@@ -124,3 +124,75 @@ def test_an_explicit_budget_needs_no_calibration():
                                 workload, workload.presets()["cpu_small"])
     assert contract.budget == Budget(0.95, 0.01, 0.2, 0.2, basis="config")
     assert accuracy.resolve({}, workload, workload.presets()["cpu_small"]).budget is None
+
+
+# ------------------------------------------------------------------------------------------------ the judge's full path
+def _evaluator(workload: str, preset: str, accuracy_settings: dict, name: str):
+    from evaluators.judge.evaluator import Evaluator
+
+    settings = EvaluatorSettings(replays=1, build_timeout_s=120, eval_timeout_s=240, accuracy=accuracy_settings)
+    return Evaluator(workload, preset, settings, seed=39, name=name)
+
+
+def _genome(evaluator, values: dict) -> str:
+    return evaluator.workload.gene_space(evaluator.preset, evaluator.device_info()).make(values).to_json()
+
+
+@pytest.fixture(scope="module")
+def budget_judge():
+    """llama_serve `cpu_small` (float32) in budget mode, calibrated against an honest bfloat16 execution x 2."""
+    evaluator = _evaluator("tests.accuracy_cheats", "cpu_small", {"mode": "budget"}, "budget-judge")
+    yield evaluator
+    evaluator.close()
+
+
+@pytest.mark.parametrize("values", [{"weight_dtype": "bfloat16", "kv_dtype": "bfloat16"}, {"weight_quant": "int8"},
+                                    {"cheat": "picker"}])
+def test_honest_lossy_engines_pass_the_calibrated_budget_and_carry_their_loss(budget_judge, values):
+    result = budget_judge.evaluate(_genome(budget_judge, values))
+    assert result.status == "ok", result.message
+    loss = result.accuracy
+    assert loss["mode"] == "budget" and loss["budget"]["basis"].startswith("calibrated: 2 x an honest bfloat16")
+    assert loss["steps"] >= 100 and 0.95 <= loss["agreement"] <= 1.0
+    assert loss["agreement_ci"][0] <= loss["agreement"] <= loss["agreement_ci"][1]
+    assert loss["max_gap"] <= loss["budget"]["max_gap"]
+
+
+@pytest.mark.parametrize("cheat, says", [
+    ("steer", r"the accuracy budget: .*(beyond the budget's largest gap|top-1 agreement|near ties steered)"),
+    ("class_wrong", r"the accuracy budget: .*(beyond the budget's largest gap|not spread over requests|agreement)"),
+])
+def test_engines_that_choose_their_outputs_fail_the_budget(budget_judge, cheat, says):
+    import re
+
+    result = budget_judge.evaluate(_genome(budget_judge, {"cheat": cheat}))
+    assert result.status == "incorrect" and re.search(says, result.message), result.message
+    assert result.accuracy["agreement"] < 0.9  # what it lost is on the record too
+
+
+def test_the_exact_rule_rejects_a_lossy_engine_at_float32():
+    evaluator = _evaluator("llama_serve", "cpu_small", {}, "exact-judge")
+    try:
+        genome = _genome(evaluator, {"weight_dtype": "bfloat16", "kv_dtype": "bfloat16"})
+        # ~1.5% of its tokens are not float64's: one evaluation of ~200 tokens may see none; three in a row, ~1e-4
+        statuses = []
+        for _ in range(3):
+            result = evaluator.evaluate(genome)
+            statuses.append(result.status)
+            if result.status == "incorrect":
+                assert "beyond the near-tie tolerance 0.001" in result.message, result.message
+                break
+        assert "incorrect" in statuses, statuses
+    finally:
+        evaluator.close()
+
+
+def test_the_honest_bfloat16_kimi_linear_engine_passes_its_bfloat16_preset():
+    evaluator = _evaluator("kimi_linear", "cpu_small_bf16", {}, "kimi-bf16-judge")  # bfloat16: budget by default
+    try:
+        result = evaluator.evaluate(_genome(evaluator, {}))
+        assert result.status == "ok", result.message
+        assert result.accuracy["mode"] == "budget"
+        assert result.accuracy["max_gap"] <= result.accuracy["budget"]["max_gap"]
+    finally:
+        evaluator.close()

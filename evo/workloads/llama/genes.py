@@ -4,7 +4,8 @@ Fusion: packed projections (QKV, gate-up), RMSNorm fused with the residual add, 
 the fly, on interleaved pairs (one complex multiply) or Llama's halves, attention by
 scaled_dot_product_attention (each backend on CUDA) or an explicit matmul form.
 Scheduling: prefill whole or in chunks, the decode step eager, torch.compile'd or (CUDA) a CUDA graph,
-threads. Memory: the KV cache's layout, allocation and dtype; the weights' dtype and layout. The open
+threads. Memory: the KV cache's layout, allocation and dtype; the weights' dtype, layout and int8 quantisation
+(bfloat16 at a float32 preset, and int8, are lossy values: `Gene.lossy`). The open
 stages (attention, mlp, norm) are code genes (`open_code`).
 """
 from __future__ import annotations
@@ -56,17 +57,26 @@ def _scheduling_genes(device: DeviceInfo) -> list[Gene]:
 
 
 def _memory_genes(preset: Preset) -> list[Gene]:
-    # a float32 preset is judged at float32's tolerance: bfloat16 weights or KV would fail it
-    dtypes = ("bfloat16", "float32") if preset.dtype == "bfloat16" else ("float32",)
+    # at a float32 preset bfloat16 weights or KV trade precision (lossy: budget mode only); at a bfloat16 preset
+    # bfloat16 is the model's own dtype and float32 the wider choice
+    if preset.dtype == "bfloat16":
+        dtypes, lossy = ("bfloat16", "float32"), ()
+    else:
+        dtypes, lossy = ("float32", "bfloat16"), ("bfloat16",)
     return [
         Gene("kv_layout", "memory", ("BHLD", "BLHD"), "BHLD", "KV cache as [B, H, L, d] or [B, L, H, d]"),
         Gene("kv_alloc", "memory", ("preallocated", "grown"), "preallocated",
              "the cache allocated once for P+N positions, or grown by concatenation each step"),
-        Gene("kv_dtype", "memory", dtypes, dtypes[0], "dtype of the KV cache"),
-        Gene("weight_dtype", "memory", dtypes, dtypes[0], "dtype of the weights and activations"),
+        Gene("kv_dtype", "memory", dtypes, dtypes[0], "dtype of the KV cache", lossy),
+        Gene("weight_dtype", "memory", dtypes, dtypes[0], "dtype of the weights and activations", lossy),
         Gene("weight_layout", "memory", ("pretransposed", "native", "native_left"), "pretransposed",
              "weights stored [in, out] for x @ W; or as in the checkpoint [out, in], for F.linear (native) or "
              "multiplied from the left, (W @ x^T)^T (native_left: BLAS's kernel over the weight's rows)"),
+        Gene("weight_quant", "memory", ("none", "int8"), "none",
+             "int8: the decoder's projections (q, k, v, o, gate, up, down; packed ones as packed) held as int8 rows "
+             "with one scale per output row (absmax/127, round to nearest), multiplied by an int8 weight-only "
+             "kernel, activations in weight_dtype; the LM head (tied to the embedding in some models) and the "
+             "embedding stay in weight_dtype, pretransposed (weight_layout is not read)", ("int8",)),
     ]
 
 
@@ -86,6 +96,11 @@ def _kv_no_wider_than_weights(values: Mapping[str, Scalar]) -> str | None:
     return None
 
 
+# int8 rows are [out, in] for their own kernel; the float LM head is then kept pretransposed
+INT8_IGNORES_LAYOUT = Ignored(("weight_layout",), lambda v: v.get("weight_quant") == "int8",
+                              "weight_quant=int8 stores and multiplies its weights one way")
+
+
 def gene_space(preset: Preset, device: DeviceInfo) -> GeneSpace:
     """Genes legal for `preset` on `device` (names are a contract with operators and configs)."""
     genes = _fusion_genes(device) + _scheduling_genes(device) + _memory_genes(preset)
@@ -94,7 +109,8 @@ def gene_space(preset: Preset, device: DeviceInfo) -> GeneSpace:
                    _static_step_needs_preallocated_cache),
         Constraint("kv_dtype no wider than weight_dtype", _kv_no_wider_than_weights),
     )
-    ignored = [Ignored(("prefill_chunk",), lambda v: v.get("prefill") == "whole", "prefill=whole has no chunks")]
+    ignored = [Ignored(("prefill_chunk",), lambda v: v.get("prefill") == "whole", "prefill=whole has no chunks"),
+               INT8_IGNORES_LAYOUT]
     if device.kind == "cuda":
         ignored.append(Ignored(("sdpa_backend",), lambda v: v.get("attention") == "matmul",
                                "attention=matmul calls no SDPA kernel"))
@@ -121,6 +137,7 @@ class Plan:
     kv_dtype: str
     weight_dtype: str
     weight_layout: str
+    weight_quant: str
 
     @classmethod
     def from_genome(cls, genome: Genome) -> Plan:
@@ -132,4 +149,5 @@ class Plan:
             attention=str(v["attention"]), sdpa_backend=str(v.get("sdpa_backend", "default")),
             prefill=str(v["prefill"]), prefill_chunk=int(v["prefill_chunk"]), decode_step=str(v["decode_step"]),
             threads=int(v["threads"]), kv_layout=str(v["kv_layout"]), kv_alloc=str(v["kv_alloc"]),
-            kv_dtype=str(v["kv_dtype"]), weight_dtype=str(v["weight_dtype"]), weight_layout=str(v["weight_layout"]))
+            kv_dtype=str(v["kv_dtype"]), weight_dtype=str(v["weight_dtype"]), weight_layout=str(v["weight_layout"]),
+            weight_quant=str(v["weight_quant"]))

@@ -25,7 +25,6 @@ _genes = lazy("evo.workloads.llama_serve.genes")
 _reference = lazy("evo.workloads.llama_serve.reference", judge_only=True)
 _llama_reference = lazy("evo.workloads.llama.reference", judge_only=True)
 
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class LlamaServeWorkload(GenerationWorkload):
@@ -63,16 +62,19 @@ class LlamaServeWorkload(GenerationWorkload):
 
     def roofline(self, preset: Preset, rates: MachineRates) -> Roofline:
         """Per output token, in ms (the objective's unit): a decode step's FLOPs for one token, and the
-        weights read once per step shared by the R requests in flight. A lower bound for every objective."""
+        weights read once per step shared by the R requests in flight, at one byte each (int8, the narrowest any
+        engine of the space may hold: `weight_quant`, a lossy gene). A lower bound for every objective."""
         p = self._use(preset)
         m, R = p.model, max(1, p.trace.concurrency)
         weights = m.parameters(with_embedding=False)
-        return Roofline(flops=2 * weights, bytes=weights * _ITEMSIZE[p.dtype] / R, rates=rates)
+        return Roofline(flops=2 * weights, bytes=weights * 1 / R, rates=rates)
 
     def label(self, genome: Genome) -> str:
         v = genome.values()
         parts = [f"{v.get('batching')} x{v.get('max_running')}", f"prefill {v.get('prefill')}",
                  f"kv {v.get('kv_pool')}", f"step {v.get('decode_step')}"]
+        weights = f"weights {v.get('weight_dtype')}"
+        parts.append(weights + " int8" if v.get("weight_quant") == "int8" else weights)  # lossy engines stand out
         return f"llama_serve {genome.hash[:8]} ({', '.join(parts)})"
 
 

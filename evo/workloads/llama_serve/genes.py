@@ -1,11 +1,12 @@
 """The serving engine's gene space, and the plan its scheduler and KV pool are built from.
 
 Model genes are the `llama` workload's, by import: fusion (packed projections, fused norm, rotary,
-attention form), threads, the KV layout and dtype, the weights' dtype and layout, and the open stages'
-code genes. The call engine's `kv_alloc`, `prefill` and `decode_step` do not apply (a pooled cache is
-preallocated; this engine schedules its own prefill and decode step). Added here, the engine's own
-decisions: how requests are batched and admitted, how prefill shares a step with decoding, how the KV
-pool is laid out (slots or paged blocks) and how the batched decode step runs.
+attention form), threads, the KV layout and dtype, the weights' dtype, layout and int8 quantisation (lossy
+values among them: bfloat16 at a float32 preset, int8), and the open stages' code genes. The call engine's
+`kv_alloc`, `prefill` and `decode_step` do not apply (a pooled cache is preallocated; this engine schedules
+its own prefill and decode step). Added here, the engine's own decisions: how requests are batched and
+admitted, how prefill shares a step with decoding, how the KV pool is laid out (slots or paged blocks) and
+how the batched decode step runs.
 """
 from __future__ import annotations
 
@@ -98,6 +99,7 @@ def gene_space(preset: ServePreset, device: DeviceInfo) -> GeneSpace:
     ignored = [
         Ignored(("prefill_chunk",), lambda v: v.get("prefill") == "whole", "prefill=whole has no chunks"),
         Ignored(("kv_block",), lambda v: v.get("kv_pool") == "slots", "kv_pool=slots has no blocks"),
+        _llama.INT8_IGNORES_LAYOUT,
     ]
     if device.kind == "cuda":
         ignored.append(Ignored(("sdpa_backend",), lambda v: v.get("attention") == "matmul",

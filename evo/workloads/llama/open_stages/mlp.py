@@ -6,6 +6,9 @@ Entry point: mlp(h, w, plan) -> [..., D].
     output axis); else w["gate"] and w["up"]; and w["down"]. With plan.weight_layout == "pretransposed"
     each is [in, out] (use h @ W); with "native" each is [out, in] (use torch.nn.functional.linear(h, W));
     with "native_left" each is [out, in] too (use (W @ h^T)^T over h's rows).
+    With plan.weight_quant == "int8" (weight_layout then unread) each is an int8 weight: W(x) multiplies
+    x [..., in] -> [..., out] by the engine's int8 kernel; W.q int8 [out, in] and W.scale [out] (the activation
+    dtype) are its rows and per-row scales, the weight being q * scale[:, None].
   plan: a frozen dataclass of the genome's decisions; read its attributes, never import it.
 Imports allowed: torch, math, numpy.
 """
@@ -15,6 +18,8 @@ import torch
 def mlp(h, w, plan):
     # EVOLVE-BLOCK-START
     def proj(x, W):
+        if plan.weight_quant == "int8":
+            return W(x)
         if plan.weight_layout == "pretransposed":
             return x @ W
         if plan.weight_layout == "native_left":
