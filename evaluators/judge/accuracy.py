@@ -10,8 +10,8 @@ Two modes, declared by the run (`evaluator.accuracy`) and carried by every claim
 The loss is read off tokens alone, teacher-forced: at each step of a request the reference's row over the prompt
 and the engine's own tokens before it gives the rule's **pick** (greedy: the argmax; sampled: the seeded draw of
 `evo.workloads.sampling`) and the **gap** of the engine's token, how far its score lies below the pick's, in logits
-(for a sampled step, the Gumbel-perturbed scores times the temperature; a token outside the reference's nucleus
-by more than `NUCLEUS_SLACK` of probability mass: infinite). An engine that took a token `gap` below the pick had
+(for a sampled step, the Gumbel-perturbed scores times the temperature; for a token outside the reference's
+top_p nucleus, at least its logit's distance below the nucleus's lowest). An engine that took a token `gap` below the pick had
 logits off by at least `gap` in that pair: the gap is a lower bound on its logit error that no engine can talk
 its way out of (the judge never asks an engine for its own probabilities). Per evaluation:
 - **top-1 agreement**: the share of steps whose token is the pick (Wilson 95% interval);
@@ -39,7 +39,6 @@ import numpy as np
 from evaluators.settings import BUDGET_KEYS, accuracy_mode
 from evo.workloads import sampling
 
-NUCLEUS_SLACK = 0.01  # probability mass by which a sampled token may lie outside the reference's top_p nucleus
 Z95 = 1.959963984540054
 
 
@@ -59,27 +58,47 @@ def mark(request, tokens: Sequence[int], rows: np.ndarray, window: float) -> Mar
     n = len(tokens)
     agree, gap, tie = np.zeros(n, bool), np.zeros(n), np.zeros(n, bool)
     for step, (token, row) in enumerate(zip(tokens, np.asarray(rows, dtype=np.float64))):
-        scores, allowed = _scores(row, request.temperature, request.top_p, request.seed, step)
+        scores, raw, outside = _scores(row, request.temperature, request.top_p, request.seed, step)
         pick = int(np.argmax(scores))
         second = np.partition(scores, -2)[-2] if scores.size > 1 else -math.inf
         scale = request.temperature or 1.0
         agree[step] = token == pick
-        gap[step] = 0.0 if token == pick else (scale * (scores[pick] - scores[token]) if allowed[token] else math.inf)
+        if token != pick:
+            gap[step] = max(scale * (scores[pick] - raw[token]), outside[token], 0.0)
+            if request.temperature and request.top_p < 1:  # the nucleus's edge moves with the logits too
+                gap[step] = _least_error(row, token, request, step, gap[step])
         tie[step] = scale * (scores[pick] - second) < window
     return Marks(agree, gap, tie)
 
 
+def _least_error(row: np.ndarray, token: int, request, index: int, most: float, rounds: int = 24) -> float:
+    """The least logit error under which `sampling.check` explains a sampled `token` (bisected up to `most`, an
+    error that surely does: the pick's score lead and the distance below the nucleus's edge). An engine whose
+    logits are off a little may leave the pick just outside its nucleus and take another token well behind it."""
+    def explains(error: float) -> bool:
+        return not sampling.check(row, token, request.temperature, request.top_p, request.seed, index, error)
+    low, high = 0.0, most
+    while not explains(high) and high < 1e6:
+        low, high = high, 2 * high + 1.0
+    for _ in range(rounds):
+        middle = (low + high) / 2
+        low, high = (low, middle) if explains(middle) else (middle, high)
+    return high
+
+
 def _scores(row: np.ndarray, temperature: float, top_p: float, seed: int, index: int):
     """The rule's scores over the vocabulary (greedy: the logits; sampled: logits / T + Gumbel noise, -inf outside
-    the nucleus) and the tokens an engine may take at all (inside the nucleus up to `NUCLEUS_SLACK`)."""
+    the nucleus), the same without the nucleus, and per token how far (logits) it lies below the nucleus's edge
+    (0 inside): an engine that took a token outside the nucleus had its logits off by at least that much."""
     if temperature == 0:
-        return row, np.isfinite(row)
+        return row, row, np.zeros_like(row)
     scaled = row / temperature
-    scores = scaled + sampling.gumbel(seed, index, len(row))
+    raw = scaled + sampling.gumbel(seed, index, len(row))
     if top_p >= 1:
-        return scores, np.isfinite(row)
-    before = sampling.preceding_mass(scaled)
-    return np.where(before < top_p, scores, -math.inf), before < top_p + NUCLEUS_SLACK
+        return raw, raw, np.zeros_like(row)
+    inside = sampling.preceding_mass(scaled) < top_p
+    edge = row[inside].min()
+    return np.where(inside, raw, -math.inf), raw, np.where(inside, 0.0, edge - row)
 
 
 # ---------------------------------------------------------------------------------------------- a tally
