@@ -4,6 +4,8 @@ MLflow store, each raced for real against the champion's registered record in on
 through the driver's race (evo.driver.retime.champion_race) over a one-evaluator stand-in for the pool."""
 from __future__ import annotations
 
+import dataclasses
+
 import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
@@ -14,7 +16,8 @@ from evo.core.genome import Genome
 from evo.core.retiming import FAILED, FASTER, IntensifySettings, failed_timing
 from evo.driver.retime import champion_race
 from evo.evidence.engine_record import EngineRecord
-from evo.evidence.mlflow.registry import CHAMPION, NOT_RACED, RACE_TAG, promote, register_best, register_engine
+from evo.evidence.mlflow.registry import (BUDGET_CHAMPION, CHAMPION, KEPT_TAG, NOT_RACED, RACE_TAG, promote,
+                                         register_best, register_engine)
 from evo.evidence.summary import Summary
 from tests import paired_workload
 
@@ -179,3 +182,61 @@ def test_the_driver_races_in_its_pool_and_keeps_the_race_with_the_runs_retimings
     assert [t.reason for t in read_retimings(tmp_path)] == [CHAMPION]
     assert said[-1].startswith(f"registered {uris[-1]}: alias @{CHAMPION} moved to version 2: paired 0."), said
     assert str(client.get_model_version_by_alias("driver-engine", CHAMPION).version) == "2"
+
+
+def _with_loss(summary: Summary, mode: str) -> Summary:
+    """`summary` as a generation run's under the accuracy contract's `mode` (its best engine's `accuracy`)."""
+    loss = {"mode": mode, "steps": 40, "requests": 4, "agreement": 0.99 if mode == "budget" else 1.0,
+            "agreement_ci": [0.95, 1.0], "mean_gap": 0.004 if mode == "budget" else 0.0}
+    return dataclasses.replace(summary, accuracy={"best": loss})
+
+
+def test_a_lossy_engine_never_takes_the_champion_from_an_exact_one_it_contests_champion_budget(store, experiment,
+                                                                                              tmp_path):
+    """Exact-mode @champion, then faster budget-mode engines: @champion stays, the lossy ones take and race for
+    @champion-budget by the same rule, each version says why and carries its mode; an exact engine still races
+    for @champion. Over a budget-mode champion, an exact engine contests @champion as before."""
+    pool = _OneEvaluatorPool()
+    race = champion_race(pool, SETTINGS)
+    client, name = MlflowClient(store), "modes-engine"
+
+    def register(genome_json: str, mode: str):
+        run_id = client.create_run(experiment).info.run_id
+        summary = _with_loss(_summary(genome_json, 10.0), mode)
+        return register_best(summary, tmp_path, run_id, name, store, experiment, race=race)
+
+    exact = register(paired_workload.genome_json(base_ms=40.0), "exact")
+    assert exact.champion and exact.alias == CHAMPION
+    lossy = register(paired_workload.genome_json(base_ms=40.0, pad=True), "budget")  # lossy: no race for @champion
+    assert lossy.alias == BUDGET_CHAMPION and lossy.champion and not pool.jobs  # the first @champion-budget: no race
+    said = lossy.describe()
+    assert said.startswith(f"alias @{CHAMPION} stays on version {exact.version} (exact mode): this engine is lossy "
+                           f"(top-1 agreement 99.0% [95.0, 100.0], mean gap 0.004 logits (budget mode))"), said
+    assert said.endswith(f"; alias @{BUDGET_CHAMPION} set to version {lossy.version} (the first @{BUDGET_CHAMPION})")
+    tags = client.get_model_version(name, lossy.version).tags
+    assert tags["accuracy_mode"] == "budget" and "never takes @champion" in tags[KEPT_TAG]
+    assert tags["accuracy"] == "top-1 agreement 99.0% [95.0, 100.0], mean gap 0.004 logits (budget mode)"
+    assert client.get_model_version(name, exact.version).tags["accuracy_mode"] == "exact"
+
+    faster = register(paired_workload.genome_json(base_ms=2.0), "budget")  # 20x faster: races the lossy holder
+    assert faster.alias == BUDGET_CHAMPION and faster.champion and faster.previous == lossy.version, faster.describe()
+    assert pool.jobs[-1].engines[1] == Genome.from_json(paired_workload.genome_json(base_ms=40.0, pad=True)).to_json()
+    assert client.get_model_version(name, faster.version).tags[f"{RACE_TAG}_alias"] == BUDGET_CHAMPION
+    assert str(client.get_model_version_by_alias(name, CHAMPION).version) == exact.version
+    assert str(client.get_model_version_by_alias(name, BUDGET_CHAMPION).version) == faster.version
+
+    better = register(paired_workload.genome_json(base_ms=2.0, pad=True), "exact")  # exact: the paired rule
+    assert better.alias == CHAMPION and better.champion and not better.kept, better.describe()
+
+    client.create_registered_model("budget-first")  # a lossy first champion; an exact one contests it as ever
+    first = promote(client, "budget-first", _blank(client, "budget-first"),
+                    _record_with(paired_workload.genome_json(base_ms=40.0), "budget"), _unraceable, store)
+    assert first.champion and first.alias == CHAMPION
+    client.set_model_version_tag("budget-first", first.version, "accuracy_mode", "budget")
+    contest = promote(client, "budget-first", _blank(client, "budget-first"),
+                      _record_with(paired_workload.genome_json(base_ms=2.0), "exact"), _unraceable, store)
+    assert contest.alias == CHAMPION and not contest.kept and "cannot be raced" in contest.reason  # no engine.json
+
+
+def _record_with(genome_json: str, mode: str) -> EngineRecord:
+    return dataclasses.replace(_record(genome_json), accuracy={"mode": mode})

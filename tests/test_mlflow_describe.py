@@ -2,6 +2,7 @@
 and alias rule, the UI's URLs, the outbox's description op, and the progress of long phases."""
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import re
@@ -133,6 +134,22 @@ def test_the_outbox_tags_the_experiment_and_fills_the_description_with_the_runs_
     run_id = outbox.run_id("s/parent")
     assert experiment.tags[KIND_TAG] == EXPERIMENT_KIND
     assert client.get_run(run_id).data.tags[NOTE_TAG] == f"see #/experiments/{experiment.experiment_id}/runs/{run_id}"
+
+
+def test_the_run_logs_the_best_engines_loss_and_leads_its_name_with_it(store, tmp_path):
+    """A generation run's loss on its MLflow run: the mode as a tag, the finite figures as metrics, the name's
+    claim and the description's first line with the loss (tests/test_claims_loss.py words it)."""
+    from evo.evidence.mlflow.sink import RUN_NAME_TAG, MlflowSink
+    from tests.test_claims_loss import SUMMARY as GENERATION
+
+    lossy = dataclasses.replace(GENERATION, accuracy={"best": {**GENERATION.accuracy["best"], "max_gap": None}})
+    sink = MlflowSink(store, "loss", "llama_serve-run", {}, {}, run_dir=tmp_path, finish_wait_s=10)
+    assert sink.finish(lossy, tmp_path)
+    run = MlflowClient(store).get_run(sink.run_id).data
+    assert run.tags["accuracy_mode"] == "budget" and run.tags[RUN_NAME_TAG].endswith("paired at 99.4% top-1")
+    assert run.metrics["accuracy_agreement"] == 0.994 and run.metrics["accuracy_mean_gap"] == 0.003
+    assert "accuracy_max_gap" not in run.metrics  # not measured (JSON's null): no metric
+    assert run.tags[NOTE_TAG].splitlines()[0].endswith("mean gap 0.003 logits (budget mode).**")
 
 
 class _Terminal(io.StringIO):

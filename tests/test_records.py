@@ -2,6 +2,7 @@
 proposals' metrics and artifacts, the Parquet schema derived from the records, sinks closed in reverse,
 and a run directory written by an earlier version (notes as a JSON string, an older summary.json)
 that still loads, resumes and reports. Nothing here starts Ray."""
+import dataclasses
 import json
 import math
 
@@ -36,6 +37,16 @@ OLD_SCHEMA = pa.schema([
 ])
 SCHEMA_WITH_SERVING = pa.schema([*(f for f in OLD_SCHEMA if f.name != "notes"), ("serving", pa.string()),
                                  ("notes", pa.string())])  # a generation engine's replay figures (JSON)
+SCHEMA_WITH_ACCURACY = pa.schema([*(f for f in SCHEMA_WITH_SERVING if f.name != "notes"), ("accuracy", pa.string()),
+                                  ("notes", pa.string())])  # its loss against the float64 reference (JSON)
+
+
+# An evaluation's loss against the float64 reference as the generation judge records it (EvalResult.accuracy).
+LOSS = {"mode": "budget", "budget": {"min_agreement": 0.9, "max_mean_gap": 0.05, "max_gap": 0.3, "tie_window": 0.15,
+                                     "tie_alpha": 0.001, "request_alpha": 0.001, "basis": "config"},
+        "steps": 208, "requests": 38, "agreement": 0.994, "agreement_ci": [0.991, 0.996], "mean_gap": 0.003,
+        "mean_gap_ci": [0.001, 0.005], "max_gap": 0.12, "max_gap_at": "request 5 step 3", "ties": 65, "tie_flips": 10,
+        "tie_p": 0.99}
 
 
 # --- one JSONL reader ----------------------------------------------------------------------------
@@ -101,12 +112,15 @@ def evaluated(n: int, generation: int = 0, **proposal) -> list[Evaluated]:
 
 
 def test_the_parquet_schema_is_derived_from_the_records_and_matches_the_files_already_written(tmp_path):
-    assert SCHEMA.equals(SCHEMA_WITH_SERVING)
+    assert SCHEMA.equals(SCHEMA_WITH_ACCURACY)
     generations = tmp_path / "generations"
     generations.mkdir()
     pq.write_table(OLD_SCHEMA.empty_table(), generations / "gen_0000.parquet")  # written before `serving`
-    pq.write_table(pa.Table.from_pylist([evidence_row(evaluated(1)[0])], schema=SCHEMA), generations / "gen_0001.parquet")
-    assert read_generations(tmp_path).num_rows == 1
+    pq.write_table(SCHEMA_WITH_SERVING.empty_table(), generations / "gen_0001.parquet")  # before `accuracy`
+    lossy = dataclasses.replace(evaluated(1)[0], result=dataclasses.replace(evaluated(1)[0].result, accuracy=LOSS))
+    pq.write_table(pa.Table.from_pylist([evidence_row(lossy)], schema=SCHEMA), generations / "gen_0002.parquet")
+    row, = read_generations(tmp_path).to_pylist()
+    assert evaluated_from_row(row).result.accuracy == LOSS  # the loss is stored and read back whole
     item, = evaluated(1, metrics={"tokens_in": 12, "cost_usd": 0.5}, artifacts={"prompt": "agent/p.json"})
     row = evidence_row(item)
     assert list(row) == SCHEMA.names

@@ -291,7 +291,8 @@ def _logged(race: Race, parts: RunParts, say: Say) -> Race:
     """`race`, its timing said and kept with the run's re-timings (retimings.jsonl, generation -1)."""
 
     def logged(new: EngineRecord, champion: EngineRecord) -> PairedTiming | None:
-        say(f"paired race for @champion: {new.genome.hash} against {champion.genome.hash} ({champion.source})")
+        # the alias raced for (@champion, or @champion-budget for a lossy engine) is named by the registration's line
+        say(f"paired race for the alias: {new.genome.hash} against {champion.genome.hash} ({champion.source})")
         timing = race(new, champion)
         if timing is not None:
             append_retimings(parts.run_dir, [timing])

@@ -3,6 +3,12 @@ timings follow labelled as such, and whatever the claim does not cover is named 
 not measured, a candidate that looked faster and was never re-timed). The one place the claim is
 worded: the terminal summary and `evo report` (`claim_lines`), the MLflow run and model version and the
 lineage page (`claim_sentence`), `/v1/engine` and `evo serve` (`EngineRecord.claim`, by `pick_baseline`).
+
+Every claim of a generation engine carries its loss against the float64 reference (`loss_words`, from the
+evaluation's `EvalResult.accuracy`, `evaluators.judge.accuracy`): a speed bought with bfloat16 weights is
+worded with what it cost, '... (paired, 95% [1.70, 2.10]) at top-1 agreement 99.4% [99.1, 99.6], mean gap
+0.003 logits (budget mode)', and an exact engine says so, '... (exact mode: every token the float64
+reference's, near ties allowed)'. A call engine's claim has no such words (its relative error is checked).
 """
 from __future__ import annotations
 
@@ -13,6 +19,8 @@ from evo.evidence.serving_table import serving_lines
 from evo.evidence.summary import Summary, baseline_not_compared, baselines_measured
 
 DEFAULT_MIN_EFFECT = 0.02
+EXACT, BUDGET = "exact", "budget"  # the accuracy contract's modes (evaluators.settings.ACCURACY_MODES)
+TOLERANCE = "tolerance"  # a call engine's: no accuracy record, its outputs within the workload's relative error
 
 
 def pick_baseline(workload: str, speedup_paired: Mapping[str, float], speedup_ci: Mapping[str, Sequence[float]],
@@ -42,10 +50,12 @@ def claim_sentence(summary: Summary, code: str = "`") -> str:
         return "No correct engine was found"
     engine, vs = f"{code}{summary.best_hash}{code}", claimed_baseline(summary)
     if vs is None:
-        return f"{engine}: no baseline was measured, so there is no speedup to claim"
-    if paired_verdict(summary, vs) is None:
-        return f"{engine}: not re-timed paired: single timing only, {summary.speedups[vs]:.2f}x vs {vs} (single timing)"
-    return f"{engine} is {speedup_claim(summary, vs)}"
+        claim = f"{engine}: no baseline was measured, so there is no speedup to claim"
+    elif paired_verdict(summary, vs) is None:
+        claim = f"{engine}: not re-timed paired: single timing only, {summary.speedups[vs]:.2f}x vs {vs} (single timing)"
+    else:
+        claim = f"{engine} is {speedup_claim(summary, vs)}"
+    return with_loss(claim, best_accuracy(summary))
 
 
 def paired_verdict(summary: Summary, baseline: str) -> str | None:
@@ -85,10 +95,11 @@ def short_claim(summary: Summary) -> str:
         return ""
     verdict = paired_verdict(summary, vs)
     if verdict is None:
-        return f"{summary.speedups[vs]:.2f}x vs {vs}, single timing only"
+        return with_loss(f"{summary.speedups[vs]:.2f}x vs {vs}, single timing only", best_accuracy(summary), short=True)
     (low, high), estimate = summary.speedup_ci[vs], summary.speedup_paired[vs]
-    return (f"{estimate:.2f}x vs {vs} [{low:.2f}, {high:.2f}] paired"
-            + {"faster": "", "equal": ": equal within noise", "slower": ": slower"}[verdict])
+    return with_loss(f"{estimate:.2f}x vs {vs} [{low:.2f}, {high:.2f}] paired"
+                     + {"faster": "", "equal": ": equal within noise", "slower": ": slower"}[verdict],
+                     best_accuracy(summary), short=True)
 
 
 def claim_lines(summary: Summary) -> list[str]:
@@ -115,12 +126,99 @@ def claim_lines(summary: Summary) -> list[str]:
     for item in summary.unexamined:
         lines.append(f"  unexamined: {item['hash']} looked faster ({item['latency_ms']:.3f} ms, one single timing)"
                      f" and was never re-timed: {item['reason']}")
-    # a generation engine is scored on its tokens (near ties allowed): it has no relative error to show
+    # a generation engine is scored on its tokens: no relative error, its loss against float64 instead
+    accuracy = best_accuracy(summary)
     error = (f", max rel error {summary.best_max_rel_error:.2e}" if _finite(summary.best_max_rel_error)
-             else ", every request's tokens those of the float64 reference" if summary.serving else "")
+             else ", every request's tokens those of the float64 reference" if summary.serving and not accuracy else "")
     lines.append(f"  single timing {summary.best_latency_ms:.3f} ms (IQR {summary.best_latency_spread_ms:.3f}; one"
                  f" evaluation's median, not a claim){error}")
-    return lines + serving_lines(summary)
+    return lines + accuracy_lines(accuracy) + serving_lines(summary)
+
+
+# ---------------------------------------------------------------------------------------------- the loss
+def best_accuracy(summary: Summary) -> dict:
+    """The best engine's accuracy record (`EvalResult.accuracy`), {} for a call engine or an older summary."""
+    return dict(summary.accuracy.get("best") or {})
+
+
+def loss_mode(accuracy: Mapping) -> str:
+    """'exact' or 'budget' (the accuracy contract's mode), 'tolerance' for a call engine (no accuracy record)."""
+    return str(accuracy.get("mode") or TOLERANCE) if accuracy else TOLERANCE
+
+
+def loss_words(accuracy: Mapping, short: bool = False) -> str:
+    """What an engine loses against the float64 reference, as every claim words it ('' for a call engine):
+    budget mode 'top-1 agreement 99.4% [99.1, 99.6], mean gap 0.003 logits (budget mode)' (short: '99.4% top-1');
+    exact mode 'exact mode: every token the float64 reference's, near ties allowed' (short: 'exact tokens')."""
+    mode = loss_mode(accuracy)
+    if mode == EXACT:
+        return "exact tokens" if short else "exact mode: every token the float64 reference's, near ties allowed"
+    if mode == TOLERANCE:
+        return ""
+    agreement = accuracy.get("agreement")
+    if not _finite(agreement):
+        return f"no step scored ({mode} mode)"
+    if short:
+        return f"{_pct(agreement)} top-1"
+    return (f"top-1 agreement {_pct(agreement)} {_pct_interval(accuracy.get('agreement_ci'))}, mean gap "
+            f"{_gap(accuracy.get('mean_gap'))} logits ({mode} mode)")
+
+
+def with_loss(claim: str, accuracy: Mapping, short: bool = False) -> str:
+    """`claim` followed by its loss (`loss_words`): '... at top-1 agreement ...' in budget mode, '... (exact
+    mode: ...)' in exact mode (short: '..., exact tokens'); `claim` itself for a call engine."""
+    words = loss_words(accuracy, short)
+    if not words:
+        return claim
+    if loss_mode(accuracy) == EXACT:
+        return f"{claim}, {words}" if short else f"{claim} ({words})"
+    return f"{claim} at {words}"
+
+
+def accuracy_lines(accuracy: Mapping) -> list[str]:
+    """The loss in full for the terminal and `evo report`: the figures with their intervals, the largest gap and
+    where, near ties, and in budget mode the budget and where it comes from ([] for a call engine)."""
+    mode = loss_mode(accuracy)
+    if mode == TOLERANCE:
+        return []
+    head = "exact mode: every token the float64 reference's pick or a near tie" if mode == EXACT else f"{mode} mode"
+    if not _finite(accuracy.get("agreement")):
+        return [f"  accuracy ({head}): no step scored"]
+    a = accuracy
+    where = f" at {a['max_gap_at']}" if a.get("max_gap") and a.get("max_gap_at") else ""
+    ties = f"the other token in {a.get('tie_flips', 0)} of {a.get('ties', 0)} near ties" + (
+        f" (p = {a['tie_p']:.2g} for honest rounding)" if _finite(a.get("tie_p")) else "")
+    lines = [f"  accuracy ({head}): top-1 agreement {_pct(a['agreement'])} {_pct_interval(a.get('agreement_ci'))}, "
+             f"mean gap {_gap(a.get('mean_gap'))} {_gap_interval(a.get('mean_gap_ci'))} logits, largest gap "
+             f"{_gap(a.get('max_gap'))}{where}",
+             f"    over {a.get('steps', '?')} steps of {a.get('requests', '?')} requests, teacher-forced on its own "
+             f"tokens against float64; {ties}"]
+    budget = accuracy.get("budget")
+    if budget:
+        lines.append(f"    budget: top-1 agreement >= {_pct(budget.get('min_agreement'))}, mean gap <= "
+                     f"{_gap(budget.get('max_mean_gap'))}, largest gap <= {_gap(budget.get('max_gap'))} logits, near "
+                     f"ties within {_gap(budget.get('tie_window'))} not steered (p >= {budget.get('tie_alpha', '?')}); "
+                     f"{budget.get('basis') or 'basis not recorded'}")
+    return lines
+
+
+def _pct(value: object) -> str:
+    return f"{100 * value:.1f}%" if _finite(value) else "-"
+
+
+def _pct_interval(ci: object) -> str:
+    low, high = ci if isinstance(ci, (list, tuple)) and len(ci) == 2 else (None, None)
+    return f"[{100 * low:.1f}, {100 * high:.1f}]" if _finite(low) and _finite(high) else "[-]"
+
+
+def _gap(value: object) -> str:
+    """A gap in logits to two significant digits (inf where a token lay outside the reference's nucleus)."""
+    return f"{value:.2g}" if isinstance(value, (int, float)) and not math.isnan(value) else "-"
+
+
+def _gap_interval(ci: object) -> str:
+    low, high = ci if isinstance(ci, (list, tuple)) and len(ci) == 2 else (None, None)
+    return f"[{_gap(low)}, {_gap(high)}]"
 
 
 def _finite(value: object) -> bool:

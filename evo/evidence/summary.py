@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from evo.core.records import STATUSES, SUSPECT, EvalResult, nan_for_null
+from evo.core.records import STATUSES, SUSPECT, EvalResult, Evaluated, nan_for_null
 from evo.core.retiming import FAILED, VERDICTS, PairedTiming, paired_figures
 from evo.core.search import RaceResult, Search
 from evo.evidence.floor import RunFloor
@@ -123,6 +123,10 @@ class Summary:
     # best's value / the baseline's); empty for call workloads
     serving: dict[str, dict[str, Any]] = field(default_factory=dict)
     serving_paired: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    # A generation engine's loss against the float64 reference under the run's accuracy contract (mode, top-1
+    # agreement, gaps, near ties, the budget): "best" and each baseline by name (`EvalResult.accuracy`); empty
+    # for call workloads. Every claim carries the best's (evo.evidence.claims.loss_words)
+    accuracy: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -184,10 +188,16 @@ def make_summary(search: Search, baselines: dict[str, EvalResult], roofline: Run
         intensification=intensification(search),
         final_race=race.to_dict() if race is not None and race.contenders else {},
         unexamined=[u.to_dict() for u in race.unexamined] if race is not None else [],
-        serving={name: dict(r.serving) for name, r in [*([("best", best.result)] if best else []), *baselines.items()]
-                 if r.serving},
+        serving=_by_engine(best, baselines, "serving"),
+        accuracy=_by_engine(best, baselines, "accuracy"),
         **run,
     )
+
+
+def _by_engine(best: Evaluated | None, baselines: dict[str, EvalResult], name: str) -> dict[str, dict[str, Any]]:
+    """An EvalResult dict field (`serving`, `accuracy`) of "best" and each baseline by name, where it is not empty."""
+    results = [*([("best", best.result)] if best else []), *baselines.items()]
+    return {engine: dict(getattr(r, name)) for engine, r in results if getattr(r, name)}
 
 
 def intensification(search: Search) -> dict[str, Any]:

@@ -8,6 +8,8 @@ Accepted forms:
   models:/<name>-engine/3          a registered MLflow model version (or models:/NAME/latest)
   models:/<name>-engine@champion   the version an alias points at (`champion`: the last to win a paired
                                    race against the one before, see evo.evidence.mlflow.registry)
+  models:/<name>-engine@champion-budget  the lossy (budget-mode) engine that holds its own alias under an
+                                   exact champion (a lossy engine never takes `champion` from an exact one)
   runs:/<run_id>  or  <run_id>     an MLflow run whose artifacts hold the engine (the search's parent run)
   default:WORKLOAD/PRESET          the workload's default genome for that preset (no search needed)
 """

@@ -5,7 +5,9 @@ paired speedup with its 95% interval over one baseline (`claim_sentence`), in it
 the UI folds a description after about 150 px ("Show more"); then the best engine's single timing,
 labelled as one, each baseline's speedup (paired first, single timing after), its fraction of the
 roofline floor, and links to the lineage page and the registered model. The model version's
-description opens with the same sentence, and its tags carry it (`claim`). Its links are UI routes relative to the page (`#/experiments/...`), so they
+description opens with the same sentence, and its tags carry it (`claim`) and the loss that comes with it
+(`accuracy_mode`: exact, budget, or tolerance for a call engine; `accuracy`: a generation engine's loss against the
+float64 reference, `loss_words`). Its links are UI routes relative to the page (`#/experiments/...`), so they
 work on whatever host the UI runs; the run's ids are filled in when the outbox creates the run
 (`RUN_ID`, `EXPERIMENT_ID` below). Numbers are rounded to what the measurement supports.
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from evo.evidence.claims import claim_sentence
+from evo.evidence.claims import best_accuracy, claim_sentence, loss_mode, loss_words
 from evo.evidence.floor import floor_text
 from evo.evidence.mlflow.links import artifact_path, model_version_path
 from evo.evidence.serving_table import serving_markdown
@@ -23,6 +25,7 @@ from evo.evidence.summary import Summary, baseline_not_compared, baselines_measu
 RUN_ID, EXPERIMENT_ID = "<run_id>", "<experiment_id>"  # placeholders the outbox fills in at replay
 NOTE_TAG = "mlflow.note.content"  # the run's (and experiment's) description in the UI
 LINEAGE_ARTIFACT = "lineage/lineage.html"
+MODE_TAG = "accuracy_mode"  # exact, budget or tolerance: on the run and on every registered version
 
 
 def ms(value: float | None, digits: int = 3) -> str:
@@ -58,7 +61,9 @@ def run_description(summary: Summary, run_dir: Path | str, status: str = "FINISH
     if not summary.found:
         lines.append(run + (" (no summary: the run failed before it made one)." if not summary.workload else "."))
     else:
-        lines.append(f"{run}. {single_timing_text(summary)}, max relative error {summary.best_max_rel_error:.1e}.")
+        loss = loss_words(best_accuracy(summary))  # a generation engine's tokens against float64, else the call's error
+        lines.append(f"{run}. {single_timing_text(summary)}, "
+                     + (f"{loss}." if loss else f"max relative error {summary.best_max_rel_error:.1e}."))
         if summary.unexamined:  # by name: a faster-looking candidate nobody examined is part of the result
             lines.append(f"{len(summary.unexamined)} candidate(s) looked faster by a single timing and were never"
                          " re-timed paired: " + "; ".join(f"`{u['hash']}` ({ms(u['latency_ms'])}): {u['reason']}"
@@ -100,6 +105,9 @@ def version_tags(summary: Summary, run_id: str | None, run_dir: Path | str) -> d
             "latency": f"{ms(summary.best_latency_ms)} (IQR {ms(summary.best_latency_spread_ms)})",
             "max_rel_error": f"{summary.best_max_rel_error:.1e}", "run_id": str(run_id), "run_dir": str(run_dir)}
     tags["claim"] = claim_sentence(summary).replace("`", "")
+    tags[MODE_TAG] = loss_mode(best_accuracy(summary))  # every version: the champion rule reads it (registry.promote)
+    if loss := loss_words(best_accuracy(summary)):
+        tags["accuracy"] = loss
     for name in summary.speedups:
         tags[f"speedup.{name}"] = speedup_text(summary, name)
     for name, (low, high) in summary.speedup_ci.items():  # the paired estimate and its 95% interval, for filters

@@ -18,11 +18,18 @@ champion's genome never does (no race needed); a champion that cannot be raced (
 preset, or a version registered before `engine.json`) keeps it, and the text says how to move it by hand.
 The race's verdict, ratio and interval are tags on the new version (`champion_race_*`).
 
+The alias records the accuracy mode (every version is tagged `accuracy_mode`: exact, budget, or tolerance for a
+call engine). A lossy engine (budget mode: bfloat16 or int8 weights accepted within a measured budget) never
+takes `@champion` from an exact-mode champion by itself, however fast: `@champion` stays, the new version
+contests `@champion-budget` instead (by the same rule: the first takes it, then a paired win), and its tag
+`champion_kept` says why. Exact over budget, or the same mode: the paired race decides `@champion` as above.
+
 `mlflow.pyfunc.load_model("models:/NAME@champion")` rebuilds the engine on CPU; the Serve app reads
 `engine.json` from the model and builds and verifies the engine itself.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -34,12 +41,15 @@ from typing import Any, Callable
 import numpy as np
 
 from evo.core.retiming import FAILED, FASTER, SLOWER, PairedTiming
+from evo.evidence.claims import BUDGET, EXACT, loss_mode, loss_words
 from evo.evidence.engine_record import ENGINE_FILE, EngineRecord, SourceError, record_from_summary
-from evo.evidence.mlflow.describe import version_description, version_tags
+from evo.evidence.mlflow.describe import MODE_TAG, version_description, version_tags
 from evo.evidence.summary import Summary
 from evo.workloads.base import CheckCase, Preset, Workload
 
 CHAMPION = "champion"
+BUDGET_CHAMPION = "champion-budget"  # a lossy engine's alias under an exact champion (MLflow allows [\w-] in aliases)
+KEPT_TAG = "champion_kept"  # on a lossy version: why it did not contest @champion
 LATENCY_TAG = "latency_ms"
 log = logging.getLogger("evo.mlflow")
 
@@ -51,25 +61,32 @@ NOT_RACED = "not raced"  # the verdict tag when no race decided (same genome, a 
 
 @dataclass(frozen=True)
 class Registration:
-    """A registered version and what became of the alias: `reason` says why it moved or stayed, `race` is
-    the paired timing of this version (a) against the champion before (b), when one ran."""
+    """A registered version and what became of the alias it contested (`alias`: `champion`, or `champion-budget`
+    for a lossy engine under an exact champion): `reason` says why it moved or stayed, `race` is the paired
+    timing of this version (a) against that alias's version before (b), when one ran; `kept` says why a lossy
+    engine left `@champion` where it was ("" when it contested `@champion`)."""
 
     uri: str  # models:/NAME/VERSION
     name: str
     version: str
-    champion: bool  # whether the alias now points at this version
-    previous: str | None  # the champion's version before, if there was one
+    champion: bool  # whether `alias` now points at this version
+    previous: str | None  # the version `alias` pointed at before, if any
     reason: str
     race: PairedTiming | None = None
+    alias: str = CHAMPION
+    kept: str = ""
 
     def describe(self) -> str:
+        at = f"alias @{self.alias}"
         if self.champion and self.previous:
-            return f"alias @{CHAMPION} moved to version {self.version}: {self.reason}"
-        if self.champion:
-            return f"alias @{CHAMPION} set to version {self.version} ({self.reason})"
-        if self.previous is None:
-            return f"alias @{CHAMPION} not set: {self.reason}"
-        return f"alias @{CHAMPION} stays on version {self.previous}: {self.reason}"
+            text = f"{at} moved to version {self.version}: {self.reason}"
+        elif self.champion:
+            text = f"{at} set to version {self.version} ({self.reason})"
+        elif self.previous is None:
+            text = f"{at} not set: {self.reason}"
+        else:
+            text = f"{at} stays on version {self.previous}: {self.reason}"
+        return f"{self.kept}; {text}" if self.kept else text
 
 
 def _numpy_dtype(name: str) -> np.dtype:
@@ -201,40 +218,64 @@ def promote(client, name: str, version: str, record: EngineRecord, race: Race | 
     (the new engine against the champion's, paired) says it is faster by the minimum effect; tag the version
     with the race. Conservative everywhere else: the same genome, a champion that cannot be raced (no
     loadable record, another workload or preset), no race (`race` None or it returned None), or a verdict of
-    slower, equal or failed leave the alias where it is. A single timing never moves it (see the module)."""
+    slower, equal or failed leave the alias where it is. A single timing never moves it (see the module).
+    A lossy engine (budget mode) under a champion that is not (exact; one registered before the mode was
+    tagged was exact) contests `champion-budget` by the same rule instead, and says why (`KEPT_TAG`)."""
     from mlflow.exceptions import MlflowException
 
     version = str(version)
-    uri = f"models:/{name}/{version}"
     try:
         current = client.get_model_version_by_alias(name, CHAMPION)
-    except MlflowException:  # no champion yet: the first measured version takes it
+    except MlflowException:  # no champion yet: the first measured version takes it, whatever its mode
+        current = None
+    held = (current.tags.get(MODE_TAG) or EXACT) if current is not None else None
+    if loss_mode(record.accuracy) != BUDGET or held in (None, BUDGET):
+        return _promote(client, name, version, record, race, tracking_uri, CHAMPION)
+    kept = (f"alias @{CHAMPION} stays on version {current.version} ({held} mode): this engine is lossy ("
+            f"{loss_words(record.accuracy)}) and a budget-mode engine never takes @{CHAMPION} from the {held}-mode "
+            f"champion by itself (to choose it anyway, set it by hand: MlflowClient().set_registered_model_alias(NAME, "
+            f"{CHAMPION!r}, VERSION)); it contests @{BUDGET_CHAMPION}")
+    client.set_model_version_tag(name, version, KEPT_TAG, kept[:5000])
+    contested = _promote(client, name, version, record, race, tracking_uri, BUDGET_CHAMPION)
+    return dataclasses.replace(contested, kept=kept)
+
+
+def _promote(client, name: str, version: str, record: EngineRecord, race: Race | None, tracking_uri: str,
+             alias: str) -> Registration:
+    """`promote` for one alias: the first measured version takes it, then only a paired win moves it."""
+    from mlflow.exceptions import MlflowException
+
+    uri = f"models:/{name}/{version}"
+    try:
+        current = client.get_model_version_by_alias(name, alias)
+    except MlflowException:  # nobody holds the alias yet: the first measured version takes it
         if record.latency_ms is None:
-            return Registration(uri, name, version, False, None, "this version has no measured latency")
-        client.set_registered_model_alias(name, CHAMPION, version)
-        return Registration(uri, name, version, True, None, "the first champion")
+            return Registration(uri, name, version, False, None, "this version has no measured latency", alias=alias)
+        client.set_registered_model_alias(name, alias, version)
+        first = "the first champion" if alias == CHAMPION else f"the first @{alias}"
+        return Registration(uri, name, version, True, None, first, alias=alias)
     against = str(current.version)
     moved, reason, timing = _contest(record, against, current.tags.get("genome_hash"), race,
-                                     lambda: registered_record(tracking_uri, name, against))
+                                     lambda: registered_record(tracking_uri, name, against), alias)
     tags = {f"{RACE_TAG}_against": against, f"{RACE_TAG}_verdict": timing.verdict if timing else NOT_RACED,
-            f"{RACE_TAG}_note": reason[:5000]}
+            f"{RACE_TAG}_note": reason[:5000], f"{RACE_TAG}_alias": alias}
     if timing and timing.verdict != FAILED:
         tags.update({f"{RACE_TAG}_{key}": f"{getattr(timing, key):.4f}" for key in ("ratio", "low", "high")})
         tags[f"{RACE_TAG}_pairs"] = str(timing.pairs)
     for key, value in tags.items():
         client.set_model_version_tag(name, version, key, value)
     if moved:
-        client.set_registered_model_alias(name, CHAMPION, version)
-    return Registration(uri, name, version, moved, against, reason, timing)
+        client.set_registered_model_alias(name, alias, version)
+    return Registration(uri, name, version, moved, against, reason, timing, alias=alias)
 
 
 def _contest(record: EngineRecord, against: str, champion_hash: str | None, race: Race | None,
-             load_champion: Callable[[], EngineRecord]) -> tuple[bool, str, PairedTiming | None]:
-    """(whether the alias moves, why, the race's timing) for `record` against champion version `against`."""
+             load_champion: Callable[[], EngineRecord], alias: str = CHAMPION) -> tuple[bool, str, PairedTiming | None]:
+    """(whether `alias` moves, why, the race's timing) for `record` against the alias's version `against`."""
     if champion_hash == record.genome.hash:
         return False, f"same genome ({record.genome.hash}), no race needed", None
     keep = (f"a single timing does not move the alias; to replace the champion anyway, set it by hand "
-            f"(MlflowClient().set_registered_model_alias(NAME, {CHAMPION!r}, VERSION))")
+            f"(MlflowClient().set_registered_model_alias(NAME, {alias!r}, VERSION))")
     try:
         champion = load_champion()
     except SourceError as exc:
@@ -277,8 +318,9 @@ def register_best(summary: Summary, run_dir: Path, run_id: str, model_name: str,
         f"Engines for {summary.workload} at preset `{summary.preset}`, one version per search that registered its best. "
         f"`@{CHAMPION}` moves to a new version only when it wins a paired race against the current champion "
         f"(both timed interleaved in one evaluator; the whole 95% interval of the latency ratio below 1 minus the "
-        f"minimum effect): the version's `{RACE_TAG}_*` tags hold the verdict, ratio and interval. "
-        f"Serve it with `python -m evo serve models:/{model_name}@{CHAMPION}`."))
+        f"minimum effect): the version's `{RACE_TAG}_*` tags hold the verdict, ratio and interval. A lossy engine "
+        f"(`{MODE_TAG}` budget) never takes `@{CHAMPION}` from an exact one: it contests `@{BUDGET_CHAMPION}` by the "
+        f"same rule. Serve it with `python -m evo serve models:/{model_name}@{CHAMPION}`."))
     return promote(client, model_name, version, record, race, tracking_uri)
 
 

@@ -2,7 +2,8 @@
 
 Only the driver writes (one writer per store). Parent run: the flattened config as params, the
 baselines and roofline floor, per-generation metrics by step (best latency, median, fraction valid,
-evaluations per second, best speedup) and, at the end, the summary and best genome as artifacts.
+evaluations per second, best speedup) and, at the end, the summary and best genome as artifacts, and
+the best engine's loss: tag `accuracy_mode`, metrics `accuracy_agreement`, `accuracy_mean_gap`, `accuracy_max_gap`.
 The parent run's description (`evo.evidence.mlflow.describe`) states the best engine, its speedups
 and links to the lineage page. Child run per generation, spanning the generation's wall time: its
 metrics, its Parquet evidence as an artifact, lineage tags (the best's, and
@@ -24,9 +25,9 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-from evo.evidence.claims import short_claim
+from evo.evidence.claims import best_accuracy, loss_mode, short_claim
 from evo.evidence.lineage import CANDIDATES_FILE, candidate_table, candidate_tags, write_candidate_table
-from evo.evidence.mlflow.describe import run_description
+from evo.evidence.mlflow.describe import MODE_TAG, run_description
 from evo.evidence.mlflow.links import run_url
 from evo.evidence.mlflow.outbox import OUTBOX_FILE, Outbox, tracking_uri
 from evo.core.records import EvalResult
@@ -193,8 +194,12 @@ class MlflowSink:
         for key in ("retimings", "faster", "equal", "wall_s"):
             if key in summary.intensification:
                 final[f"intensify_{key}"] = summary.intensification[key]
-        metrics = [(k, float(v), now, 0) for k, v in final.items() if v is not None and math.isfinite(v)]
+        accuracy = best_accuracy(summary)  # a generation engine's loss against float64 (accuracy contract)
+        final.update({f"accuracy_{key}": accuracy.get(key) for key in ("agreement", "mean_gap", "max_gap")})
+        metrics = [(k, float(v), now, 0) for k, v in final.items() if isinstance(v, (int, float)) and math.isfinite(v)]
         tags = {"best_hash": str(summary.best_hash), "run_dir": str(run_dir)}
+        if accuracy:  # a generation engine's (a call engine's run page keeps its tags: they push the description down)
+            tags[MODE_TAG] = loss_mode(accuracy)
         claim = short_claim(summary)
         if claim:  # the page's title and the runs table's name column lead with the claim
             tags[RUN_NAME_TAG] = f"{self.run_name} · {claim}"[:250]
