@@ -25,6 +25,7 @@ def test_a_generation_search_reports_paired_serving_figures_against_its_baseline
     config = load_config(ROOT / "configs" / "llama_serve_smoke.yaml", [
         "baselines=[hf_static]", "search.generations=1", "search.offspring=2", "search.max_evaluations=3",
         "search.population.size=2", "evaluators.count=1", "search.intensify.final_race=0",
+        "evaluator.accuracy.mode=budget", "genes={weight_quant: [int8]}",
         f"mlflow.tracking_uri={uri}", "mlflow.experiment=serve-e2e", "mlflow.model_name=serve-e2e-engine"])
     log = io.StringIO()
     result = run(config, tmp_path / "run", out=log)
@@ -44,8 +45,16 @@ def test_a_generation_search_reports_paired_serving_figures_against_its_baseline
     speedup = summary["speedup_paired"]["hf_static"]
     assert paired["output_throughput"][0] == pytest.approx(speedup, rel=0.15)
     assert summary["registered_model"] == "models:/serve-e2e-engine/1"
+    loss = summary["accuracy"]["best"]  # int8 weights, judged against a budget calibrated on honest bfloat16
+    assert summary["best_genome"]["memory"]["weight_quant"] == "int8"
+    assert loss["mode"] == "budget" and loss["budget"]["basis"].startswith("calibrated") and loss["steps"] > 100
+    assert loss["agreement"] >= loss["budget"]["min_agreement"] - 0.05 and loss["max_gap"] <= loss["budget"]["max_gap"]
+    assert summary["accuracy"]["hf_static"]["mode"] == "budget"  # the baseline is judged by the same contract
+    version = MlflowClient(uri).get_model_version("serve-e2e-engine", "1")
+    assert version.tags["accuracy_mode"] == "budget" and "top-1 agreement" in version.tags["accuracy"]
     out = io.StringIO()
     report(str(result.run_dir), out=out)
     assert "output tok/s" in out.getvalue() and "TPOT p99" in out.getvalue() and "hf_static" in out.getvalue()
+    assert "(budget mode)" in out.getvalue() and "top-1 agreement" in out.getvalue()
     description = MlflowClient(uri).get_run(result.mlflow_run_id).data.tags["mlflow.note.content"]
     assert "| engine | output tok/s" in description
