@@ -30,6 +30,7 @@ times `factor`.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -180,6 +181,7 @@ def clustered_interval(sums: np.ndarray, counts: np.ndarray, z: float = Z95) -> 
     return (max(0.0, float(mean - z * spread)), float(mean + z * spread))
 
 
+@functools.lru_cache(maxsize=1 << 16)  # Serve re-judges a window of thousands of requests after every check
 def binomial_tail(k: int, n: int, p: float) -> float:
     """P(Binomial(n, p) >= k)."""
     if k <= 0:

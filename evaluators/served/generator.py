@@ -22,7 +22,10 @@ What the replica holds the engine to while it serves (`evaluators.served.guards.
 - **speed**: served token gaps against the judged ITL (reported, or with `slow_action: remove` a failure);
 - **canaries**: requests of the replica's own, drawn like users' (`evaluators.served.canaries`), verified whole;
 - **`verify: all`**: each request's tokens released only in chunks the verifier (`evaluators.served.verifier`)
-  has checked against the float64 reference; under `sampled`, the replica re-scores a sample after the answer.
+  has checked against the float64 reference; under `sampled`, the replica re-scores a sample after the answer;
+- **the accuracy contract** its run declared (`evaluators.served.estimate`): in exact mode each checked token obeys
+  the rule; in budget mode every check above marks a running estimate, and a budget it breaks fails the engine as
+  a failed check does.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ from evaluators.judge.evaluator import Evaluator
 from evaluators.judge.replay import ConfinedGenerator, GenerationError, prefix_problem, request_problems
 from evaluators.sandbox.process import EngineProcess, EngineProcessError
 from evaluators.served.canaries import Canaries
+from evaluators.served.estimate import RunningEstimate
 from evaluators.served.guards import Judged, ServePolicy, SpeedWatch, breach, stall_deadline
 from evaluators.served.stream import DONE, Stream, Token
 from evaluators.served.verifier import Verifier
@@ -129,6 +133,7 @@ class ServedGenerator:
                                        f"scale the serving guards by")
         self.judged = Judged.of(judge.held_metrics, int(self.judge.preset.shape["R"]), "the judge's check replay")
         self.ids = judge.request_ids(self._process)  # users' and canaries' ids continue the check's sequence
+        self.estimate = RunningEstimate(judge)  # the accuracy contract over what the replica checks while it serves
         # the check replay covers seeded sampling, except for a baseline its workload declares greedy-only
         greedy = judge.greedy_only(spec)
         self.sampling_check = "a baseline that decodes greedily only (checked on greedy requests)" if greedy else ""
@@ -332,9 +337,14 @@ class ServedGenerator:
 
     # ------------------------------------------------------------------ the verifier's hooks (its thread)
     def _prefix_problem(self, request: GenerationRequest, tokens: list[int]) -> str:
-        """Why the tokens so far break the judge's rule, or "" (a prefix may end anywhere)."""
+        """Why the tokens so far break the judge's rule (exact mode) or, marked on the running estimate, the
+        accuracy budget (budget mode), or "" (a prefix may end anywhere)."""
         judge = self.judge.generation
-        return prefix_problem(request, tokens, judge.reference, judge.tolerance, judge.alternatives, self.vocab)
+        checked = judge.tally()
+        problem = prefix_problem(request, tokens, judge.reference, judge.rule_tolerance, judge.alternatives,
+                                 self.vocab, checked)
+        why = self.estimate.add(checked)
+        return problem or why
 
     def _verify_failed(self, why: str) -> None:
         self._fail(ServedGeneratorError(f"engine {self.label} answered wrongly ({why})"))
@@ -374,12 +384,15 @@ class ServedGenerator:
         return self._failure
 
     def rescore(self, request: GenerationRequest, tokens: Sequence[int]) -> tuple[str, float]:
-        """A finished request's tokens against the float64 reference (the judge's rule, near ties allowed):
+        """A finished request's tokens against the float64 reference under the run's accuracy contract (exact:
+        the judge's rule, near ties allowed; budget: marked on the running estimate, which the budget judges):
         (the first problem or "", 0.0)."""
         judge = self.judge.generation
-        problems = request_problems(request, tokens, judge.reference, judge.tolerance, self.vocab,
-                                    judge.alternatives)
-        return (problems[0] if problems else ""), 0.0
+        checked = judge.tally()
+        problems = request_problems(request, tokens, judge.reference, judge.rule_tolerance, self.vocab,
+                                    judge.alternatives, checked)
+        why = self.estimate.add(checked)
+        return (problems[0] if problems else why), 0.0
 
     # ------------------------------------------------------------------ lifecycle
     @property

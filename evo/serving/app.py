@@ -32,7 +32,9 @@ where a hot swap left one, else `/healthz` and Serve's health check fail and `/v
 and is reported under "rescoring" in `/v1/engine` and in the logs. A generation engine is held to more
 on every request (`evaluators.served.generator`, user_config `verify`, `canary_every`, `slow_*`, `stall_*`):
 guards on each token, its judged speed, canaries and, under `verify: all`, the reference before any token
-is released; it reports its own failure (`on_failure`) and leaves service the same way, under "guards".
+is released; it reports its own failure (`on_failure`) and leaves service the same way, under "guards". What it
+checks is judged under the accuracy contract its run declared (exact, or a budget on a running estimate,
+reported under "accuracy").
 `reconfigure` (a new user_config) first checks every key and value, then builds and verifies the new
 engine off the request path, and swaps engine and options in only if all of that passes; otherwise
 the old engine and options keep serving and the refusal is reported under "last_swap" in /v1/engine.
@@ -70,6 +72,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from evaluators.sandbox.process import SANDBOXES
 from evaluators.served.engine import ServedEngine, ServedEngineError
+from evaluators.served.estimate import strict_json
 from evaluators.served.guards import POLICY_DEFAULTS, ServePolicy
 from evaluators.settings import EvaluatorSettings
 from evo.serving.codec import ENCODINGS, RequestError, decode_request, encode_outputs, parse_body, request_schema
@@ -293,7 +296,7 @@ def engine_summary(record: EngineRecord) -> dict[str, Any]:
     `speedups_single_timing`: one median of one run each, no interval)."""
     info = record.to_dict()
     single = {"latency_ms_single_timing": info.pop("latency_ms"), "speedups_single_timing": info.pop("speedups")}
-    return {"claim": record.claim(), **info, **single}
+    return strict_json({"claim": record.claim(), **info, **single})  # a record's NaN figures: null
 
 
 def _plain(value: Any) -> Any:

@@ -7,20 +7,28 @@ tokenizer, if it has one, on the replica's side: text in and out, the chat templ
 ever sees token ids. `answer` runs one `/v1/completions` or `/v1/chat/completions` request: parsed and
 bounded by the verified domain (`evo.serving.openai_api`), streamed as server-sent events or answered
 whole, refused with 429 and Retry-After when the engine's queue is full.
+
+The engine is judged in Serve under the accuracy contract its run declared (`run_accuracy`: the record's judged
+contract, else the run directory's `evaluator.accuracy`, else the preset's default), and /v1/engine reports the
+replica's running estimate beside what the search judged (`evaluators.served.estimate`).
 """
 # No `from __future__ import annotations`: FastAPI-facing types stay real.
 
+import math
 import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Dict
 
+import yaml
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from evaluators.served.estimate import strict_json
 from evaluators.served.generator import Overloaded, RequestError, ServedGenerator, ServedGeneratorError
 from evaluators.served.guards import ServePolicy
-from evaluators.settings import EvaluatorSettings
+from evaluators.settings import BUDGET_KEYS, EvaluatorSettings
 from evo.core import code
 from evo.serving import openai_api
 from evo.serving.completion_stream import Piece, pieces
@@ -60,6 +68,9 @@ class LoadedGenerator:
                 "running": engine.running, "stats": dict(engine.stats),
                 # what it is held to while it serves: policy, judged figures, stall bound, slowness, verifier
                 "guards": engine.guard_info(),
+                # the accuracy contract: the replica's running estimate, and what the search judged (if recorded)
+                "accuracy": {**engine.estimate.info(),
+                             "judged": strict_json(dict(getattr(self.record, "accuracy", None) or {}))},
                 # a genome's code in this replica's interpreter: none, and none may be (it is the engine's client)
                 "replica_engine_code": {"allowed": code.engine_code_allowed(),
                                         "loaded": sorted(m for m in sys.modules if m.startswith(code.MODULE_PREFIX))}}
@@ -84,14 +95,46 @@ def model_id(record: EngineRecord, codec: TextCodec | None, name: str | None) ->
     return f"{record.workload}/{record.preset}"
 
 
+def run_accuracy(record: EngineRecord) -> Dict[str, Any]:
+    """The accuracy contract the engine's run judged it under, as the Serve-side judge's `evaluator.accuracy`:
+    - the record's judged contract (`EngineRecord.accuracy`: its mode and, in budget mode, every bound of the budget
+      the search used, so a calibrated budget is not recalibrated; a bound that is no positive number, a calibrated
+      min_agreement of 0, is left to the calibration, which is deterministic);
+    - else, for a run directory, `evaluator.accuracy` in its config.yaml;
+    - else {}: the preset's default (exact at float32/float64, a calibrated budget below), as for a run that
+      declared nothing.
+    ValueError naming the file when a run directory's config cannot be read."""
+    judged = getattr(record, "accuracy", None) or {}
+    if judged.get("mode") == "exact":
+        return {"mode": "exact"}
+    if judged.get("mode") == "budget":
+        budget = judged.get("budget") or {}
+        return {"mode": "budget", **{k: float(budget[k]) for k in BUDGET_KEYS if _positive(budget.get(k))}}
+    path = Path(record.source) / "config.yaml"
+    if not path.is_file():
+        return {}
+    try:
+        config = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"{path}: cannot read the run's config for its accuracy contract: {exc}") from exc
+    evaluator = config.get("evaluator") if isinstance(config, dict) else None
+    return dict((evaluator or {}).get("accuracy") or {}) if isinstance(evaluator or {}, dict) else {}
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
 def load_generator(record: EngineRecord, sandbox: str, max_waiting: int, served_name: str | None,
                    policy: ServePolicy | None = None) -> LoadedGenerator:
-    """Start, check and open the generation engine; ServedGeneratorError or ValueError when it will not serve."""
+    """Start, check and open the generation engine, judged under its run's accuracy contract (`run_accuracy`);
+    ServedGeneratorError or ValueError when it will not serve."""
     workload = get_workload(record.workload)
     preset = workload.presets()[record.preset]
     codec = _tokenizer(workload, preset)
-    engine = ServedGenerator(record.workload, record.preset, record.genome.to_json(), record.sources,
-                             EvaluatorSettings(sandbox=sandbox), max_waiting=max_waiting, policy=policy)
+    settings = EvaluatorSettings(sandbox=sandbox, accuracy=run_accuracy(record))
+    engine = ServedGenerator(record.workload, record.preset, record.genome.to_json(), record.sources, settings,
+                             max_waiting=max_waiting, policy=policy)
     if codec is not None and any(not 0 <= t < engine.vocab for t in codec.eos_ids):
         engine.close()
         raise ValueError(f"the tokenizer in {codec.folder!r} ends text with ids {list(codec.eos_ids)}, outside the "
@@ -100,8 +143,17 @@ def load_generator(record: EngineRecord, sandbox: str, max_waiting: int, served_
                     engine.sampling)
     message = (f"passed the judge's check replay (every request scored against the float64 reference's tokens) in a "
                f"{sandbox} sandbox; seeded sampling: {engine.sampling_check or 'passed'}; guards scaled by "
-               f"{engine.judged.source}")
+               f"{engine.judged.source}; accuracy contract: {_contract(engine)}")
     return LoadedGenerator(record, engine, limits, engine.judge.device, message, time.time())
+
+
+def _contract(engine: ServedGenerator) -> str:
+    """The mode the engine is judged under in Serve, and where its budget comes from."""
+    contract = engine.judge.generation.accuracy
+    if contract.budget is None:
+        return "exact (every checked token the rule's pick or a near tie with it)"
+    return (f"budget (a running estimate over the requests the replica checks; the budget's basis: "
+            f"{contract.budget.basis})")
 
 
 def openai_error(exc: OpenAIError) -> JSONResponse:
