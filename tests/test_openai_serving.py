@@ -313,6 +313,34 @@ def test_an_engine_that_turns_wrong_is_taken_out_of_service(server, client, chec
     assert by_rescoring or "a canary request" in reason, info
 
 
+def test_an_int8_engine_is_served_under_its_runs_accuracy_budget(server, client, checkpoint, codec, tmp_path):  # swaps
+    """A lossy engine (int8 weights) whose run declared the budget mode: Serve's check and its live re-scoring
+    judge it by a budget (calibrated on an honest bfloat16 execution, as the search's was), and /v1/engine says
+    which contract it serves under, with the running estimate beside the loss its run measured."""
+    space = W.gene_space(W.presets()[preset_name(checkpoint)], _cpu())
+    genome = space.make({"weight_quant": "int8"})
+    run = tmp_path / "run-int8"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({
+        "workload": "llama_serve", "preset": preset_name(checkpoint), "best_genome": genome.to_dict(),
+        "best_latency_ms": 1.0, "speedups": {}, "device": "cpu:test", "mlflow_run_id": None,
+        "accuracy": {"best": {"mode": "budget", "agreement": 0.99, "agreement_ci": [0.98, 1.0], "mean_gap": 1e-4,
+                              "mean_gap_ci": [0.0, 2e-4], "max_gap": 0.01, "steps": 200}}}))
+    server.deploy(str(run), "int8", rescore_fraction=1.0, max_waiting_requests=24)
+    wait_for(lambda: get(server, "/v1/engine")[1].get("hash") == genome.hash, 300, "the swap to the int8 engine",
+             SERVER_NOT_READY)
+    for prompt in ([3, 4, 5], [7] * 20, list(range(30, 60))):
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=N, extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == N
+    wait_for(lambda: get(server, "/v1/engine")[1]["accuracy"]["requests_in_estimate"] >= 3, 120,
+             "the int8 engine's answers to be re-scored", SERVER_NOT_READY)
+    info = get(server, "/v1/engine")[1]
+    assert info["hash"] == genome.hash, info.get("last_swap")  # still serving: within its budget
+    assert info["accuracy"]["mode"] == "budget" and info["accuracy"]["budget"]["basis"].startswith("calibrated")
+    assert info["accuracy"]["judged"]["mode"] == "budget"  # what the search measured, beside the live estimate
+    assert info["accuracy"]["figures"]["steps"] >= 3 * N
+
+
 def _cpu():
     from evo.workloads.base import DeviceInfo
 
