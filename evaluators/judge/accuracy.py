@@ -165,7 +165,8 @@ def wilson(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
         return (math.nan, math.nan)
     p = successes / n
     centre, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return (max(0.0, (centre - half) / (1 + z * z / n)), min(1.0, (centre + half) / (1 + z * z / n)))
+    low, high = (centre - half) / (1 + z * z / n), (centre + half) / (1 + z * z / n)
+    return (max(0.0, min(low, p)), min(1.0, max(high, p)))  # rounding never leaves p outside its interval
 
 
 def clustered_interval(sums: np.ndarray, counts: np.ndarray, z: float = Z95) -> tuple[float, float]:

@@ -11,6 +11,10 @@ One evaluation (the engine built in its own sandboxed process, as for a call eng
    random places, each stamped on the judge's clock (`evaluators.judge.replay`);
 3. every request of every replay scored against the float64 reference on its own tokens (on the CPU
    after the last timed replay, so the reference never evicts the engine's caches between them).
+4. for a checkpoint with a tokenizer, a **real-text replay** (`_real_text`): every prefix of the Zen of Python a
+   one-token request, its tokens scored like the others, giving next-token accuracy on real text.
+Every token is judged under the run's accuracy contract (`evaluators.judge.accuracy`): held to the near-tie
+rule (exact mode) or tallied and judged by the budget (budget mode); the result records the loss.
 Everything the judge sends is drawn from the OS's randomness, and the engine sees request ids from its own
 `evaluators.judge.request_ids.RequestIds` sequence: nothing marks the judge's traffic. A request the engine holds
 that gets no token in (requests held when it was sent + 1) x (P + N) steps is a violation (the stall rule).
@@ -47,6 +51,7 @@ from evo.core.stream_metrics import ServingMetrics, Slo, serving_metrics
 from evo.core.trace import TraceSpec
 from evo.workloads import sampling
 from evo.workloads.generation import GenerationRequest
+from evo.workloads.real_text import NAME as REAL_TEXT
 
 OBJECTIVES = {
     "ms_per_output_token": "replay duration / output tokens, ms (1000 / output tokens/s)",
@@ -156,12 +161,15 @@ class GenerationJudge:
                                          f" is below the roofline floor {ev.roofline_floor_ms():.4g}: never ranked",
                                  **stamp)
             note += f"; re-timed after a first {first:.4g} below the floor"
+        quality, problem = self._real_text(generator, deadline, held, tally)
+        if problem:
+            return ev.result(genome_hash, problem[0], start, message=problem[1], **stamp)
         breach = self.breach(tally)
         if breach:
-            return ev.result(genome_hash, INCORRECT, start, message=breach, accuracy=self.loss(tally), **stamp)
+            return ev.result(genome_hash, INCORRECT, start, message=breach, accuracy=self.loss(tally, quality), **stamp)
         values = sorted(objective_of(t.metrics, self.objective) for t in timed)
         return ev.result(genome_hash, OK, start, latency_ms=median, latency_spread_ms=values[-1] - values[0],
-                         serving=self._serving(timed), accuracy=self.loss(tally), message=note, **stamp)
+                         serving=self._serving(timed), accuracy=self.loss(tally, quality), message=note, **stamp)
 
     def check(self, generator: ConfinedGenerator, deadline: float, greedy_only: bool = False,
               ids: RequestIds | None = None, tally: accuracy.Tally | None = None) -> tuple[str, str] | None:
@@ -268,9 +276,38 @@ class GenerationJudge:
         why = budget.breach(tally) if budget is not None else ""
         return f"the accuracy budget: {why}" if why else ""
 
-    def loss(self, tally: accuracy.Tally) -> dict:
-        """What a result records of its accuracy: the contract (mode, budget) and the tally's figures."""
-        return {**self.accuracy.to_dict(), **tally.figures().to_dict()}
+    def loss(self, tally: accuracy.Tally, real_text: dict | None = None) -> dict:
+        """What a result records of its accuracy: the contract (mode, budget), the tally's figures and, for a
+        checkpoint with a tokenizer, its quality on real text (`_real_text`)."""
+        return {**self.accuracy.to_dict(), **tally.figures().to_dict(), **({"real_text": real_text} if real_text else {})}
+
+    def _real_text(self, generator: ConfinedGenerator, deadline: float, held: _Held, tally: accuracy.Tally
+                   ) -> tuple[dict, tuple[str, str] | None]:
+        """Quality on real text (a checkpoint with a tokenizer; {} otherwise): for every prefix of the Zen of Python
+        up to P tokens, a greedy one-token request, in a closed loop of R clients. Its tokens are scored like
+        any other (and tallied); against the text's own next token they give the engine's next-token accuracy,
+        beside the float64 reference's and its perplexity of the text, from one teacher-forced pass."""
+        ids = self.workload.real_text(self.preset)
+        n = min(len(ids or ()) - 1, int(self.preset.shape["P"]))
+        if n < 1 or max(ids[:n + 1]) >= self.vocab:
+            return {}, None
+        sends = [Send(GenerationRequest(i, tuple(ids[:i]), 1), None) for i in range(1, n + 1)]
+        one, problem = self._replay(generator, sends, deadline, "the real-text replay", self.trace.concurrency,
+                                    held.ids)
+        if problem:
+            return {}, problem
+        rows = self.reference(ids[:1], ids[1:n + 1])  # row i - 1 predicts ids[i] from ids[:i]: every request's row
+        problems = score(one.result, lambda prompt, tokens: rows[len(prompt) - 1:len(prompt)], self.rule_tolerance,
+                         self.vocab, self.alternatives, tally)
+        if problems:
+            return {}, (INCORRECT, _first("the real-text replay", problems))
+        truth, picks = np.array(ids[1:n + 1]), rows.argmax(axis=1)
+        made = np.array([tokens[0] for tokens in one.result.tokens])
+        top = rows.max(axis=1, keepdims=True)
+        logp = rows[np.arange(n), truth] - (top[:, 0] + np.log(np.exp(rows - top).sum(axis=1)))
+        return {"text": REAL_TEXT, "positions": n, "engine_top1": float((made == truth).mean()),
+                "reference_top1": float((picks == truth).mean()), "agreement": float((made == picks).mean()),
+                "reference_perplexity": float(np.exp(-logp.mean()))}, None
 
     def reference(self, prompt, tokens) -> np.ndarray:
         return self.workload.reference_logits(self.preset, prompt, tokens)

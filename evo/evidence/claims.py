@@ -151,8 +151,9 @@ def loss_words(accuracy: Mapping, short: bool = False) -> str:
     budget mode 'top-1 agreement 99.4% [99.1, 99.6], mean gap 0.003 logits (budget mode)' (short: '99.4% top-1');
     exact mode 'exact mode: every token the float64 reference's, near ties allowed' (short: 'exact tokens')."""
     mode = loss_mode(accuracy)
+    text = "" if short else real_text_words(accuracy)
     if mode == EXACT:
-        return "exact tokens" if short else "exact mode: every token the float64 reference's, near ties allowed"
+        return "exact tokens" if short else f"exact mode: every token the float64 reference's, near ties allowed{text}"
     if mode == TOLERANCE:
         return ""
     agreement = accuracy.get("agreement")
@@ -161,7 +162,18 @@ def loss_words(accuracy: Mapping, short: bool = False) -> str:
     if short:
         return f"{_pct(agreement)} top-1"
     return (f"top-1 agreement {_pct(agreement)} {_pct_interval(accuracy.get('agreement_ci'))}, mean gap "
-            f"{_gap(accuracy.get('mean_gap'))} logits ({mode} mode)")
+            f"{_gap(accuracy.get('mean_gap'))} logits ({mode} mode){text}")
+
+
+def real_text_words(accuracy: Mapping) -> str:
+    """'; on the Zen of Python: next-token accuracy 38.2% (float64 38.5%, perplexity 12.3)' for a checkpoint
+    with a tokenizer (`EvalResult.accuracy['real_text']`), '' otherwise."""
+    quality = accuracy.get("real_text") or {}
+    if not _finite(quality.get("engine_top1")):
+        return ""
+    return (f"; on {quality.get('text', 'real text')} ({quality.get('positions')} positions): next-token accuracy "
+            f"{_pct(quality['engine_top1'])} (float64 {_pct(quality.get('reference_top1'))}, perplexity "
+            f"{quality.get('reference_perplexity', float('nan')):.4g})")
 
 
 def with_loss(claim: str, accuracy: Mapping, short: bool = False) -> str:

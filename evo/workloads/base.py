@@ -204,6 +204,12 @@ class Workload:
         fails. Default: none (a model without discrete choices)."""
         return ()
 
+    def real_text(self, preset: Preset) -> list[int] | None:
+        """A fixed real text in the preset's tokenizer (`evo.workloads.real_text`: the Zen of Python), on which the
+        judge measures next-token quality for the engine and the reference; None for a model without one (a
+        synthetic preset). Default: None."""
+        return None
+
     def greedy_baselines(self, preset: Preset) -> frozenset[str]:
         """The baselines that decode greedily only (they cannot draw `evo.workloads.sampling`'s seeded samples):
         the judge sends them its sampled requests as greedy ones, of the same shapes. Candidates always get every

@@ -10,6 +10,7 @@ float64 oracle of an engine's own tokens, baselines, roofline, build_generator.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Mapping
 
 from evo.core.genome import Genome
@@ -61,5 +62,17 @@ class GenerationWorkload(Workload):
         checkpoint = self._use(preset).model.checkpoint
         return (str(checkpoint),) if checkpoint else ()
 
+    def real_text(self, preset: Preset) -> list[int] | None:
+        """The Zen of Python in the checkpoint's tokenizer (None: a synthetic model, or a checkpoint without one)."""
+        checkpoint = self._use(preset).model.checkpoint
+        return _real_text_ids(str(checkpoint)) if checkpoint else None
+
     def build(self, genome: Genome, preset: Preset, device: DeviceInfo, sources: Mapping[str, str] = NO_SOURCES):
         raise TypeError(f"{self.name} engines generate: build them with build_generator (the generation contract)")
+
+
+@functools.lru_cache(maxsize=4)
+def _real_text_ids(folder: str) -> list[int] | None:
+    from evo.workloads import real_text
+
+    return real_text.token_ids(folder)
