@@ -87,3 +87,14 @@ def trusted_engine_code():
 
     with trusted_code():
         yield
+
+
+@pytest.fixture
+def one_torch_thread():
+    """torch on one thread for the test (engines' timings and reductions alike), restored after."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -48,11 +48,8 @@ def _ref(prompt, tokens) -> np.ndarray:
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def one_thread(one_torch_thread):
+    """Every test here on one torch thread (tests/conftest.py)."""
 
 
 def _record(monkeypatch) -> dict[int, list[torch.Tensor]]:

@@ -26,11 +26,8 @@ REQUESTS = [GenerationRequest(10 * s + i, tuple(p), t.max_tokens)
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def one_thread(one_torch_thread):
+    """Every test here on one torch thread (tests/conftest.py)."""
 
 
 def test_the_lossy_values_are_marked_and_an_exact_space_leaves_them_out():
