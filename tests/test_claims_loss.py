@@ -102,3 +102,11 @@ def test_the_summary_takes_each_engines_loss_from_its_evaluation_and_reads_older
     assert back.accuracy == summary.accuracy
     old = {k: v for k, v in summary.to_dict().items() if k != "accuracy"}  # summary.json before the loss
     assert Summary.from_dict(old).accuracy == {}
+
+
+def test_the_claim_says_how_the_best_was_chosen_without_calling_zero_re_timings_confirmed():
+    from evo.evidence.claims import _how_chosen
+
+    assert _how_chosen({}) == "chosen by single timing: paired re-timing was off"
+    assert _how_chosen({"retimings": 0, "budget": 2}) == "chosen by single timing: paired re-timing was on but ran no re-timing"
+    assert _how_chosen({"retimings": 3}) == "its wins confirmed by 3 paired re-timing(s)"

@@ -194,6 +194,16 @@ def test_bad_requests_are_4xx_in_openais_shape_naming_the_parameter(client, chan
     assert error.body["type"] and param in error.body["message"] or status == 404
 
 
+@pytest.mark.parametrize("route, names", [("completions", '"prompt"'), ("chat/completions", '"messages"')])
+def test_a_malformed_json_body_is_400_naming_what_the_openai_route_takes(server, route, names):
+    from evo.serving.loadgen import post_json
+
+    status, body = post_json(f"{server.url}/v1/{route}", b'{"model": "chat-small", "prompt": [1, 2')
+    assert status == 400 and body["error"]["param"] == "body", body
+    assert "malformed JSON" in body["error"]["message"] and names in body["error"]["message"], body
+    assert '"inputs"' not in body["error"]["message"]  # not the tensor API's body
+
+
 def test_a_full_queue_is_429_with_retry_after_and_the_rest_complete(server):
     """40 requests at once against a queue of 24 (max_waiting_requests): the overflow is refused at once with
     429 and Retry-After in OpenAI's error shape, every admitted one completes."""

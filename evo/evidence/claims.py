@@ -106,8 +106,7 @@ def claim_lines(summary: Summary) -> list[str]:
     """The summary's claim, first thing a reader sees: the engine, its paired speedups, what is not covered."""
     if not summary.found:
         return ["no correct engine was found"]
-    confirmed = "its wins confirmed by paired re-timing" if summary.intensification else \
-        "chosen by single timing: paired re-timing was off"
+    confirmed = _how_chosen(summary.intensification)
     lines = [claim_sentence(summary, code=""), f"  best engine {summary.best_hash} ({confirmed}); against each baseline:"]
     compared = sorted((n for n in summary.baselines if n in summary.speedup_ci),
                       key=lambda n: summary.speedup_paired[n])
@@ -231,6 +230,16 @@ def _gap(value: object) -> str:
 def _gap_interval(ci: object) -> str:
     low, high = ci if isinstance(ci, (list, tuple)) and len(ci) == 2 else (None, None)
     return f"[{_gap(low)}, {_gap(high)}]"
+
+
+def _how_chosen(intensification: Mapping) -> str:
+    """How the best engine was chosen: by paired re-timings, or by single timing (re-timing off, or on but never
+    run: no candidate challenged the first best)."""
+    if not intensification:
+        return "chosen by single timing: paired re-timing was off"
+    if not intensification.get("retimings"):
+        return "chosen by single timing: paired re-timing was on but ran no re-timing"
+    return f"its wins confirmed by {intensification['retimings']} paired re-timing(s)"
 
 
 def _finite(value: object) -> bool:

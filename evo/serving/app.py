@@ -79,7 +79,7 @@ from evo.serving.codec import ENCODINGS, RequestError, decode_request, encode_ou
 from evo.serving.example import example_body
 from evo.serving.generation import LoadedGenerator, load_generator
 from evo.serving.generation import answer as answer_completion
-from evo.serving.openai_api import OpenAIError
+from evo.serving.openai_api import CHAT_BODY, COMPLETION_BODY, OpenAIError
 from evo.serving.openai_api import models as models_body
 from evo.serving.rescoring import Rescorer
 from evo.serving.source import EngineRecord, resolve
@@ -526,7 +526,8 @@ class EngineServer:
         try:
             loaded = self._generator()
             _content_length(request, limit)
-            body = parse_body(await _read_capped(request, limit), max_bytes=limit)
+            body = parse_body(await _read_capped(request, limit), max_bytes=limit,
+                              expected=CHAT_BODY if chat else COMPLETION_BODY)
         except OpenAIError as exc:
             return JSONResponse(exc.body(), exc.status)
         except RequestError as exc:

@@ -48,8 +48,13 @@ _NUMBER_TYPES = frozenset({int, float})  # bool is excluded on purpose: type(Tru
 # request level
 
 
-def parse_body(body: bytes | bytearray | memoryview | str | dict, *, max_bytes: int) -> dict:
-    """Raw body -> JSON object. Over `max_bytes` -> 413; malformed JSON -> 400; not an object -> 422.
+TENSOR_BODY = '{"inputs": {name: tensor, ...}}'  # what the tensor API expects: named in its errors
+
+
+def parse_body(body: bytes | bytearray | memoryview | str | dict, *, max_bytes: int, expected: str = TENSOR_BODY
+               ) -> dict:
+    """Raw body -> JSON object. Over `max_bytes` -> 413; malformed JSON -> 400; not an object -> 422. The errors
+    name `expected`, the body the route takes (the tensor API's by default).
 
     A dict is taken as already parsed (its size is not checked).
     """
@@ -66,11 +71,9 @@ def parse_body(body: bytes | bytearray | memoryview | str | dict, *, max_bytes: 
         # NaN / Infinity literals parse to float; checked per tensor
         obj = json.loads(body if isinstance(body, (bytes, bytearray)) else bytes(body))
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise RequestError("body", f"malformed JSON ({e}); expected an object "
-                                   f"{{\"inputs\": {{name: tensor, ...}}}}", 400) from None
+        raise RequestError("body", f"malformed JSON ({e}); expected an object {expected}", 400) from None
     if not isinstance(obj, dict):
-        raise RequestError("body", f"received a JSON {_json_type(obj)}; expected an object "
-                                   f"{{\"inputs\": {{name: tensor, ...}}}}")
+        raise RequestError("body", f"received a JSON {_json_type(obj)}; expected an object {expected}")
     return obj
 
 

@@ -19,6 +19,9 @@ from evo.workloads.generation import MIN_TEMPERATURE
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 MAX_STOP_STRINGS = 4
+# the bodies the routes take, named in their errors (a malformed body, say)
+COMPLETION_BODY = '{"model": ..., "prompt": "text" or [token ids], "max_tokens": ...}'
+CHAT_BODY = '{"model": ..., "messages": [{"role": "user", "content": "..."}], "max_tokens": ...}'
 MAX_CHARS_PER_TOKEN = 64  # a text past P times this is refused before it is tokenized
 # parameters OpenAI defines that this server does not implement: refused unless absent, null or the default
 UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
