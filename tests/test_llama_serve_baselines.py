@@ -23,11 +23,8 @@ needs_transformers = pytest.mark.skipif(not transformers_available(), reason="tr
 
 
 @pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def one_thread(one_torch_thread):
+    """The test on one torch thread (tests/conftest.py)."""
 
 
 def _replayed(engine, seed: int = 5) -> Replay:

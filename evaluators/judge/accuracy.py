@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -266,7 +266,6 @@ class AccuracyContract:
 
     mode: str = "exact"
     budget: Budget | None = None
-    settings: dict = field(default_factory=dict)  # what the config said (`evaluator.accuracy`)
 
     def window(self, tolerance: float) -> float:
         """The near-tie window the figures count ties in: the budget's, else (exact) the tie tolerance."""
@@ -283,7 +282,7 @@ def resolve(accuracy: Mapping, workload, preset) -> AccuracyContract:
     ValueError names what is missing."""
     accuracy = dict(accuracy or {})
     if accuracy_mode(accuracy, preset.dtype) == "exact":
-        return AccuracyContract("exact", None, accuracy)
+        return AccuracyContract("exact", None)
     given = {k: float(accuracy[k]) for k in BUDGET_KEYS if k in accuracy}
     if not {"min_agreement", "max_mean_gap", "max_gap"} <= set(given):
         against = accuracy.get("against") or (preset.dtype if preset.dtype not in ("float32", "float64") else "bfloat16")
@@ -299,7 +298,7 @@ def resolve(accuracy: Mapping, workload, preset) -> AccuracyContract:
     else:
         basis = "config"
     given.setdefault("tie_window", given["max_gap"])
-    return AccuracyContract("budget", Budget(**given, basis=basis), accuracy)
+    return AccuracyContract("budget", Budget(**given, basis=basis))
 
 
 # ---------------------------------------------------------------------------------------------- calibration

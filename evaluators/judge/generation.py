@@ -183,8 +183,9 @@ class GenerationJudge:
         own = tally is None
         tally = self.tally() if own else tally
         problem = problem or self._score([timed], "the check replay", tally)
-        if problem is None and own and self.breach(tally):
-            problem = INCORRECT, f"the check replay: {self.breach(tally)}"
+        breach = self.breach(tally) if problem is None and own else ""
+        if breach:
+            problem = INCORRECT, f"the check replay: {breach}"
         if problem is None:
             self._checked_metrics = timed.metrics
         return problem
@@ -382,6 +383,7 @@ class GenerationJudge:
         one, where = pending
         tally = self.tally()
         problem = self._score([one], where, tally)
-        if problem is None and self.breach(tally):
-            problem = INCORRECT, f"{where}: {self.breach(tally)}"
+        breach = self.breach(tally) if problem is None else ""
+        if breach:
+            problem = INCORRECT, f"{where}: {breach}"
         return None if problem is None else f"{problem[0]}: {problem[1]}"

@@ -14,11 +14,11 @@ what it does now, and the replica's memory stays bounded.
 """
 from __future__ import annotations
 
-import math
 import threading
 from typing import Any
 
 from evaluators.judge.accuracy import Tally
+from evo.core.records import null_for_nan
 
 WINDOW = 4096  # requests whose marks the running estimate keeps
 
@@ -60,15 +60,6 @@ class RunningEstimate:
         with self._lock:
             figures = self._tally.figures().to_dict()
             held = len(self._tally.requests)
-        return strict_json({**self.judge.accuracy.to_dict(), "figures": figures, "requests_in_estimate": held,
+        return null_for_nan({**self.judge.accuracy.to_dict(), "figures": figures, "requests_in_estimate": held,
                         "window": self.window, "checks": self.checks, "breach": self.breach or None})
 
-
-def strict_json(value: Any) -> Any:
-    """`value` (dicts, lists, scalars) with non-finite floats as None: strict JSON (an HTTP answer) has no NaN or
-    infinity."""
-    if isinstance(value, dict):
-        return {k: strict_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [strict_json(v) for v in value]
-    return None if isinstance(value, float) and not math.isfinite(value) else value

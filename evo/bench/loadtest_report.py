@@ -20,6 +20,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from evo.core.records import null_for_nan
+
 METRICS = ("ttft", "tpot", "itl", "e2el")
 METRIC_TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
                  "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
@@ -213,15 +215,6 @@ def per_request_lists(records: Sequence[RequestRecord]) -> dict[str, list]:
 
 def write_result(path: str, result: Mapping[str, Any]) -> None:
     """The result JSON (NaN/inf written as null, so any JSON reader takes it)."""
-    def clean(value: Any) -> Any:
-        if isinstance(value, float) and not math.isfinite(value):
-            return None
-        if isinstance(value, dict):
-            return {k: clean(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [clean(v) for v in value]
-        return value
-
     with open(path, "w", encoding="utf-8") as handle:
-        json.dump(clean(dict(result)), handle, indent=1)
+        json.dump(null_for_nan(dict(result)), handle, indent=1)
         handle.write("\n")

@@ -57,6 +57,18 @@ def nan_for_null(cls: type, data: dict[str, Any]) -> dict[str, Any]:
     return {k: (math.nan if v is None and k in floats else v) for k, v in data.items()}
 
 
+def null_for_nan(value: Any) -> Any:
+    """`value` (dicts, lists, scalars) with non-finite floats as None: strict JSON has no NaN or infinity (the
+    inverse of `nan_for_null`, which reads them back)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: null_for_nan(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [null_for_nan(v) for v in value]
+    return value
+
+
 def split_notes(notes: str | dict[str, Any] | None) -> tuple[dict[str, float], dict[str, str]]:
     """(metrics, artifacts) from evidence's `notes` (a JSON object, or '' / None when there are none):
     numbers become metrics, everything else an artifact. Unreadable notes count as none."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from evo.core.genome import Genome
+from evo.core.records import null_for_nan
 from evo.evidence.claims import best_accuracy, loss_mode, loss_words, pick_baseline, with_loss
 from evo.evidence.summary import Summary
 
@@ -47,7 +48,7 @@ class EngineRecord:
                 "speedups": self.speedups, "device": self.device, "mlflow_run_id": self.mlflow_run_id,
                 "sources": dict(self.sources), "speedup_paired": dict(self.speedup_paired),
                 "speedup_ci": {name: list(ci) for name, ci in self.speedup_ci.items()},
-                "accuracy": _json_safe(self.accuracy)}
+                "accuracy": null_for_nan(self.accuracy)}
 
     def claim(self) -> dict[str, Any] | None:
         """The headline of what the search measured, to be shown before any single number: the paired
@@ -94,13 +95,3 @@ def record_from_summary(summary: Summary, source: str) -> EngineRecord:
                         sources=dict(summary.best_sources), speedup_paired=dict(summary.speedup_paired),
                         speedup_ci=dict(summary.speedup_ci), accuracy=best_accuracy(summary))
 
-
-def _json_safe(value: Any) -> Any:
-    """`value` with NaN and infinities as None: engine.json and /v1/engine are strict JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ import pyarrow.parquet as pq
 
 from evo.core.faults import crash_point
 from evo.core.jsonl import append_line, read_jsonl, trim_torn_tail
-from evo.core.records import EvalResult, Evaluated, Proposal, split_notes
+from evo.core.records import EvalResult, Evaluated, Proposal, null_for_nan, split_notes
 from evo.core.retiming import PairedTiming
 from evo.core.genome import Genome
 from evo.core.search import GenerationReport, Search
@@ -89,7 +88,7 @@ def append_retimings(run_dir: Path, timings: list[PairedTiming]) -> None:
         return
     with open(Path(run_dir) / RETIMINGS_FILE, "a") as f:
         for timing in timings:
-            append_line(f, _finite({**timing.to_dict(), "recorded_at": time.time()}))
+            append_line(f, null_for_nan({**timing.to_dict(), "recorded_at": time.time()}))
 
 
 def read_retimings(run_dir: Path, before_generation: int | None = None) -> list[PairedTiming]:
@@ -122,21 +121,11 @@ def write_json(path: Path, data: Any) -> None:
     """Write atomically (temp file, fsync, rename) so a reader never sees half a file."""
     tmp = path.with_suffix(path.suffix + ".tmp")
     with open(tmp, "w") as f:
-        json.dump(_finite(data), f, indent=2, sort_keys=True)
+        json.dump(null_for_nan(data), f, indent=2, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
 
-
-def _finite(data: Any) -> Any:
-    """JSON has no NaN/inf: write them as null."""
-    if isinstance(data, float) and not math.isfinite(data):
-        return None
-    if isinstance(data, dict):
-        return {k: _finite(v) for k, v in data.items()}
-    if isinstance(data, (list, tuple)):
-        return [_finite(v) for v in data]
-    return data
 
 
 class DiskEvidence(Sink):
@@ -157,7 +146,7 @@ class DiskEvidence(Sink):
             return
         self._journaled.add(evaluated.proposal.hash)
         row = {**evidence_row(evaluated), "recorded_at": time.time()}  # when it arrived: best-so-far over wall time
-        append_line(self._journal, _finite(row))
+        append_line(self._journal, null_for_nan(row))
 
     def on_generation(self, report: GenerationReport, search: Search) -> None:
         path = self.generation_path(report.generation)

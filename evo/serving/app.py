@@ -72,9 +72,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from evaluators.sandbox.process import SANDBOXES
 from evaluators.served.engine import ServedEngine, ServedEngineError
-from evaluators.served.estimate import strict_json
 from evaluators.served.guards import POLICY_DEFAULTS, ServePolicy
 from evaluators.settings import EvaluatorSettings
+from evo.core.records import null_for_nan
 from evo.serving.codec import ENCODINGS, RequestError, decode_request, encode_outputs, parse_body, request_schema
 from evo.serving.example import example_body
 from evo.serving.generation import LoadedGenerator, load_generator
@@ -296,7 +296,7 @@ def engine_summary(record: EngineRecord) -> dict[str, Any]:
     `speedups_single_timing`: one median of one run each, no interval)."""
     info = record.to_dict()
     single = {"latency_ms_single_timing": info.pop("latency_ms"), "speedups_single_timing": info.pop("speedups")}
-    return strict_json({"claim": record.claim(), **info, **single})  # a record's NaN figures: null
+    return null_for_nan({"claim": record.claim(), **info, **single})  # a record's NaN figures: null
 
 
 def _plain(value: Any) -> Any:

@@ -25,11 +25,11 @@ from typing import Any, AsyncIterator, Callable, Dict
 import yaml
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from evaluators.served.estimate import strict_json
 from evaluators.served.generator import Overloaded, RequestError, ServedGenerator, ServedGeneratorError
 from evaluators.served.guards import ServePolicy
 from evaluators.settings import BUDGET_KEYS, EvaluatorSettings
 from evo.core import code
+from evo.core.records import null_for_nan
 from evo.serving import openai_api
 from evo.serving.completion_stream import Piece, pieces
 from evo.serving.openai_api import Answer, Job, Limits, OpenAIError
@@ -70,7 +70,7 @@ class LoadedGenerator:
                 "guards": engine.guard_info(),
                 # the accuracy contract: the replica's running estimate, and what the search judged (if recorded)
                 "accuracy": {**engine.estimate.info(),
-                             "judged": strict_json(dict(getattr(self.record, "accuracy", None) or {}))},
+                             "judged": null_for_nan(dict(getattr(self.record, "accuracy", None) or {}))},
                 # a genome's code in this replica's interpreter: none, and none may be (it is the engine's client)
                 "replica_engine_code": {"allowed": code.engine_code_allowed(),
                                         "loaded": sorted(m for m in sys.modules if m.startswith(code.MODULE_PREFIX))}}
