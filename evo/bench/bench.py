@@ -26,6 +26,7 @@ from typing import Sequence
 import numpy as np
 
 from evo.driver.config import RunConfig
+from evo.driver.rundir import search_space
 from evo.core.genome import Genome, GeneSpace
 from evo.core.records import EvalResult
 from evo.core.retiming import PairedTiming
@@ -222,9 +223,7 @@ def bench(config: RunConfig, genomes_file: str | None, sample: int, search_budge
 
     evaluator = Evaluator(config.workload, config.preset, config.evaluator, derive_seed(config.search.seed, "bench"),
                           name="bench")
-    space = evaluator.workload.gene_space(evaluator.preset, evaluator.device_info())
-    if config.genes:
-        space = space.restrict(config.genes)
+    space = search_space(config, evaluator.workload, evaluator.preset, evaluator.device_info())
     chosen = [("genome", g) for g in (genomes_from_file(genomes_file, space) if genomes_file else [])]
     chosen += [("sample", g) for g in sample_genomes(space, sample, config.search.seed)]
     entries: list[tuple[str, str, Genome | None, EvalResult]] = []

@@ -40,6 +40,7 @@ from typing import TextIO
 import numpy as np
 
 from evo.driver.config import RunConfig
+from evo.driver.rundir import search_space
 from evo.evidence.journal import write_json
 from evo.core.genome import Genome, canonical_json
 from evo.core.records import EvalResult
@@ -336,9 +337,7 @@ def compare(config: RunConfig, names: list[str], seeds: int, budget: int, bench_
         evaluator = Evaluator(config.workload, config.preset, config.evaluator, derive_seed(config.search.seed, "compare"),
                               "compare-0", tuple(range(config.evaluators.threads)))
     info = evaluator.device_info() if hasattr(evaluator, "device_info") else DeviceInfo("cpu", "synthetic", 1)
-    space = workload.gene_space(preset, info)
-    if config.genes:
-        space = space.restrict(config.genes)
+    space = search_space(config, workload, preset, info)
     context = {"workload": config.workload, "preset": config.preset, "device": f"{info.kind}:{info.name}",
                "threads": info.threads, "evaluator": config.evaluator.to_dict()}
     cached = CachedEvaluator(evaluator, bench_dir / "cache", context)

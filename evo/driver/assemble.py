@@ -17,14 +17,13 @@ import ray
 import yaml
 
 from evaluators.pool.actors import EvaluatorPool
-from evaluators.settings import accuracy_mode
 from evo.core.code import CodeStore
 from evo.core.genome import GeneSpace
 from evo.core.lessons import Lessons, for_run as warm_lessons
 from evo.driver import local_ray
 from evo.driver.config import RunConfig
 from evo.driver.resume import SavedRun, check_device, write_marker
-from evo.driver.rundir import check_new_run_dir
+from evo.driver.rundir import check_new_run_dir, search_space
 from evo.evidence.code_diffs import CodeDiffs, SourceResolver
 from evo.evidence.journal import DiskEvidence
 from evo.evidence.lineage_view import LineageSink
@@ -110,11 +109,7 @@ def assemble(config: RunConfig, run_dir: Path, resume: SavedRun | None, lessons:
     if resume:
         check_device(resume, pool.device_type)
     device = pool.device_info()
-    gene_space = workload.gene_space(preset, device)
-    if config.genes:
-        gene_space = gene_space.restrict(config.genes)
-    if workload.contract != "generation" or accuracy_mode(config.evaluator.accuracy, preset.dtype) == "exact":
-        gene_space = gene_space.exact_only()  # lossy values are judged only under a budget
+    gene_space = search_space(config, workload, preset, device)
     lessons = warm_lessons(run_dir, lessons, resume is not None, config.workload, config.preset,
                            f"{device.kind}:{device.name}", gene_space)
     if lessons:

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 from evo.driver.config import ConfigError, RunConfig
 from evo.evidence.journal import SCHEMA, evidence_row
 from evo.evidence.summary import SUMMARY_FILE, Summary
-from evo.core.genome import GenomeError
+from evo.core.genome import GeneSpace, GenomeError
 from evo.driver.resume import MARKER, RunDirError
 
 if TYPE_CHECKING:
@@ -67,6 +67,19 @@ def check_config(config: RunConfig) -> None:
             space.restrict(config.genes)
         except (GenomeError, KeyError, ValueError, TypeError) as exc:
             raise ConfigError(f"genes: {exc}".replace("\n", " ")) from None
+
+
+def search_space(config: RunConfig, workload, preset, device) -> GeneSpace:
+    """The gene space a run (or a bench, or a strategy comparison) searches: the workload's for `device`, restricted
+    to `config.genes`, lossy values left out unless a generation run is judged under an accuracy budget."""
+    from evaluators.settings import accuracy_mode
+
+    space = workload.gene_space(preset, device)
+    if config.genes:
+        space = space.restrict(config.genes)
+    if workload.contract != "generation" or accuracy_mode(config.evaluator.accuracy, preset.dtype) == "exact":
+        space = space.exact_only()  # lossy values are judged only under a budget
+    return space
 
 
 def _check_accuracy(config: RunConfig, workload, preset) -> None:

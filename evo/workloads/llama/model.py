@@ -18,11 +18,13 @@ from pathlib import Path
 from typing import Mapping
 
 from evo.workloads.base import Preset
+from evo.workloads.llama.gguf_import import GGUF_PREFIX, import_gguf
 from evo.workloads.lazy import lazy
 
 torch = lazy("torch")  # presets and specs are read without torch (agents); tensors import it
 
 CHECKPOINT_PREFIX = "hf:"  # a preset named hf:<folder>[,B=..,P=..,N=..,dtype=..,device=..]
+CHECKPOINT_PREFIXES = (CHECKPOINT_PREFIX, GGUF_PREFIX)  # gguf:<file or distribution>[,...]: the same, imported
 CHECKPOINT_DEFAULTS = {"B": 1, "P": 16, "N": 8}
 
 
@@ -127,15 +129,32 @@ PRESETS: dict[str, LlamaPreset] = {p.name: p for p in (
 )}
 
 
+def is_checkpoint_name(name: object) -> bool:
+    """Whether `name` names a checkpoint: hf:<folder>[,...] or gguf:<source>[,...]."""
+    return isinstance(name, str) and name.startswith(CHECKPOINT_PREFIXES)
+
+
+def split_checkpoint_name(name: str) -> tuple[Path, list[str]]:
+    """`hf:<folder>[,options]` or `gguf:<source>[,options]` -> the checkpoint folder (a GGUF is imported to
+    float32 on first use, `evo.workloads.llama.gguf_import`) and the options as written."""
+    prefix = GGUF_PREFIX if name.startswith(GGUF_PREFIX) else CHECKPOINT_PREFIX
+    where, *options = name[len(prefix):].split(",")
+    if not where:
+        raise ValueError(f"preset {name!r} names no {'folder' if prefix == CHECKPOINT_PREFIX else 'GGUF file'}: "
+                         f"write hf:<folder>[,options] or gguf:<file.gguf or distribution>[,options]")
+    return (import_gguf(where) if prefix == GGUF_PREFIX else Path(where)), options
+
+
 class PresetTable(dict):
     """The fixed presets, plus `hf:<folder>[,B=1,P=16,N=8,dtype=float32,device=cpu]`: the checkpoint in
-    that folder at that shape, resolved (its config.json read) when first named."""
+    that folder at that shape, resolved (its config.json read) when first named; `gguf:<source>[,...]` the
+    same for an imported GGUF."""
 
     def __contains__(self, name: object) -> bool:
-        return dict.__contains__(self, name) or (isinstance(name, str) and name.startswith(CHECKPOINT_PREFIX))
+        return dict.__contains__(self, name) or is_checkpoint_name(name)
 
     def __missing__(self, name: str) -> LlamaPreset:
-        if not isinstance(name, str) or not name.startswith(CHECKPOINT_PREFIX):
+        if not is_checkpoint_name(name):
             raise KeyError(name)
         preset = checkpoint_preset(name)
         self[name] = preset
@@ -146,8 +165,9 @@ class PresetTable(dict):
 
 
 def checkpoint_preset(name: str) -> LlamaPreset:
-    """`hf:<folder>[,key=value...]` -> the preset of that checkpoint; ValueError says what is wrong."""
-    folder, *options = name[len(CHECKPOINT_PREFIX):].split(",")
+    """`hf:<folder>[,key=value...]` (or `gguf:<source>[,...]`) -> the preset of that checkpoint; ValueError says
+    what is wrong."""
+    folder, options = split_checkpoint_name(name)
     settings: dict[str, object] = {**CHECKPOINT_DEFAULTS, "dtype": "float32", "device": "cpu"}
     for option in options:
         key, sep, value = option.partition("=")
@@ -157,7 +177,7 @@ def checkpoint_preset(name: str) -> LlamaPreset:
     if settings["dtype"] not in ("float32", "bfloat16") or settings["device"] not in ("cpu", "cuda"):
         raise ValueError(f"preset {name!r}: dtype must be float32 or bfloat16 and device cpu or cuda, got "
                          f"{settings['dtype']!r}, {settings['device']!r}")
-    spec = read_checkpoint_spec(Path(folder))
+    spec = read_checkpoint_spec(folder)
     return _preset(name, spec, int(settings["B"]), int(settings["P"]), int(settings["N"]),
                    str(settings["dtype"]), str(settings["device"]))
 

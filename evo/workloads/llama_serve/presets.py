@@ -18,7 +18,7 @@ from pathlib import Path
 from evo.core.trace import TraceSpec
 from evo.workloads.base import Preset
 from evo.workloads.llama.model import PRESETS as MODEL_PRESETS
-from evo.workloads.llama.model import CHECKPOINT_PREFIX, LlamaPreset, ModelSpec, read_checkpoint_spec
+from evo.workloads.llama.model import LlamaPreset, ModelSpec, is_checkpoint_name, read_checkpoint_spec, split_checkpoint_name
 from evo.workloads.llama.model import PresetTable as _LlamaPresetTable
 
 
@@ -87,7 +87,7 @@ def checkpoint_options(name: str) -> CheckpointOptions:
     """`hf:<folder>[,key=value...]` (keys and defaults: CHECKPOINT_DEFAULTS) -> its folder, and a closed trace of
     `count` requests, R in flight, prompts 1 to P, outputs 1 to N. ValueError names the option that is wrong and
     what is allowed. Every generation workload's `hf:` presets are named this way."""
-    folder, *options = name[len(CHECKPOINT_PREFIX):].split(",")
+    folder, options = split_checkpoint_name(name)
     settings = dict(CHECKPOINT_DEFAULTS)
     for option in options:
         key, sep, value = option.partition("=")
@@ -102,11 +102,9 @@ def checkpoint_options(name: str) -> CheckpointOptions:
             raise ValueError(f"preset {name!r}: {key} must be an integer >= 1, got {value!r}")
         else:
             settings[key] = int(value)
-    if not folder:
-        raise ValueError(f"preset {name!r} names no folder: write hf:<folder>[,{_defaults()}]")
     R, P, N, count = (int(settings[k]) for k in ("R", "P", "N", "count"))
     trace = TraceSpec("closed", count=count, concurrency=R, prompt_len=(1, P), output_len=(1, N))
-    return CheckpointOptions(Path(folder), trace, str(settings["dtype"]), str(settings["device"]))
+    return CheckpointOptions(folder, trace, str(settings["dtype"]), str(settings["device"]))
 
 
 def checkpoint_preset(name: str) -> ServePreset:
@@ -129,7 +127,7 @@ class PresetTable(_LlamaPresetTable):
         self.resolve = resolve  # hf: name -> preset (a workload's own checkpoint_preset)
 
     def __missing__(self, name: str) -> Preset:
-        if not isinstance(name, str) or not name.startswith(CHECKPOINT_PREFIX):
+        if not is_checkpoint_name(name):
             raise KeyError(name)
         self[name] = preset = self.resolve(name)
         return preset
