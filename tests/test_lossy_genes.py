@@ -51,6 +51,18 @@ def test_the_lossy_values_are_marked_and_an_exact_space_leaves_them_out():
     assert SPACE.validate(SPACE.completed(type(SPACE.default()).from_dict(old))) == SPACE.default()
 
 
+def test_every_entry_point_searches_the_exact_space_of_an_exact_run():
+    """search_space is what a run, `evo bench --sample` and `evo compare` draw from: at float32 in exact mode no
+    lossy value (bench once drew a bfloat16 KV cache into an exact run), in budget mode all of them."""
+    from evo.driver.config import load_config
+    from evo.driver.rundir import search_space
+
+    exact = load_config("configs/llama_serve_smoke.yaml", [])
+    assert search_space(exact, WORKLOAD, PRESET, CPU).genes == SPACE.exact_only().genes
+    budget = load_config("configs/llama_serve_smoke.yaml", ["evaluator.accuracy.mode=budget"])
+    assert search_space(budget, WORKLOAD, PRESET, CPU).genes == SPACE.genes
+
+
 def test_a_bfloat16_preset_has_no_lossy_dtype():
     bf16 = llama_genes.gene_space(PRESETS["h200"], DeviceInfo("cuda", "h200"))
     assert (bf16.gene("weight_dtype").lossy, bf16.gene("weight_quant").lossy) == ((), ("int8",))

