@@ -9,7 +9,7 @@ our int8 engine) is started once on 127.0.0.1 at a free port at its documented b
 kept up while the others are loaded: llama.cpp's `llama-server` is restarted for each concurrency with
 `--parallel` equal to it (its continuous batching over that many slots), vLLM's CPU build runs with its
 recommended environment (VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND), `transformers serve` with
-`--continuous-batching`. At each concurrency, after one untimed warm-up wave per server, `--rounds` rounds each
+`--continuous-batching` and its paged cache sized to twice the largest load (unsized, it takes 90% of free memory). At each concurrency, after one untimed warm-up wave per server, `--rounds` rounds each
 load every server once with `evo.bench.loadtest` (vLLM's `bench serve` figures), in an order rotated round by
 round, on the same fresh seeded text prompts (seed + round) with every request held to its output length
 (`ignore_eos`; `transformers serve` takes `generation_config` min_new_tokens instead). Only one server is under
@@ -115,7 +115,11 @@ def build_servers(args: argparse.Namespace, max_len: int) -> dict[str, Server]:
 
     venv = ALT_DIR / "transformers" / "bin" / "transformers"
     absent = None if venv.exists() else f"{venv} missing: run scripts/alternatives/setup_transformers.sh"
-    for name, flag in (("transformers", ""), ("transformers_cb", " --continuous-batching")):
+    # its paged cache takes 90% of free memory unless sized: 13.5 GB at 16 streams of SmolLM2, which made Ray's
+    # memory monitor kill our replica beside it. Twice what the largest load holds, in 32-token blocks.
+    blocks = max(64, -(-2 * max(args.concurrency) * (args.input_len + args.output_len + 64) // 32))
+    for name, flag in (("transformers", ""),
+                       ("transformers_cb", f" --continuous-batching --cb-block-size 32 --cb-num-blocks {blocks}")):
         servers[name] = Server(
             name, _fill(overrides.get(name, f"{venv} serve {{checkpoint}} --host 127.0.0.1 --port {{port}} --device cpu "
                                             f"--dtype float32{flag}"), **fill),
@@ -225,7 +229,11 @@ def start(server: Server, concurrency: int, args: argparse.Namespace, max_len: i
         except OSError as exc:
             return f"not run: cannot start ({exc})"
     url, started = f"http://127.0.0.1:{port}", time.monotonic()
-    why = wait_ready(url, process, args.ready_timeout)
+    try:
+        why = wait_ready(url, process, args.ready_timeout)
+    except BaseException:  # Ctrl-C while it starts: it is not among the running ones the caller stops
+        stop(process)
+        raise
     if why:
         stop(process)
         return f"not run: {why}; {_tail(log_path)}"
@@ -392,6 +400,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # stop the servers started here on Ctrl-C and on TERM alike (a background job starts with SIGINT ignored)
+    before = {sig: signal.signal(sig, handler) for sig, handler in (
+        (signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, lambda *_: sys.exit(143)))}
+    try:
+        return _compare(args)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def _compare(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     max_len = max(2048, args.input_len + args.output_len + 64)
     servers = {name: server for name, server in build_servers(args, max_len).items() if name in args.servers}

@@ -455,8 +455,12 @@ async def run_loadtest(options: LoadtestOptions, *, log: Any = print) -> Loadtes
     specs = random_dataset(o, tokenizer)
     offsets = arrival_offsets(len(specs), o.request_rate, o.burstiness, o.seed)
     environment = _environment(openai)
+    # a connection per request, as `vllm bench serve` opens a session per request: a pooled keep-alive connection
+    # the server closed between two requests failed the second ("Server disconnected without sending a
+    # response"), a fault of the client's reuse charged to the server (llama-server, 1 request in ~30)
     client = openai.AsyncOpenAI(base_url=f"{o.url}/v1", api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"),
-                                max_retries=0, timeout=o.request_timeout)
+                                max_retries=0, timeout=o.request_timeout,
+                                http_client=_one_connection_per_request(openai))
     try:
         model = o.model or await _first_model(client, o.url)
         log(f"Starting initial single prompt test run (model {model}, {o.endpoint}) ...")
@@ -487,6 +491,15 @@ async def run_loadtest(options: LoadtestOptions, *, log: Any = print) -> Loadtes
     metrics = compute_metrics(records, duration, percentile_metrics=checked.percentile_metrics,
                               metric_percentiles=checked.metric_percentiles, goodput=checked.goodput or None)
     return LoadtestResult(metrics, tuple(records), checked, model, environment)
+
+
+def _one_connection_per_request(openai: Any) -> Any:
+    """The `openai` client's own async HTTP client with no keep-alive pool (its HTTP library, httpx or httpx2,
+    is the one that client is built on)."""
+    import importlib
+
+    http = importlib.import_module(openai.DefaultAsyncHttpxClient.__mro__[1].__module__.split(".")[0])
+    return openai.DefaultAsyncHttpxClient(limits=http.Limits(max_connections=None, max_keepalive_connections=0))
 
 
 def loadtest(options: LoadtestOptions, *, log: Any = print) -> LoadtestResult:
