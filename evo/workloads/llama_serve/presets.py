@@ -84,9 +84,10 @@ class CheckpointOptions:
 
 
 def checkpoint_options(name: str) -> CheckpointOptions:
-    """`hf:<folder>[,key=value...]` (keys and defaults: CHECKPOINT_DEFAULTS) -> its folder, and a closed trace of
-    `count` requests, R in flight, prompts 1 to P, outputs 1 to N. ValueError names the option that is wrong and
-    what is allowed. Every generation workload's `hf:` presets are named this way."""
+    """`hf:<folder>[,key=value...]` or `gguf:<source>[,...]` (keys and defaults: CHECKPOINT_DEFAULTS) -> its folder
+    (a GGUF imported), and a closed trace of `count` requests, R in flight, prompts 1 to P, outputs 1 to N.
+    ValueError names the option that is wrong and what is allowed. Every generation workload's checkpoint presets
+    are named this way."""
     folder, options = split_checkpoint_name(name)
     settings = dict(CHECKPOINT_DEFAULTS)
     for option in options:
