@@ -1,7 +1,7 @@
 """Workload registry: a new workload is one module (here, or anywhere importable) plus a config.
 
-A config names a workload by its registered name (every package `evo/workloads/<name>/` is registered
-under `<name>`: adding a workload is adding its folder) or by the dotted path of any module whose
+A config names a workload by its registered name (every package `evo/workloads/<name>/` but the shared
+generation core is registered under `<name>`: adding a workload is adding its folder) or by the dotted path of any module whose
 `WORKLOAD` is an instance of `evo.workloads.base.Workload` (e.g. a workload kept outside this
 package, or a test fixture); nothing here has to change for a new one.
 """
@@ -15,9 +15,11 @@ from evo.workloads.base import Workload
 
 DEFAULT_WORKLOAD = "kda"  # what a config without a `workload` key runs
 SAMPLE_CONFIG = "configs/kda_smoke.yaml"  # a small, complete config: named where a config is missing or empty
+SHARED_PACKAGES = ("generation_core",)  # packages here that workloads build on, not workloads themselves
 # name -> module: the packages in this folder (a workload is a package; base, domain, requests are modules)
 _MODULES = {info.name: f"{__name__}.{info.name}"
-            for info in pkgutil.iter_modules([str(Path(__file__).parent)]) if info.ispkg}
+            for info in pkgutil.iter_modules([str(Path(__file__).parent)])
+            if info.ispkg and info.name not in SHARED_PACKAGES}
 
 
 def get_workload(name: str) -> Workload:

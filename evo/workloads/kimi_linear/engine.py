@@ -12,28 +12,27 @@ Three parts, each blind to the others' insides (as llama_serve's engine, and vLL
   together: the KDA recurrence batched over the rows' states, MLA attending over each row's own positions
   under a per-row mask, the MoE dispatched by the `moe_dispatch` gene (the shared experts among the routed
   ones, or apart, by `shared_expert`);
-- the scheduler (`KimiGenerator.step`): continuous batching up to `max_running`: decode every running
-  request by one token, then admit waiting requests and prefill each whole (its first token comes from
-  there); a request that ends leaves its row, and the last running row moves into the hole.
-Greedy, or each request's seeded sampling (`evo.workloads.sampling.choose`, via llama_serve's picker).
+- the scheduler, shared with every generation engine here (`evo.workloads.generation_core.Scheduler`, over
+  the pool and `KimiRunner`, the model as its runner): continuous batching up to `max_running`: decode every
+  running request by one token, then admit waiting requests and prefill each whole (its first token comes
+  from there; the recurrence cannot resume a prompt mid-way, so no chunks); a request that ends leaves its
+  row, and the last running row moves into the hole.
+Greedy, or each request's seeded sampling (`evo.workloads.generation_core.pick_tokens`).
 """
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
 
 from evo.core.genome import Genome
 from evo.workloads.base import NO_SOURCES, DeviceInfo, Preset
-from evo.workloads.generation import GenerationRequest, TokenEvent, check_fits
+from evo.workloads.generation_core import Pick, Scheduler, SchedulerPolicy, pick_tokens
 from evo.workloads.kda.definition import L2NORM_EPS
 from evo.workloads.kimi_linear.genes import KimiPlan, gene_space
 from evo.workloads.kimi_linear.model import DENSE, FP32_TENSORS, KDA, LATENT_NORM_EPS, KimiSpec, load_weights
 from evo.workloads.kimi_linear.presets import KimiPreset
-from evo.workloads.llama_serve.engine import pick_tokens
 
 
 def _rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -83,16 +82,29 @@ class StatePool:
         self.positional = [mixer != KDA for mixer in spec.layer_types]  # MLA: position axis to cut at `length`
         self.expanded = plan.mla_cache == "expanded"
 
+    def reserve(self, row: int, length: int) -> None:
+        """Room for positions [0, length) of `row`: every row always has it."""
+
+    def release(self, row: int) -> None:
+        """The row's request ended: nothing to give back (a prefill overwrites a row's state from zero)."""
+
     def move(self, src: int, dst: int, length: int) -> None:
         """Row src's memory (its first `length` positions of the MLA caches) into row dst (src is then free)."""
+        for span, t in self._spans(length):
+            t[(dst, *span)] = t[(src, *span)]
+
+    def swap(self, a: int, b: int, length: int) -> None:
+        """Rows a and b trade their memory (the MLA caches' first `length` positions)."""
+        for span, t in self._spans(length):
+            t[([a, b], *span)] = t[([b, a], *span)]
+
+    def _spans(self, length: int) -> Iterator[tuple[tuple, torch.Tensor]]:
+        """(index after the row axis, tensor) for every tensor: a KDA tensor whole, an MLA cache's first
+        `length` positions."""
         for positional, tensors in zip(self.positional, self.tensors):
+            span = () if not positional else (slice(None), slice(length)) if self.expanded else (slice(length),)
             for t in tensors:
-                if not positional:
-                    t[dst] = t[src]
-                elif self.expanded:
-                    t[dst, :, :length] = t[src, :, :length]
-                else:
-                    t[dst, :length] = t[src, :length]
+                yield span, t
 
 
 # ---------------------------------------------------------------------------------------------- the model
@@ -450,88 +462,33 @@ class KimiModel:
                            else attn.decode(h, rows, pos, mask))
 
 
-# ---------------------------------------------------------------------------------------------- the scheduler
-@dataclass(eq=False)
-class _Run:
-    """A running request: its pool row and the tokens it made (the last one not yet fed back)."""
+# ---------------------------------------------------------------------------------------------- the generator
+class KimiRunner:
+    """The model as the shared scheduler's runner (`evo.workloads.generation_core.ModelRunner`): a whole prompt
+    from position 0, one decode step of rows [0, n); tokens by `pick_tokens`, read from this module when called
+    (so a test that patches it here sees every logits row)."""
 
-    request: GenerationRequest
-    row: int
-    made: list[int] = field(default_factory=list)
+    def __init__(self, model: KimiModel) -> None:
+        self.model = model
 
-    @property
-    def cached(self) -> int:
-        """Positions held in its row (the next token to feed sits at this position)."""
-        return len(self.request.prompt) + len(self.made) - 1
+    def prefill(self, row: int, tokens: tuple[int, ...], pos: int, pick: Pick | None) -> int | None:
+        if pos != 0 or pick is None:
+            raise ValueError(f"KimiModel prefills whole prompts from position 0 (prefill='whole'), got a chunk of "
+                             f"{len(tokens)} tokens at position {pos}")
+        return pick_tokens(self.model.prefill(row, tokens), [pick])[0]
 
-    def finished(self) -> bool:
-        return len(self.made) >= self.request.max_tokens or self.made[-1] in self.request.stop_ids
+    def decode(self, tokens: list[int], positions: list[int], picks: list[Pick]) -> list[int]:
+        return pick_tokens(self.model.decode(tokens, positions), picks)
 
 
-class KimiGenerator:
-    """`add`, `step`, `abort` (the generation contract): the scheduler over a state pool and the model."""
+class KimiGenerator(Scheduler):
+    """`add`, `step`, `abort` (the generation contract): the shared scheduler over the state pool and the model,
+    continuous batching of whole prefills (every admitted request prefilled in its first step)."""
 
     def __init__(self, model: KimiModel, pool: StatePool, plan: KimiPlan, max_positions: int) -> None:
-        self.model, self.pool, self.plan, self.max_positions = model, pool, plan, max_positions
-        self.num_threads = plan.threads  # its threads gene, as the engine's process reads it
-        self.waiting: deque[GenerationRequest] = deque()
-        self.running: list[_Run] = []  # running[r].row == r: the pool's first rows
-
-    def add(self, request: GenerationRequest) -> None:
-        check_fits(request, self.max_positions)
-        self.waiting.append(request)
-
-    def step(self) -> list[TokenEvent]:
-        """Decode every running request by one token, then admit and prefill (first tokens come from there)."""
-        with torch.inference_mode():
-            events = self._decode() if self.running else []
-            return events + self._admit()
-
-    def abort(self, request_id: int) -> None:
-        self.waiting = deque(r for r in self.waiting if r.id != request_id)
-        run = next((r for r in self.running if r.request.id == request_id), None)
-        if run is not None:
-            self._end([run])
-
-    @property
-    def held(self) -> int:
-        """Requests this engine holds (queued or running)."""
-        return len(self.waiting) + len(self.running)
-
-    def _admit(self) -> list[TokenEvent]:
-        events = []
-        while self.waiting and len(self.running) < self.plan.max_running:
-            run = _Run(self.waiting.popleft(), len(self.running))
-            logits = self.model.prefill(run.row, run.request.prompt)
-            run.made.append(pick_tokens(logits, [(run.request, 0)])[0])
-            events.append(TokenEvent(run.request.id, run.made[-1], run.finished()))
-            if not run.finished():  # else its row was never taken
-                self.running.append(run)
-        return events
-
-    def _decode(self) -> list[TokenEvent]:
-        runs = self.running
-        logits = self.model.decode([r.made[-1] for r in runs], [r.cached for r in runs])
-        tokens = pick_tokens(logits, [(r.request, len(r.made)) for r in runs])
-        events, ended = [], []
-        for run, token in zip(runs, tokens):
-            run.made.append(token)
-            events.append(TokenEvent(run.request.id, token, run.finished()))
-            if events[-1].finished:
-                ended.append(run)
-        if ended:
-            self._end(ended)
-        return events
-
-    def _end(self, ended: list[_Run]) -> None:
-        """Drop the ended requests; the running ones beyond the new count move into the rows they left."""
-        keep = [r for r in self.running if all(r is not e for e in ended)]
-        taken = {r.row for r in keep}
-        holes = [row for row in range(len(keep)) if row not in taken]
-        for run, hole in zip([r for r in keep if r.row >= len(keep)], holes):
-            self.pool.move(run.row, hole, run.cached)
-            run.row = hole
-        self.running = sorted(keep, key=lambda r: r.row)
+        self.model, self.plan = model, plan
+        policy = SchedulerPolicy("continuous", plan.max_running, "whole", 0, plan.max_running)
+        super().__init__(KimiRunner(model), pool, policy, max_positions, plan.threads, torch.inference_mode)
 
 
 CHUNKED_KDA_GENES = {"exponent_form": "pairwise", "chunk_size": 16}  # the rest: the KDA space's default
@@ -567,4 +524,4 @@ def build(genome: Genome, preset: KimiPreset, device: DeviceInfo,
     return KimiGenerator(model, pool, plan, preset.max_positions)
 
 
-__all__ = ["KimiGenerator", "KimiModel", "StatePool", "build"]
+__all__ = ["KimiGenerator", "KimiModel", "KimiRunner", "StatePool", "build", "pick_tokens"]

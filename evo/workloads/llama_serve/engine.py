@@ -4,55 +4,39 @@ Three parts, each blind to the others' insides (vLLM keeps its scheduler, block 
 apart the same way):
 - a KV pool (`SlotPool` or `PagedPool`): rows of positions, one row per admitted request; it writes the
   new keys and values and hands the attention the ones to read;
-- the scheduler (`BatchedLlamaGenerator.step`): admits waiting requests (continuous or static batching,
-  at most `max_running`), runs their prefill (whole, or a chunk a step), keeps the decoding requests in
-  the pool's first rows (when one ends, the last moves into its row) and emits one token per request
-  that produced one;
+- the scheduler, shared with every generation engine here (`evo.workloads.generation_core.Scheduler`):
+  admits waiting requests (continuous or static batching, at most `max_running`), runs their prefill
+  (whole, or a chunk a step), keeps the decoding requests in the pool's first rows (when one ends, the
+  last moves into its row) and emits one token per request that produced one;
 - the model runner (`ModelRunner`): the `llama` workload's `LlamaEngine` layers, called once per prefill
   (chunk) and once per step for every decoding request together: B rows at B positions, each rotated at
   its own position, its K/V written at its own position, attending under a per-row mask made by one
   comparison (a single decoding row runs as a one-token chunk, with no mask). Greedy, or each request's
-  seeded sampling (`evo.workloads.sampling`).
+  seeded sampling (`evo.workloads.generation_core.pick_tokens`).
 
-Three parts in one module because this module is the engine; each is one class with one job, and the
-KV pools would move to a module of their own as soon as another engine uses them.
+The KV pools and the runner live here, beside each other, because they are this model's; the KV pools
+would move to a module of their own as soon as another engine uses them. `BatchedLlamaGenerator` is the
+scheduler over them.
 """
 from __future__ import annotations
 
 import copy
 import math
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from contextlib import contextmanager
+from functools import partial
+from typing import Callable, Iterator, Mapping
 
-import numpy as np
 import torch
 
 from evo.core.genome import Genome
-from evo.workloads import sampling
 from evo.workloads.base import NO_SOURCES, DeviceInfo
-from evo.workloads.generation import GenerationRequest, TokenEvent, check_fits
+from evo.workloads.generation_core import Pick, Scheduler, SchedulerPolicy, pick_tokens
 from evo.workloads.llama import engine as _llama_engine
 from evo.workloads.llama.engine import LlamaEngine
 from evo.workloads.llama_serve.genes import ServePlan, gene_space, llama_genome
 from evo.workloads.llama_serve.presets import ServePreset
 
 KV = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # _layers' kv(i, k, v)
-Pick = tuple[GenerationRequest, int]  # how a row's token is chosen: its request, and the index of the token
-
-
-def pick_tokens(logits: torch.Tensor, picks: list[Pick]) -> list[int]:
-    """Each row's token from logits [n, V]: greedy rows by argmax (the first of equal maxima; on the CPU
-    through numpy: torch's argmax over rows is ~20x slower there, 165 us vs 7 us at [16, 4096]), sampled
-    rows by `sampling.choose` with their request's temperature, top_p, seed and output index. Every generation
-    engine and baseline here picks through it, so a sampled token is the draw the judge checks."""
-    rows = logits.float().numpy() if logits.device.type == "cpu" else None
-    tokens = np.argmax(rows, 1).tolist() if rows is not None else logits.argmax(-1).tolist()
-    for r, (request, index) in enumerate(picks):
-        if not request.greedy:
-            row = rows[r] if rows is not None else logits[r].float().cpu().numpy()
-            tokens[r] = sampling.choose(row, request.temperature, request.top_p, request.seed, index)
-    return tokens
 
 
 # ---------------------------------------------------------------------------------------------- KV pools
@@ -218,8 +202,9 @@ def grouped_queries(attention: Callable) -> Callable:
 
 
 class ModelRunner:
-    """The forwards, blind to requests: a prompt chunk of one pool row, and one decode step of the pool's first
-    n rows together. Both through `engine`'s layers; both return greedy tokens."""
+    """The forwards, blind to requests (the shared scheduler's `evo.workloads.generation_core.ModelRunner`): a
+    prompt chunk of one pool row, and one decode step of the pool's first n rows together. Both through
+    `engine`'s layers; each token picked by its request (`_pick`)."""
 
     def __init__(self, engine: LlamaEngine, pool: SlotPool | PagedPool, plan: ServePlan, max_positions: int) -> None:
         self.engine, self.pool, self.max_positions, self.max_rows = engine, pool, max_positions, plan.max_running
@@ -290,145 +275,24 @@ class ModelRunner:
     _pick = staticmethod(pick_tokens)
 
 
-# ---------------------------------------------------------------------------------------------- the scheduler
-@dataclass(eq=False)
-class _Run:
-    """An admitted request: its pool row, how much of its prompt is prefilled, the tokens it made."""
-
-    request: GenerationRequest
-    row: int
-    prefilled: int = 0
-    made: list[int] = field(default_factory=list)
-
-    @property
-    def cached(self) -> int:
-        """Positions whose keys and values are in the pool (the next token to feed sits at this position)."""
-        return self.prefilled + max(0, len(self.made) - 1)
-
-    def finished(self) -> bool:
-        return len(self.made) >= self.request.max_tokens or self.made[-1] in self.request.stop_ids
+# ---------------------------------------------------------------------------------------------- the generator
+@contextmanager
+def _inference(sdpa_backend: Callable) -> Iterator[None]:
+    """A step's context: no autograd, and the engine's SDPA backend."""
+    with torch.inference_mode(), sdpa_backend():
+        yield
 
 
-class BatchedLlamaGenerator:
-    """`add` and `step` (the generation contract): the scheduler, over a KV pool and a model runner."""
+class BatchedLlamaGenerator(Scheduler):
+    """`add`, `step`, `abort` (the generation contract): the shared scheduler over a KV pool and the model runner."""
 
     def __init__(self, engine: LlamaEngine, plan: ServePlan, max_positions: int) -> None:
-        self.plan, self.max_positions = plan, max_positions
-        self.num_threads = engine.num_threads  # its threads gene, as the engine's process reads it
-        self._sdpa_backend = engine._sdpa_backend
-        self.pool = make_pool(plan, engine, max_positions)
-        self.runner = ModelRunner(engine, self.pool, plan, max_positions)
-        self.waiting: deque[GenerationRequest] = deque()
-        self.prefilling: list[_Run] = []  # admission order
-        self.decoding: list[_Run] = []  # decoding[r].row == r: the pool's first rows
-        self.free_rows = set(range(plan.max_running))
-
-    def add(self, request: GenerationRequest) -> None:
-        check_fits(request, self.max_positions)
-        self.waiting.append(request)
-
-    def step(self) -> list[TokenEvent]:
-        """Decode every decoding request by one token, then admit and prefill (first tokens come from there)."""
-        with torch.inference_mode(), self._sdpa_backend():
-            events = self._decode() if self.decoding else []
-            self._admit()
-            return events + self._prefill()
-
-    def abort(self, request_id: int) -> None:
-        """Drop the request wherever it is: out of the queue, or its row freed (decoding rows compacted)."""
-        self.waiting = deque(r for r in self.waiting if r.id != request_id)
-        run = next((r for r in self.prefilling if r.request.id == request_id), None)
-        if run is not None:
-            self.prefilling.remove(run)
-            self._free(run.row)
-        run = next((r for r in self.decoding if r.request.id == request_id), None)
-        if run is not None:
-            self._end([run])
-
-    @property
-    def held(self) -> int:
-        """Requests this engine holds (queued, prefilling or decoding)."""
-        return len(self.waiting) + len(self.prefilling) + len(self.decoding)
-
-    def _admit(self) -> None:
-        if self.plan.batching == "static" and (self.decoding or self.prefilling):
-            return  # a new batch only once the whole running batch has finished
-        while self.waiting and self.free_rows:
-            row = min(self.free_rows)  # the lowest: the row it will decode in, so it seldom moves
-            self.free_rows.remove(row)
-            self.prefilling.append(_Run(self.waiting.popleft(), row))
-
-    def _prefill(self) -> list[TokenEvent]:
-        """A prefill forward (the whole prompt, or its next chunk) for the oldest admitted requests."""
-        events = []
-        for run in self.prefilling[:self.plan.max_prefills_per_step]:
-            prompt, pos = run.request.prompt, run.prefilled
-            T = len(prompt) - pos if self.plan.prefill == "whole" else min(self.plan.prefill_chunk, len(prompt) - pos)
-            self.pool.reserve(run.row, pos + T)
-            last = pos + T == len(prompt)
-            token = self.runner.prefill(run.row, prompt[pos:pos + T], pos, (run.request, 0) if last else None)
-            run.prefilled += T
-            if token is None:
-                continue
-            run.made.append(token)
-            self.prefilling.remove(run)
-            events.append(TokenEvent(run.request.id, token, run.finished()))
-            if run.finished():
-                self._free(run.row)
-            else:
-                self._start_decoding(run)
-        return events
-
-    def _decode(self) -> list[TokenEvent]:
-        """One batched forward of every decoding request; those that finish leave their rows."""
-        runs = self.decoding
-        positions = [run.cached for run in runs]
-        for run, p in zip(runs, positions):
-            self.pool.reserve(run.row, p + 1)
-        made = self.runner.decode([run.made[-1] for run in runs], positions, [(run.request, len(run.made)) for run in runs])
-        events, ended = [], []
-        for run, token in zip(runs, made):
-            run.made.append(token)
-            events.append(TokenEvent(run.request.id, token, run.finished()))
-            if events[-1].finished:
-                ended.append(run)
-        if ended:
-            self._end(ended)
-        return events
-
-    # ------------------------------------------------------------------ rows: the decoding ones first
-    def _free(self, row: int) -> None:
-        self.pool.release(row)
-        self.free_rows.add(row)
-
-    def _move(self, run: _Run, row: int) -> None:
-        """`run` into the free `row` (its own row freed)."""
-        self.pool.move(run.row, row, run.cached)
-        self.free_rows.remove(row)
-        self.free_rows.add(run.row)
-        run.row = row
-
-    def _start_decoding(self, run: _Run) -> None:
-        """A prefilled request joins the decoding rows: into the row after them (swapping with a prefilling
-        request that holds it)."""
-        target = len(self.decoding)
-        holder = next((r for r in self.prefilling if r.row == target), None)
-        if holder is not None:
-            self.pool.swap(run.row, target, max(run.cached, holder.cached))
-            holder.row, run.row = run.row, target
-        elif run.row != target:
-            self._move(run, target)
-        self.decoding.append(run)
-
-    def _end(self, ended: list[_Run]) -> None:
-        """Free the ended requests' rows; the decoding requests beyond the new count move into the holes."""
-        for run in ended:
-            self._free(run.row)
-        keep = [run for run in self.decoding if all(run is not e for e in ended)]
-        holes = sorted(row for row in self.free_rows if row < len(keep))
-        for run, hole in zip([r for r in keep if r.row >= len(keep)], holes):
-            self._move(run, hole)
-        self.decoding = sorted(keep, key=lambda r: r.row)
+        self.plan = plan
+        pool = make_pool(plan, engine, max_positions)
+        policy = SchedulerPolicy(plan.batching, plan.max_running, plan.prefill, plan.prefill_chunk,
+                                 plan.max_prefills_per_step)
+        super().__init__(ModelRunner(engine, pool, plan, max_positions), pool, policy, max_positions,
+                         engine.num_threads, partial(_inference, engine._sdpa_backend))
 
 
 def build(genome: Genome, preset: ServePreset, device: DeviceInfo,

@@ -1,0 +1,21 @@
+"""One generation core for every generation engine here (the generation contract, `evo.workloads.generation`),
+in vLLM's shape: a scheduler that never sees a model, over two parts an engine brings.
+
+- `Scheduler` (`scheduler.py`): admission, prefill (whole or chunked), one batched decode a step, stops and
+  aborts, the decoding requests kept in the pool's first rows; what it reads of the genes is a
+  `SchedulerPolicy`;
+- `Pool` (`pool.py`): rows of per-request memory, reserved, released, moved and swapped: llama_serve's KV
+  slots or blocks, or Kimi Linear's recurrent state and caches (SGLang's `MambaPool` beside its
+  `ReqToTokenPool`);
+- `ModelRunner` (`runner.py`): a prompt chunk of one row, one decode step of the first rows together;
+  each token chosen by `pick_tokens` (`picking.py`), greedy or the request's seeded draw.
+A lever written here (speculation, multi-step decoding) serves every model.
+"""
+from __future__ import annotations
+
+from evo.workloads.generation_core.picking import pick_tokens
+from evo.workloads.generation_core.pool import Pool
+from evo.workloads.generation_core.runner import ModelRunner, Pick
+from evo.workloads.generation_core.scheduler import Scheduler, SchedulerPolicy
+
+__all__ = ["ModelRunner", "Pick", "Pool", "Scheduler", "SchedulerPolicy", "pick_tokens"]

@@ -1,0 +1,190 @@
+"""The scheduler every generation engine here shares; like vLLM's, it never sees a model.
+
+A step decodes every decoding request by one token (one batched forward of the pool's first rows), then
+admits waiting requests (continuous batching: whenever a row is free; static: a new batch only once the
+running one has finished; at most `max_running`) and runs prefill forwards for the oldest admitted ones (the
+whole prompt, or its next chunk); a prompt's last forward picks the request's first token. Its events: the
+decode step's tokens, then the prefills'. A request ends at `max_tokens` or a stop id, or when aborted
+(waiting, prefilling or decoding); its row is freed. The decoding requests hold the pool's first rows: one
+that starts decoding takes the row after them (swapping with a prefilling request there), and when some end
+the last ones move into the holes.
+"""
+from __future__ import annotations
+
+from collections import deque
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Callable
+
+from evo.workloads.generation import GenerationRequest, TokenEvent, check_fits
+from evo.workloads.generation_core.pool import Pool
+from evo.workloads.generation_core.runner import ModelRunner
+
+BATCHING = ("continuous", "static")
+PREFILL = ("whole", "chunked")
+
+
+@dataclass(frozen=True)
+class SchedulerPolicy:
+    """What the scheduler reads of an engine's genes: how requests are batched, how many run at once (the pool's
+    rows), whole prompts or `prefill_chunk` tokens a forward, and how many prefill forwards a step runs."""
+
+    batching: str
+    max_running: int
+    prefill: str
+    prefill_chunk: int
+    max_prefills_per_step: int
+
+    def __post_init__(self) -> None:
+        if self.batching not in BATCHING or self.prefill not in PREFILL:
+            raise ValueError(f"batching must be one of {BATCHING} and prefill one of {PREFILL}, got "
+                             f"{self.batching!r}, {self.prefill!r}")
+        chunk_ok = self.prefill == "whole" or self.prefill_chunk >= 1
+        if self.max_running < 1 or self.max_prefills_per_step < 1 or not chunk_ok:
+            raise ValueError(f"max_running, max_prefills_per_step and (chunked) prefill_chunk must be >= 1, got "
+                             f"{self.max_running}, {self.max_prefills_per_step}, {self.prefill_chunk}")
+
+
+@dataclass(eq=False)
+class _Run:
+    """An admitted request: its pool row, how much of its prompt is prefilled, the tokens it made."""
+
+    request: GenerationRequest
+    row: int
+    prefilled: int = 0
+    made: list[int] = field(default_factory=list)
+
+    @property
+    def cached(self) -> int:
+        """Positions whose memory is in the pool (the next token to feed sits at this position)."""
+        return self.prefilled + max(0, len(self.made) - 1)
+
+    def finished(self) -> bool:
+        return len(self.made) >= self.request.max_tokens or self.made[-1] in self.request.stop_ids
+
+
+class Scheduler:
+    """`add`, `step`, `abort` (the generation contract) over a pool and a model runner (see the module).
+    `context` makes the context each step runs in (the engine's: no autograd, an attention backend)."""
+
+    def __init__(self, runner: ModelRunner, pool: Pool, policy: SchedulerPolicy, max_positions: int,
+                 num_threads: int | None, context: Callable[[], AbstractContextManager] = nullcontext) -> None:
+        self.runner, self.pool, self.policy, self.max_positions = runner, pool, policy, max_positions
+        self.num_threads = num_threads  # the engine's threads gene, as the engine's process reads it
+        self.context = context
+        self.waiting: deque[GenerationRequest] = deque()
+        self.prefilling: list[_Run] = []  # admission order
+        self.decoding: list[_Run] = []  # decoding[r].row == r: the pool's first rows
+        self.free_rows = set(range(policy.max_running))
+
+    def add(self, request: GenerationRequest) -> None:
+        check_fits(request, self.max_positions)
+        self.waiting.append(request)
+
+    def step(self) -> list[TokenEvent]:
+        """Decode every decoding request by one token, then admit and prefill (first tokens come from there)."""
+        with self.context():
+            events = self._decode() if self.decoding else []
+            self._admit()
+            return events + self._prefill()
+
+    def abort(self, request_id: int) -> None:
+        """Drop the request wherever it is: out of the queue, or its row freed (decoding rows compacted)."""
+        self.waiting = deque(r for r in self.waiting if r.id != request_id)
+        run = next((r for r in self.prefilling if r.request.id == request_id), None)
+        if run is not None:
+            self.prefilling.remove(run)
+            self._free(run.row)
+        run = next((r for r in self.decoding if r.request.id == request_id), None)
+        if run is not None:
+            self._end([run])
+
+    @property
+    def running(self) -> list[_Run]:
+        """The admitted requests: prefilling, then decoding."""
+        return self.prefilling + self.decoding
+
+    @property
+    def held(self) -> int:
+        """Requests this engine holds (queued, prefilling or decoding)."""
+        return len(self.waiting) + len(self.prefilling) + len(self.decoding)
+
+    def _admit(self) -> None:
+        if self.policy.batching == "static" and (self.decoding or self.prefilling):
+            return  # a new batch only once the whole running batch has finished
+        while self.waiting and self.free_rows:
+            row = min(self.free_rows)  # the lowest: the row it will decode in, so it seldom moves
+            self.free_rows.remove(row)
+            self.prefilling.append(_Run(self.waiting.popleft(), row))
+
+    def _prefill(self) -> list[TokenEvent]:
+        """A prefill forward (the whole prompt, or its next chunk) for the oldest admitted requests."""
+        events, policy = [], self.policy
+        for run in self.prefilling[:policy.max_prefills_per_step]:
+            prompt, pos = run.request.prompt, run.prefilled
+            T = len(prompt) - pos if policy.prefill == "whole" else min(policy.prefill_chunk, len(prompt) - pos)
+            self.pool.reserve(run.row, pos + T)
+            last = pos + T == len(prompt)
+            token = self.runner.prefill(run.row, prompt[pos:pos + T], pos, (run.request, 0) if last else None)
+            run.prefilled += T
+            if token is None:
+                continue
+            run.made.append(token)
+            self.prefilling.remove(run)
+            events.append(TokenEvent(run.request.id, token, run.finished()))
+            if run.finished():
+                self._free(run.row)
+            else:
+                self._start_decoding(run)
+        return events
+
+    def _decode(self) -> list[TokenEvent]:
+        """One batched forward of every decoding request; those that finish leave their rows."""
+        runs = self.decoding
+        positions = [run.cached for run in runs]
+        for run, p in zip(runs, positions):
+            self.pool.reserve(run.row, p + 1)
+        made = self.runner.decode([run.made[-1] for run in runs], positions, [(run.request, len(run.made)) for run in runs])
+        events, ended = [], []
+        for run, token in zip(runs, made):
+            run.made.append(token)
+            events.append(TokenEvent(run.request.id, token, run.finished()))
+            if events[-1].finished:
+                ended.append(run)
+        if ended:
+            self._end(ended)
+        return events
+
+    # ------------------------------------------------------------------ rows: the decoding ones first
+    def _free(self, row: int) -> None:
+        self.pool.release(row)
+        self.free_rows.add(row)
+
+    def _move(self, run: _Run, row: int) -> None:
+        """`run` into the free `row` (its own row freed)."""
+        self.pool.move(run.row, row, run.cached)
+        self.free_rows.remove(row)
+        self.free_rows.add(run.row)
+        run.row = row
+
+    def _start_decoding(self, run: _Run) -> None:
+        """A prefilled request joins the decoding rows: into the row after them (swapping with a prefilling
+        request that holds it)."""
+        target = len(self.decoding)
+        holder = next((r for r in self.prefilling if r.row == target), None)
+        if holder is not None:
+            self.pool.swap(run.row, target, max(run.cached, holder.cached))
+            holder.row, run.row = run.row, target
+        elif run.row != target:
+            self._move(run, target)
+        self.decoding.append(run)
+
+    def _end(self, ended: list[_Run]) -> None:
+        """Free the ended requests' rows; the decoding requests beyond the new count move into the holes."""
+        for run in ended:
+            self._free(run.row)
+        keep = [run for run in self.decoding if all(run is not e for e in ended)]
+        holes = sorted(row for row in self.free_rows if row < len(keep))
+        for run, hole in zip([r for r in keep if r.row >= len(keep)], holes):
+            self._move(run, hole)
+        self.decoding = sorted(keep, key=lambda r: r.row)

@@ -1,0 +1,183 @@
+"""The shared scheduler (`evo.workloads.generation_core.Scheduler`) driven over a fake pool and runner, no
+model: continuous and static admission, chunked prefill, aborts wherever a request is, stop ids. The fake
+model's next token depends on every token in its row's memory, so a request whose memory went to the wrong
+row, or was cut short, makes other tokens than `_generate` does."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from evo.workloads.generation import GenerationRequest, TokenEvent
+from evo.workloads.generation_core import Scheduler, SchedulerPolicy
+
+VOCAB = 50
+
+
+def _next(memory: list[int]) -> int:
+    return (7 * sum((i + 1) * t for i, t in enumerate(memory)) + 3) % VOCAB
+
+
+def _generate(request: GenerationRequest) -> list[int]:
+    """The request's tokens, one at a time, as the fake model makes them."""
+    memory, made = list(request.prompt), []
+    while True:
+        made.append(_next(memory))
+        if len(made) == request.max_tokens or made[-1] in request.stop_ids:
+            return made
+        memory.append(made[-1])
+
+
+class FakePool:
+    """Rows of token memory (None: free); reserve, release, move and swap recorded."""
+
+    def __init__(self, rows: int) -> None:
+        self.memory: list[list[int] | None] = [None] * rows
+        self.calls: list[tuple] = []
+
+    def reserve(self, row: int, length: int) -> None:
+        self.calls.append(("reserve", row, length))
+
+    def release(self, row: int) -> None:
+        self.calls.append(("release", row))
+        self.memory[row] = None
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        self.calls.append(("move", src, dst))
+        assert self.memory[dst] is None and len(self.memory[src]) == length
+        self.memory[dst], self.memory[src] = self.memory[src], None
+
+    def swap(self, a: int, b: int, length: int) -> None:
+        self.calls.append(("swap", a, b))
+        self.memory[a], self.memory[b] = self.memory[b], self.memory[a]
+
+
+class FakeRunner:
+    """Writes fed tokens into the pool's rows and picks `_next` of a row's memory; checks every position."""
+
+    def __init__(self, pool: FakePool) -> None:
+        self.pool = pool
+        self.prefills: list[tuple[int, int, int]] = []  # (request id, pos, T)
+        self.decodes: list[int] = []  # rows per decode step
+
+    def prefill(self, row, tokens, pos, pick):
+        if pos == 0:
+            self.pool.memory[row] = []
+        memory = self.pool.memory[row]
+        assert len(memory) == pos, (row, len(memory), pos)
+        memory += tokens
+        self.prefills.append((pick[0].id if pick else None, pos, len(tokens)))  # id: the prompt's last chunk
+        return _next(memory) if pick else None
+
+    def decode(self, tokens, positions, picks):
+        self.decodes.append(len(tokens))
+        made = []
+        for r, (token, pos, (request, index)) in enumerate(zip(tokens, positions, picks)):
+            memory = self.pool.memory[r]
+            assert len(memory) == pos and index == pos - len(request.prompt) + 1, (r, pos, index)
+            memory.append(token)
+            made.append(_next(memory))
+        return made
+
+
+def _scheduler(max_running: int, batching="continuous", prefill="whole", chunk=0, prefills=None, context=None):
+    pool = FakePool(max_running)
+    policy = SchedulerPolicy(batching, max_running, prefill, chunk, prefills or max_running)
+    kwargs = {"context": context} if context else {}
+    return Scheduler(FakeRunner(pool), pool, policy, max_positions=64, num_threads=1, **kwargs)
+
+
+def _step(scheduler: Scheduler) -> list[TokenEvent]:
+    """One step, then the rows invariant: decoding requests at rows [0, n), every taken row distinct."""
+    events = scheduler.step()
+    assert [run.row for run in scheduler.decoding] == list(range(len(scheduler.decoding)))
+    taken = [run.row for run in scheduler.running]
+    assert len(set(taken)) == len(taken) and not set(taken) & scheduler.free_rows
+    return events
+
+
+def _drive(scheduler: Scheduler, requests, aborts=None) -> tuple[dict[int, list[int]], list[list[TokenEvent]]]:
+    """Add `requests`, step until nothing is held (aborting {step: [ids]} before that step); tokens by id and
+    the events of every step. Each token is `finished` exactly when it is its request's last."""
+    for request in requests:
+        scheduler.add(request)
+    made, steps = {r.id: [] for r in requests}, []
+    expected = {r.id: _generate(r) for r in requests}
+    while scheduler.held:
+        for request_id in (aborts or {}).get(len(steps), []):
+            scheduler.abort(request_id)
+        steps.append(_step(scheduler))
+        for event in steps[-1]:
+            made[event.request_id].append(event.token)
+            assert event.finished == (len(made[event.request_id]) == len(expected[event.request_id]))
+    assert scheduler.free_rows == set(range(scheduler.policy.max_running))
+    return made, steps
+
+
+def _first_step(steps, request_id: int) -> int:
+    return next(i for i, events in enumerate(steps) if any(e.request_id == request_id for e in events))
+
+
+def test_continuous_batching_admits_into_a_freed_row_and_static_waits_for_the_whole_batch():
+    requests = [GenerationRequest(0, (1, 2, 3), 2), GenerationRequest(1, (4, 5), 5), GenerationRequest(2, (6,), 2)]
+    entered = []
+
+    @contextmanager
+    def context():
+        entered.append(True)
+        yield
+
+    continuous = _scheduler(2, context=context)
+    made, steps = _drive(continuous, requests)
+    assert made == {r.id: _generate(r) for r in requests}
+    assert _first_step(steps, 2) == 1  # request 0 ends at step 1's decode; request 2 takes its row there
+    assert [e.request_id for e in steps[1]] == [0, 1, 2]  # decode events first, then the prefill's
+    assert len(entered) == len(steps)
+    static = _scheduler(2, batching="static")
+    made, steps = _drive(static, requests)
+    assert made == {r.id: _generate(r) for r in requests}
+    assert _first_step(steps, 2) == 4  # only once request 1 ended (step 4's decode): the batch is empty
+
+
+def test_chunked_prefill_makes_the_first_token_after_the_last_chunk_while_others_decode():
+    long, short = GenerationRequest(0, tuple(range(1, 11)), 3), GenerationRequest(1, (9, 8), 6)
+    scheduler = _scheduler(2, prefill="chunked", chunk=4)
+    made, steps = _drive(scheduler, [long, short])
+    assert made == {0: _generate(long), 1: _generate(short)}
+    assert scheduler.runner.prefills[:4] == [(None, 0, 4), (1, 0, 2), (None, 4, 4), (0, 8, 2)]
+    assert [[e.request_id for e in events] for events in steps[:3]] == [[1], [1], [1, 0]]
+    # the short request finished its prefill first: it swapped rows with the long one, still prefilling
+    assert ("swap", 1, 0) in scheduler.pool.calls
+
+
+def test_one_prefill_a_step_takes_the_oldest_admitted_request():
+    requests = [GenerationRequest(i, (i + 1, 2), 2) for i in range(3)]
+    scheduler = _scheduler(3, prefills=1)
+    made, steps = _drive(scheduler, requests)
+    assert made == {r.id: _generate(r) for r in requests}
+    assert [_first_step(steps, i) for i in range(3)] == [0, 1, 2]
+
+
+def test_aborts_of_a_waiting_a_prefilling_and_a_decoding_request_free_their_rows_and_keep_rows_compact():
+    decoding = [GenerationRequest(i, (i + 3, 1, 4), 8) for i in range(3)]
+    prefilling = GenerationRequest(3, tuple(range(20)), 4)  # a chunk a step: still prefilling at the aborts
+    waiting = GenerationRequest(4, (2, 7), 4)
+    scheduler = _scheduler(4, prefill="chunked", chunk=4)
+    made, steps = _drive(scheduler, [*decoding, prefilling, waiting], aborts={2: [4, 3, 0]})
+    assert made[4] == [] and made[3] == [] and made[0] == _generate(decoding[0])[:2]
+    assert made[1] == _generate(decoding[1]) and made[2] == _generate(decoding[2])
+    pool = scheduler.pool
+    assert ("release", 3) in pool.calls and ("release", 0) in pool.calls
+    assert ("move", 2, 0) in pool.calls  # the last decoding request into the aborted one's row
+    assert scheduler.held == 0 and not scheduler.running
+
+
+def test_a_stop_id_ends_its_request_at_the_prefill_or_a_decode_step():
+    plain = GenerationRequest(0, (5, 6, 7), 6)
+    tokens = _generate(plain)
+    later = next(i for i in range(1, len(tokens)) if tokens[i] not in tokens[:i])
+    at_decode = GenerationRequest(0, plain.prompt, 6, stop_ids=(tokens[later],))
+    at_prefill = GenerationRequest(1, (3, 1), 6, stop_ids=(_next([3, 1]),))
+    scheduler = _scheduler(2)
+    made, steps = _drive(scheduler, [at_decode, at_prefill])
+    assert made == {0: tokens[:later + 1], 1: [_next([3, 1])]}
+    assert steps[0][1] == TokenEvent(1, made[1][0], True) and steps[later][0].finished
+    assert ("release", 1) in scheduler.pool.calls and len(steps) == later + 1
