@@ -99,6 +99,7 @@ DESIGNS = {
                             "max_prefills_per_step": 1, "max_running": 2},
     "halves_on_the_fly": {"rotary": "on_the_fly", "rotary_pairs": "halves", "fused_qkv": False,
                           "fused_gate_up": False, "norm_fused_residual": False, "weight_layout": "native_left"},
+    "packed": {"linear_kernel": "packed"},  # oneDNN over weights reordered at load: lossless
 }
 
 

@@ -7,7 +7,8 @@ token is read), and the logits of the last prompt position and of every step com
 
 The weights are loaded here, in the engine's own process (`model.load_weights`), converted once to
 the genome's dtype and layout (packed QKV and gate-up, pre-transposed), the projections to int8 rows
-with weight_quant=int8 (`int8`: the LM head and embedding stay in the dtype). The stages attention, mlp and
+with weight_quant=int8 (`int8`: the LM head and embedding stay in the dtype), or every projection and the LM
+head packed for a CPU kernel with linear_kernel (`linear_kernels`). The stages attention, mlp and
 norm are the open stages' seeds unless the genome carries code for them (`open_code`).
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from evo.workloads.base import DeviceInfo
 from evo.workloads.llama import open_code
 from evo.workloads.llama.genes import Plan, gene_space
 from evo.workloads.llama.int8 import Int8Weight
+from evo.workloads.llama.linear_kernels import PackedLinear
 from evo.workloads.llama.model import LlamaPreset, ModelSpec, inv_freq, layer_weights, lm_head, load_weights
 from evo.workloads.llama.open_stages import attention as _attention_seed
 from evo.workloads.llama.open_stages import mlp as _mlp_seed
@@ -117,8 +119,9 @@ class LlamaEngine:
         self.attention, self.mlp, self.norm = impl["attention"], impl["mlp"], impl["norm"]
         self.interleaved = plan.rotary_pairs == "interleaved"
         self.quantised = plan.weight_quant == "int8"
+        self.packed = plan.linear_kernel != "torch"  # projections and the LM head packed for a CPU kernel
         # int8 projections ignore weight_layout (their kernels take [out, in] rows); the float head keeps the default
-        self.float_layout = "pretransposed" if self.quantised else plan.weight_layout
+        self.float_layout = "pretransposed" if self.quantised or self.packed else plan.weight_layout
         self._load(load_weights(spec))
         freq = inv_freq(spec, torch.float64)
         self.inv_freq = freq.to(device=self.device, dtype=torch.float32)
@@ -133,8 +136,11 @@ class LlamaEngine:
         w = w.to(self.device, self.dtype)
         return w.t().contiguous() if self.float_layout == "pretransposed" else w.contiguous()
 
-    def _w(self, w: torch.Tensor) -> torch.Tensor | Int8Weight:
-        """A projection [out, in] as the engine multiplies it: int8 rows and scales, or in the dtype and layout."""
+    def _w(self, w: torch.Tensor) -> torch.Tensor | Int8Weight | PackedLinear:
+        """A projection [out, in] as the engine multiplies it: packed for the genome's CPU kernel, int8 rows and
+        scales, or in the dtype and layout."""
+        if self.packed:
+            return PackedLinear.of(w, self.plan.linear_kernel)
         if self.quantised:
             return Int8Weight.of(w, self.device, self.dtype)
         return self._float_w(w)
@@ -143,7 +149,8 @@ class LlamaEngine:
         plan = self.plan
         self.embed = weights["model.embed_tokens.weight"].to(self.device, self.dtype)  # [V, D]
         self.final_norm = weights["model.norm.weight"].to(self.device, self.dtype)
-        self.head = self._float_w(lm_head(weights))  # [D, V] or [V, D]
+        head = lm_head(weights)
+        self.head = PackedLinear.of(head, self.plan.linear_kernel) if self.packed else self._float_w(head)  # [D, V] or [V, D]
         self.layers = []
         for i in range(self.spec.layers):
             lw = layer_weights(weights, i)
@@ -163,9 +170,9 @@ class LlamaEngine:
                 layer["mlp"].update(gate=self._w(lw["gate"]), up=self._w(lw["up"]))
             self.layers.append(layer)
 
-    def _proj(self, x: torch.Tensor, w: torch.Tensor | Int8Weight) -> torch.Tensor:
+    def _proj(self, x: torch.Tensor, w: torch.Tensor | Int8Weight | PackedLinear) -> torch.Tensor:
         """x [M, in] (2-D: one mm, no batched-matmul folding) times the weight."""
-        if isinstance(w, Int8Weight):
+        if isinstance(w, (Int8Weight, PackedLinear)):
             return w(x)
         return project(x, w, self.float_layout)
 

@@ -5,7 +5,8 @@ the fly, on interleaved pairs (one complex multiply) or Llama's halves, attentio
 scaled_dot_product_attention (each backend on CUDA) or an explicit matmul form.
 Scheduling: prefill whole or in chunks, the decode step eager, torch.compile'd or (CUDA) a CUDA graph,
 threads. Memory: the KV cache's layout, allocation and dtype; the weights' dtype, layout and int8 quantisation
-(bfloat16 at a float32 preset, and int8, are lossy values: `Gene.lossy`). The open
+(bfloat16 at a float32 preset, and int8, are lossy values: `Gene.lossy`), and the CPU kernel the projections
+run on (`linear_kernels`: packed float32, float16 or int8 weights). The open
 stages (attention, mlp, norm) are code genes (`open_code`).
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Mapping
 from evo.core.genome import Constraint, Gene, GeneSpace, Genome, Ignored, Scalar
 from evo.workloads.base import DeviceInfo, Preset
 from evo.workloads.llama import open_code as _open_code
+from evo.workloads.llama.linear_kernels import KERNELS, LOSSY as LOSSY_KERNELS
 
 CPU_THREADS = (1, 2, 4, 8, 16)
 PREFILL_CHUNKS = (16, 32, 64, 128)
@@ -80,6 +82,33 @@ def _memory_genes(preset: Preset) -> list[Gene]:
     ]
 
 
+def kernel_genes(device: DeviceInfo) -> list[Gene]:
+    """How the projections and the LM head read their weights (`linear_kernels`): CPU kernels over weights
+    packed once at load; elsewhere torch's matmul only."""
+    kernels = KERNELS if device.kind == "cpu" else ("torch",)
+    return [Gene("linear_kernel", "memory", kernels, "torch",
+                 "torch: the projections and LM head by torch's matmul in weight_layout (int8 rows by weight_quant); "
+                 "packed: weights reordered once for oneDNN's float32 kernel, which streams each weight once for "
+                 "all rows of a step; fp16_weights: fbgemm float16 weights, float32 activations (half the bytes); "
+                 "int8_dynamic: fbgemm int8 weights per output channel, activations quantised per call (a quarter "
+                 "of the bytes). Non-torch kernels take float32 weights (weight_dtype=float32, weight_quant=none)",
+                 tuple(k for k in LOSSY_KERNELS if k in kernels))]
+
+
+def _packed_kernel_needs_float32(values: Mapping[str, Scalar]) -> str | None:
+    kernel = values.get("linear_kernel", "torch")
+    if kernel != "torch" and (values.get("weight_dtype") != "float32" or values.get("weight_quant") != "none"):
+        return (f"linear_kernel={kernel!r} packs float32 weights itself; it needs weight_dtype='float32' and "
+                f"weight_quant='none' (got {values.get('weight_dtype')!r}, {values.get('weight_quant')!r}); "
+                f"set linear_kernel=torch to use those")
+    return None
+
+
+# packed kernels store their weights one way
+PACKED_IGNORES_LAYOUT = Ignored(("weight_layout",), lambda v: v.get("linear_kernel", "torch") != "torch",
+                                "a packed linear_kernel stores its weights one way")
+
+
 def _static_step_needs_preallocated_cache(values: Mapping[str, Scalar]) -> str | None:
     step = values.get("decode_step")
     if step in ("compiled", "cuda_graph") and values.get("kv_alloc") != "preallocated":
@@ -103,14 +132,15 @@ INT8_IGNORES_LAYOUT = Ignored(("weight_layout",), lambda v: v.get("weight_quant"
 
 def gene_space(preset: Preset, device: DeviceInfo) -> GeneSpace:
     """Genes legal for `preset` on `device` (names are a contract with operators and configs)."""
-    genes = _fusion_genes(device) + _scheduling_genes(device) + _memory_genes(preset)
+    genes = _fusion_genes(device) + _scheduling_genes(device) + _memory_genes(preset) + kernel_genes(device)
     constraints = (
         Constraint("decode_step compiled or cuda_graph needs kv_alloc preallocated",
                    _static_step_needs_preallocated_cache),
         Constraint("kv_dtype no wider than weight_dtype", _kv_no_wider_than_weights),
+        Constraint("a packed linear_kernel needs float32 weights", _packed_kernel_needs_float32),
     )
     ignored = [Ignored(("prefill_chunk",), lambda v: v.get("prefill") == "whole", "prefill=whole has no chunks"),
-               INT8_IGNORES_LAYOUT]
+               INT8_IGNORES_LAYOUT, PACKED_IGNORES_LAYOUT]
     if device.kind == "cuda":
         ignored.append(Ignored(("sdpa_backend",), lambda v: v.get("attention") == "matmul",
                                "attention=matmul calls no SDPA kernel"))
@@ -138,6 +168,7 @@ class Plan:
     weight_dtype: str
     weight_layout: str
     weight_quant: str
+    linear_kernel: str = "torch"
 
     @classmethod
     def from_genome(cls, genome: Genome) -> Plan:
@@ -150,4 +181,4 @@ class Plan:
             prefill=str(v["prefill"]), prefill_chunk=int(v["prefill_chunk"]), decode_step=str(v["decode_step"]),
             threads=int(v["threads"]), kv_layout=str(v["kv_layout"]), kv_alloc=str(v["kv_alloc"]),
             kv_dtype=str(v["kv_dtype"]), weight_dtype=str(v["weight_dtype"]), weight_layout=str(v["weight_layout"]),
-            weight_quant=str(v["weight_quant"]))
+            weight_quant=str(v["weight_quant"]), linear_kernel=str(v.get("linear_kernel", "torch")))

@@ -75,6 +75,8 @@ class LlamaServeWorkload(GenerationWorkload):
                  f"kv {v.get('kv_pool')}", f"step {v.get('decode_step')}"]
         weights = f"weights {v.get('weight_dtype')}"
         parts.append(weights + " int8" if v.get("weight_quant") == "int8" else weights)  # lossy engines stand out
+        if v.get("linear_kernel", "torch") != "torch":
+            parts.append(f"kernel {v.get('linear_kernel')}")
         return f"llama_serve {genome.hash[:8]} ({', '.join(parts)})"
 
 

@@ -1,8 +1,8 @@
 """The serving engine's gene space, and the plan its scheduler and KV pool are built from.
 
 Model genes are the `llama` workload's, by import: fusion (packed projections, fused norm, rotary,
-attention form), threads, the KV layout and dtype, the weights' dtype, layout and int8 quantisation (lossy
-values among them: bfloat16 at a float32 preset, int8), and the open stages' code genes. The call engine's
+attention form), threads, the KV layout and dtype, the weights' dtype, layout and int8 quantisation, the CPU kernel the projections run
+on (lossy values among them: bfloat16 at a float32 preset, int8, float16 or int8 packed weights), and the open stages' code genes. The call engine's
 `kv_alloc`, `prefill` and `decode_step` do not apply (a pooled cache is preallocated; this engine schedules
 its own prefill and decode step). Added here, the engine's own decisions: how requests are batched and
 admitted, how prefill shares a step with decoding, how the KV pool is laid out (slots or paged blocks) and
@@ -91,15 +91,17 @@ def _compiled_step_needs_slots(values: Mapping[str, Scalar]) -> str | None:
 def gene_space(preset: ServePreset, device: DeviceInfo) -> GeneSpace:
     """Genes legal for `preset` on `device` (names are a contract with operators, configs and the workload)."""
     genes = (_llama._fusion_genes(device) + _batching_genes(preset) + _prefill_genes() + _step_genes(device)
-             + _shared_memory_genes(preset) + _pool_genes())
+             + _shared_memory_genes(preset) + _llama.kernel_genes(device) + _pool_genes())
     constraints = (
         Constraint("decode_step compiled needs kv_pool slots", _compiled_step_needs_slots),
         Constraint("kv_dtype no wider than weight_dtype", _llama._kv_no_wider_than_weights),
+        Constraint("a packed linear_kernel needs float32 weights", _llama._packed_kernel_needs_float32),
     )
     ignored = [
         Ignored(("prefill_chunk",), lambda v: v.get("prefill") == "whole", "prefill=whole has no chunks"),
         Ignored(("kv_block",), lambda v: v.get("kv_pool") == "slots", "kv_pool=slots has no blocks"),
         _llama.INT8_IGNORES_LAYOUT,
+        _llama.PACKED_IGNORES_LAYOUT,
     ]
     if device.kind == "cuda":
         ignored.append(Ignored(("sdpa_backend",), lambda v: v.get("attention") == "matmul",

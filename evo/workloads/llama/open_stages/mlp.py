@@ -9,6 +9,8 @@ Entry point: mlp(h, w, plan) -> [..., D].
     With plan.weight_quant == "int8" (weight_layout then unread) each is an int8 weight: W(x) multiplies
     x [..., in] -> [..., out] by the engine's int8 kernel; W.q int8 [out, in] and W.scale [out] (the activation
     dtype) are its rows and per-row scales, the weight being q * scale[:, None].
+    With plan.linear_kernel other than "torch" (weight_layout then unread) each is a packed weight: W(x)
+    multiplies x [..., in] -> [..., out] by that CPU kernel.
   plan: a frozen dataclass of the genome's decisions; read its attributes, never import it.
 Imports allowed: torch, math, numpy.
 """
@@ -18,7 +20,7 @@ import torch
 def mlp(h, w, plan):
     # EVOLVE-BLOCK-START
     def proj(x, W):
-        if plan.weight_quant == "int8":
+        if plan.weight_quant == "int8" or plan.linear_kernel != "torch":
             return W(x)
         if plan.weight_layout == "pretransposed":
             return x @ W
