@@ -1,13 +1,16 @@
 """The shared scheduler (`evo.workloads.generation_core.Scheduler`) driven over a fake pool and runner, no
-model: continuous and static admission, chunked prefill, aborts wherever a request is, stop ids. The fake
-model's next token depends on every token in its row's memory, so a request whose memory went to the wrong
-row, or was cut short, makes other tokens than `_generate` does."""
+model: continuous and static admission, chunked prefill, aborts wherever a request is, stop ids, speculation
+(prompt lookup drafts, verified). The fake model's next token depends on every token in its row's memory, so a
+request whose memory went to the wrong row, or was cut short, makes other tokens than `_generate` does."""
 from __future__ import annotations
 
 from contextlib import contextmanager
 
+import numpy as np
+import pytest
+
 from evo.workloads.generation import GenerationRequest, TokenEvent
-from evo.workloads.generation_core import Scheduler, SchedulerPolicy
+from evo.workloads.generation_core import Scheduler, SchedulerPolicy, prompt_lookup
 
 VOCAB = 50
 
@@ -16,11 +19,17 @@ def _next(memory: list[int]) -> int:
     return (7 * sum((i + 1) * t for i, t in enumerate(memory)) + 3) % VOCAB
 
 
-def _generate(request: GenerationRequest) -> list[int]:
+def _periodic(memory: list[int]) -> int:
+    """A model prompt lookup drafts well for: it repeats its memory's last 4 tokens, except at every 7th position,
+    where it makes `_next` of the whole memory (a draft through there is rejected)."""
+    return _next(memory) if len(memory) % 7 == 0 or len(memory) < 4 else memory[-4]
+
+
+def _generate(request: GenerationRequest, model=_next) -> list[int]:
     """The request's tokens, one at a time, as the fake model makes them."""
     memory, made = list(request.prompt), []
     while True:
-        made.append(_next(memory))
+        made.append(model(memory))
         if len(made) == request.max_tokens or made[-1] in request.stop_ids:
             return made
         memory.append(made[-1])
@@ -41,9 +50,10 @@ class FakePool:
         self.memory[row] = None
 
     def move(self, src: int, dst: int, length: int) -> None:
+        """Only the first `length` positions go (after them: a rejected draft's, never read)."""
         self.calls.append(("move", src, dst))
-        assert self.memory[dst] is None and len(self.memory[src]) == length
-        self.memory[dst], self.memory[src] = self.memory[src], None
+        assert self.memory[dst] is None and len(self.memory[src]) >= length
+        self.memory[dst], self.memory[src] = self.memory[src][:length], None
 
     def swap(self, a: int, b: int, length: int) -> None:
         self.calls.append(("swap", a, b))
@@ -51,12 +61,14 @@ class FakePool:
 
 
 class FakeRunner:
-    """Writes fed tokens into the pool's rows and picks `_next` of a row's memory; checks every position."""
+    """Writes fed tokens into the pool's rows and picks `model` of a row's memory; checks every position. A row's
+    memory past the position fed is a rejected draft's: dropped when the row is fed there again."""
 
-    def __init__(self, pool: FakePool) -> None:
-        self.pool = pool
+    def __init__(self, pool: FakePool, model=_next, max_positions: int = 64) -> None:
+        self.pool, self.model, self.max_positions = pool, model, max_positions
         self.prefills: list[tuple[int, int, int]] = []  # (request id, pos, T)
         self.decodes: list[int] = []  # rows per decode step
+        self.verifies: list[list[tuple[list[int], list[int]]]] = []  # per verify step, each row's (fed, picked)
 
     def prefill(self, row, tokens, pos, pick):
         if pos == 0:
@@ -65,24 +77,38 @@ class FakeRunner:
         assert len(memory) == pos, (row, len(memory), pos)
         memory += tokens
         self.prefills.append((pick[0].id if pick else None, pos, len(tokens)))  # id: the prompt's last chunk
-        return _next(memory) if pick else None
+        return self.model(memory) if pick else None
 
     def decode(self, tokens, positions, picks):
         self.decodes.append(len(tokens))
+        return [row[0] for row in self._feed([[t] for t in tokens], positions, [[p] for p in picks])]
+
+    def verify(self, fed, positions, picks):
+        picked = self._feed(fed, positions, picks)
+        self.verifies.append(list(zip(fed, picked)))
+        return picked
+
+    def _feed(self, fed, positions, picks):
+        """Each row's tokens fed at its positions: never past max_tokens' last index nor the last position."""
         made = []
-        for r, (token, pos, (request, index)) in enumerate(zip(tokens, positions, picks)):
+        for r, (tokens, pos, row_picks) in enumerate(zip(fed, positions, picks)):
             memory = self.pool.memory[r]
-            assert len(memory) == pos and index == pos - len(request.prompt) + 1, (r, pos, index)
-            memory.append(token)
-            made.append(_next(memory))
+            assert len(memory) >= pos and pos + len(tokens) <= self.max_positions, (r, len(memory), pos)
+            del memory[pos:]
+            made.append([])
+            for j, (token, (request, index)) in enumerate(zip(tokens, row_picks)):
+                assert index == pos + j - len(request.prompt) + 1 and index < request.max_tokens, (r, pos, j, index)
+                memory.append(token)
+                made[-1].append(self.model(memory))
         return made
 
 
-def _scheduler(max_running: int, batching="continuous", prefill="whole", chunk=0, prefills=None, context=None):
+def _scheduler(max_running: int, batching="continuous", prefill="whole", chunk=0, prefills=None, context=None,
+               spec=0, model=_next, max_positions=64):
     pool = FakePool(max_running)
-    policy = SchedulerPolicy(batching, max_running, prefill, chunk, prefills or max_running)
+    policy = SchedulerPolicy(batching, max_running, prefill, chunk, prefills or max_running, spec)
     kwargs = {"context": context} if context else {}
-    return Scheduler(FakeRunner(pool), pool, policy, max_positions=64, num_threads=1, **kwargs)
+    return Scheduler(FakeRunner(pool, model, max_positions), pool, policy, max_positions, num_threads=1, **kwargs)
 
 
 def _step(scheduler: Scheduler) -> list[TokenEvent]:
@@ -100,7 +126,7 @@ def _drive(scheduler: Scheduler, requests, aborts=None) -> tuple[dict[int, list[
     for request in requests:
         scheduler.add(request)
     made, steps = {r.id: [] for r in requests}, []
-    expected = {r.id: _generate(r) for r in requests}
+    expected = {r.id: _generate(r, scheduler.runner.model) for r in requests}
     while scheduler.held:
         for request_id in (aborts or {}).get(len(steps), []):
             scheduler.abort(request_id)
@@ -181,3 +207,71 @@ def test_a_stop_id_ends_its_request_at_the_prefill_or_a_decode_step():
     assert made == {0: tokens[:later + 1], 1: [_next([3, 1])]}
     assert steps[0][1] == TokenEvent(1, made[1][0], True) and steps[later][0].finished
     assert ("release", 1) in scheduler.pool.calls and len(steps) == later + 1
+
+
+# ---------------------------------------------------------------------------------------------- speculation
+def _lookup_by_definition(context, k: int, max_ngram: int = 3, min_ngram: int = 1) -> tuple[int, ...]:
+    for n in range(max_ngram, min_ngram - 1, -1):
+        tail = list(context[len(context) - n:])
+        for start in range(len(context) - n - 1, -1, -1):
+            if n < len(context) and list(context[start:start + n]) == tail:
+                return tuple(context[start + n:start + n + k])
+    return ()
+
+
+def test_prompt_lookup_drafts_what_followed_the_latest_earlier_occurrence_of_the_longest_ngram():
+    assert prompt_lookup((1, 2, 3, 4, 1, 2, 3), 3) == (4, 1, 2)
+    assert prompt_lookup((5, 2, 3, 8, 9, 3, 6, 2, 3), 2) == (8, 9)  # the 2-gram's match, not the later 3's
+    assert prompt_lookup((5, 5, 5, 5), 4) == (5,)  # the latest match: one token follows it
+    assert prompt_lookup((1, 2, 3), 4) == () and prompt_lookup((1, 2, 1), 0) == ()
+    assert prompt_lookup((1, 2, 9, 2), 2, min_ngram=2) == () and prompt_lookup((1, 2, 9, 2), 2) == (9, 2)
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        context = tuple(rng.integers(0, 4, rng.integers(1, 30)).tolist())
+        k, top = int(rng.integers(1, 6)), int(rng.integers(1, 5))
+        low = int(rng.integers(1, top + 1))
+        assert prompt_lookup(context, k, top, low) == _lookup_by_definition(context, k, top, low), (context, k)
+
+
+def _requests_a_draft_suits(stop_ids=()) -> list[GenerationRequest]:
+    """Prompts that repeat (drafts accepted, then rejected at `_periodic`'s 7th positions) and prompts that do not,
+    max_tokens from 1 (no room for a draft) up; the fourth uses every one of the 64 positions."""
+    cycle = (1, 2, 3, 4, 1, 2, 3, 4)
+    shapes = [(cycle, 20), (cycle[:5], 3), ((9, 8, 7), 12), (cycle, 56), (cycle[1:], 1), ((6, 6), 2), (cycle, 9)]
+    return [GenerationRequest(i, prompt, n, stop_ids) for i, (prompt, n) in enumerate(shapes)]
+
+
+@pytest.mark.parametrize("spec", [1, 2, 4, 8])
+@pytest.mark.parametrize("model", [_periodic, _next], ids=["periodic", "hashed"])
+def test_speculation_makes_the_tokens_of_plain_decoding(spec, model):
+    """The same requests, their rows moved and swapped (chunked prompts, a queue) and one aborted: each request's
+    tokens are what one-at-a-time decoding makes; the fake runner checks no draft passes max_tokens or the pool."""
+    requests = _requests_a_draft_suits()
+    plain, _ = _drive(_scheduler(3, prefill="chunked", chunk=4, model=model), requests)
+    scheduler = _scheduler(3, prefill="chunked", chunk=4, model=model, spec=spec)
+    made, steps = _drive(scheduler, requests)
+    assert made == plain == {r.id: _generate(r, model) for r in requests}
+    emitted = [e.request_id for events in steps for e in events]
+    if model is _periodic:  # drafts accepted: one request has several tokens in a step, in order
+        assert len(steps) < sum(1 for events in steps for _ in events) and scheduler.runner.verifies
+        assert any(len([e for e in events if e.request_id == i]) > 1 for events in steps for i in made)
+    assert len(emitted) == sum(len(t) for t in made.values())
+    aborted, _ = _drive(_scheduler(3, model=model, spec=spec), requests, aborts={2: [0, 3]})
+    assert all(aborted[i] == made[i][:len(aborted[i])] for i in made) and len(aborted[3]) < len(made[3])
+
+
+def test_a_stop_id_inside_an_accepted_run_ends_the_request_there():
+    """The first decode step's draft is accepted whole, but the request's stop id is its second token: the step
+    emits the tokens up to the stop id and nothing after; a request of 4 tokens drafts 2, not 4."""
+    cycle = (1, 2, 3, 4, 1, 2, 3, 4)
+    tokens = _generate(GenerationRequest(0, cycle, 10), _periodic)
+    assert tokens[:6] == [1, 2, 3, 4, 1, 2]
+    stopped, short = GenerationRequest(0, cycle, 10, stop_ids=(3,)), GenerationRequest(1, cycle, 4)
+    scheduler = _scheduler(2, model=_periodic, spec=4)
+    made, steps = _drive(scheduler, [stopped, short])
+    assert made == {0: [1, 2, 3], 1: [1, 2, 3, 4]}
+    assert steps[1] == [TokenEvent(0, 2), TokenEvent(0, 3, True), TokenEvent(1, 2), TokenEvent(1, 3),
+                        TokenEvent(1, 4, True)]
+    (fed0, picked0), (fed1, picked1) = scheduler.runner.verifies[0]
+    assert fed0 == [1, 2, 3, 4, 1] and picked0 == [2, 3, 4, 1, 2]  # all agreed: the stop id cut the run
+    assert fed1 == [1, 2, 3] and len(steps) == 2

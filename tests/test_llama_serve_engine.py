@@ -49,41 +49,54 @@ def _replay(generator, prompts=PROMPTS, stop_ids: tuple[int, ...] = ()):
     return replay(generator, TRACE, prompts, concurrency=4, stop_ids=stop_ids, deadline_s=120)
 
 
-def _record_logits(generator) -> dict[int, list[torch.Tensor]]:
-    """Request id -> the logits rows its tokens were picked from, recorded as the runner makes them. cpu_small's
-    tied-embedding model mostly repeats its last prompt token by a wide margin, so right tokens alone would
-    not show a wrong mask or a misplaced row; the logits do."""
+def _record_logits(generator) -> dict[int, dict[int, torch.Tensor]]:
+    """Request id -> {output index: the logits row its token was picked from}, recorded as the runner picks (a
+    prefill's, a decode step's or a verify's; a later pick of an index, after a rejected draft, replaces it).
+    cpu_small's tied-embedding model mostly repeats its last prompt token by a wide margin, so right tokens alone
+    would not show a wrong mask or a misplaced row; the logits do."""
     runner, made = generator.runner, {}
-    pick, prefill, decode = runner._pick, runner.prefill, runner.decode
-    latest: list[torch.Tensor] = []
+    pick = runner._pick
 
     def keep(logits, picks):
-        latest[:] = [logits.clone()]
+        for row, (request, index) in zip(logits, picks):
+            made.setdefault(request.id, {})[index] = row.clone()
         return pick(logits, picks)
 
-    def prefilled(row, tokens, pos, picked):
-        token = prefill(row, tokens, pos, picked)
-        if token is not None:
-            run = next(r for r in generator.prefilling if r.row == row)
-            made.setdefault(run.request.id, []).append(latest[0][0])
-        return token
-
-    def decoded(tokens, positions, picks):
-        ids = [run.request.id for run in generator.decoding]  # row order
-        out = decode(tokens, positions, picks)
-        for i, request_id in enumerate(ids):
-            made[request_id].append(latest[0][i])
-        return out
-
-    runner._pick, runner.prefill, runner.decode = keep, prefilled, decoded
+    runner._pick = keep
     return made
 
 
-def _assert_logits_match(result, made: dict[int, list[torch.Tensor]]) -> None:
+def _rows(made: dict[int, torch.Tensor], count: int) -> torch.Tensor:
+    """The logits rows of a request's first `count` tokens, [count, V]."""
+    return torch.stack([made[i] for i in range(count)])
+
+
+def _assert_logits_match(result, made: dict[int, dict[int, torch.Tensor]]) -> None:
     for request, tokens in zip(result.requests, result.tokens):
-        ours = torch.stack(made[request.id]).double().numpy()
+        ours = _rows(made[request.id], len(tokens)).double().numpy()
         ref = _reference(request.prompt, tokens)
         assert np.abs(ours - ref).max() / np.abs(ref).max() < 1e-5, request.id
+
+
+def _knowing_drafter(prompts, tokens):
+    """A drafter that knows the plain engine's tokens (for each prompt, the tokens it makes): at a context of n
+    tokens it drafts the right ones, with one wrong when 3 divides n and none when 5 does. Prompt lookup seldom
+    drafts for cpu_small's toy (its tokens rarely repeat); with this one every step verifies rows of drafts
+    accepted, cut short and absent, the shorter rows padded."""
+    fulls = [tuple(p) + tuple(t) for p, t in zip(prompts, tokens)]
+
+    def draft(context: tuple[int, ...], k: int) -> tuple[int, ...]:
+        n = len(context)
+        full = next((f for f in fulls if f[:n] == context), None)
+        if full is None or n % 5 == 0:
+            return ()
+        tokens = list(full[n:n + k])
+        if n % 3 == 0 and tokens:
+            wrong = (n // 3) % len(tokens)
+            tokens[wrong] = (tokens[wrong] + 1) % V
+        return tuple(tokens)
+
+    return draft
 
 
 DESIGNS = {
@@ -100,6 +113,11 @@ DESIGNS = {
     "halves_on_the_fly": {"rotary": "on_the_fly", "rotary_pairs": "halves", "fused_qkv": False,
                           "fused_gate_up": False, "norm_fused_residual": False, "weight_layout": "native_left"},
     "packed": {"linear_kernel": "packed"},  # oneDNN over weights reordered at load: lossless
+    "speculation": {"speculation": "prompt_lookup", "spec_tokens": 4},
+    # drafts verified over gathered blocks, beside prompts chunked into a queue
+    "paged_chunked_speculation": {"kv_pool": "paged", "prefill": "chunked", "prefill_chunk": 16,
+                                  "max_prefills_per_step": 1, "max_running": 2, "speculation": "prompt_lookup",
+                                  "spec_tokens": 8, "attention": "matmul"},
 }
 
 
@@ -107,6 +125,9 @@ DESIGNS = {
 def test_each_design_decodes_its_own_tokens_as_the_float64_reference_does(design):
     assert max(t.prompt_len for t in TRACE) > 16  # chunked designs prefill over several steps
     generator = serve_engine.build(SPACE.make(DESIGNS[design]), PRESET, CPU)
+    if generator.policy.spec_tokens:
+        plain = _replay(serve_engine.build(SPACE.default(), PRESET, CPU))
+        generator.drafter = _knowing_drafter([r.prompt for r in plain.requests], plain.tokens)
     made = _record_logits(generator)
     result = _replay(generator)
     assert score(result, _reference, tolerance=1e-4, vocab=V) == []
@@ -148,6 +169,54 @@ def test_the_static_shape_step_matches_the_reference():
     _assert_logits_match(result, made)
 
 
+def test_speculation_accepts_drafts_and_makes_the_tokens_of_plain_decoding():
+    """cpu_small's toy repeats its last prompt token, so prompt lookup's drafts are often accepted: a speculative
+    replay verifies drafts, accepts some, and makes the tokens the plain engine makes, greedy and sampled alike
+    (each pick the same seeded draw), for the pool of slots and the paged one."""
+    plain = _replay(serve_engine.build(SPACE.default(), PRESET, CPU))
+    for design in ("speculation", "paged_chunked_speculation"):
+        generator = serve_engine.build(SPACE.make(DESIGNS[design]), PRESET, CPU)
+        verify, accepted = generator.runner.verify, []
+
+        def counted(fed, positions, picks, _verify=verify):
+            picked = _verify(fed, positions, picks)
+            for tokens, row in zip(fed, picked):  # the draft's tokens the picks agreed with, in a run
+                accepted.append(next((j for j in range(1, len(tokens)) if tokens[j] != row[j - 1]), len(tokens)) - 1)
+            return picked
+
+        generator.runner.verify = counted
+        result = _replay(generator)
+        assert result.tokens == plain.tokens and not result.violations, design
+        assert sum(accepted) >= 1, (design, accepted)
+    rng = np.random.default_rng(22)
+    requests = [GenerationRequest(i, tuple(rng.integers(0, V, n).tolist()), 12, (), t, top_p, seed)
+                for i, (n, t, top_p, seed) in enumerate(((5, 1.0, 1.0, 3), (17, 0.7, 0.9, 4), (1, 0.0, 1.0, 0)))]
+    sampled = drive(serve_engine.build(SPACE.make(DESIGNS["speculation"]), PRESET, CPU), requests)
+    assert sampled == drive(serve_engine.build(SPACE.default(), PRESET, CPU), requests)
+
+
+@pytest.mark.parametrize("pool", ["slots", "paged"])
+def test_a_row_at_the_pools_end_verifies_beside_a_long_draft(pool):
+    """A request that takes every position of the pool decodes beside one drafting 8 tokens: its own draft is cut
+    to its tokens left, and its row's pads stop at the pool's last position."""
+    bound = PRESET.max_positions
+    requests = [GenerationRequest(0, tuple(range(7, bound - 3 + 7)), 3), GenerationRequest(1, (5, 9, 2), 12)]
+    plain = drive(serve_engine.build(SPACE.default(), PRESET, CPU), requests)
+    design = {"speculation": "prompt_lookup", "spec_tokens": 8, "kv_pool": pool}
+    generator = serve_engine.build(SPACE.make(design), PRESET, CPU)
+    generator.drafter = _knowing_drafter([r.prompt for r in requests], [plain[r.id] for r in requests])
+    widths = []
+    verify = generator.runner.verify
+    generator.runner.verify = lambda fed, *args: widths.append([len(f) for f in fed]) or verify(fed, *args)
+    made = _record_logits(generator)
+    assert drive(generator, requests) == plain
+    assert widths[0][0] <= 2 and max(widths[0]) > 3, widths  # request 0 drafts 1, its row padded past the end
+    for request in requests:
+        ours = _rows(made[request.id], len(plain[request.id])).double().numpy()
+        ref = _reference(request.prompt, tuple(plain[request.id]))
+        assert np.abs(ours - ref).max() / np.abs(ref).max() < 1e-5, request.id
+
+
 def test_a_stop_id_ends_its_request_on_that_token():
     """Stop ids met at the first token (the prefill's) and later (a decode step's): the request ends there."""
     prompts = [[7, 3, 47], [7, 3, 42], [7, 3, 64], [7, 3, 32]] + PROMPTS[:4]  # the first four change token midway
@@ -179,7 +248,7 @@ def test_a_requests_tokens_do_not_depend_on_its_batch_mates():
     alone_logits, together_logits = _record_logits(alone), _record_logits(together)
     assert _replay(alone, _prompts(13)).tokens == _replay(together, _prompts(13)).tokens
     for request_id, rows in alone_logits.items():
-        a, b = torch.stack(rows), torch.stack(together_logits[request_id])
+        a, b = _rows(rows, len(rows)), _rows(together_logits[request_id], len(rows))
         assert (a - b).abs().max() <= 1e-5 * a.abs().max(), request_id
 
 
@@ -191,6 +260,12 @@ def test_the_default_genome_is_the_plain_engine_and_rules_name_their_genes():
     assert "kv_alloc" not in default
     assert SPACE.make({"prefill_chunk": 16}) == SPACE.default()  # ignored with prefill=whole
     assert SPACE.make({"kv_block": 64}) == SPACE.default()  # ignored with kv_pool=slots
+    assert SPACE.make({"spec_tokens": 8}) == SPACE.default()  # ignored with speculation=off
+    assert default["speculation"] == "off" and serve_engine.build(SPACE.default(), PRESET, CPU).policy.spec_tokens == 0
+    old = SPACE.default().to_dict()  # a genome stored before speculation was a gene builds the engine it built then
+    for name in ("speculation", "spec_tokens"):
+        del old["scheduling"][name]
+    assert SPACE.validate(SPACE.completed(type(SPACE.default()).from_dict(old))) == SPACE.default()
     cuda = gene_space(PRESET, DeviceInfo("cuda", "h200"))
     with pytest.raises(GenomeError, match="kv_pool=slots or decode_step=eager"):
         cuda.make({"decode_step": "compiled", "kv_pool": "paged"})

@@ -10,7 +10,8 @@ Pick = tuple[GenerationRequest, int]  # how a row's token is chosen: its request
 
 
 class ModelRunner(Protocol):
-    """A prompt chunk of one pool row, and one decode step of the pool's first n rows together."""
+    """A prompt chunk of one pool row, and one decode step of the pool's first n rows together; with speculation,
+    a verify forward of those rows, several tokens each."""
 
     def prefill(self, row: int, tokens: tuple[int, ...], pos: int, pick: Pick | None) -> int | None:
         """Prompt tokens at positions [pos, pos+T) of `row`; with `pick` (they end the prompt), the next token."""
@@ -18,4 +19,10 @@ class ModelRunner(Protocol):
 
     def decode(self, tokens: list[int], positions: list[int], picks: list[Pick]) -> list[int]:
         """Rows [0, n) each feed tokens[r] at positions[r]; their next tokens, each picked by its request."""
+        ...
+
+    def verify(self, fed: list[list[int]], positions: list[int], picks: list[list[Pick]]) -> list[list[int]]:
+        """Rows [0, n) each feed fed[r] at positions [positions[r], positions[r] + len(fed[r])) in one forward,
+        each token seeing the row's earlier positions and itself; per row, the token picked after each fed one
+        (by picks[r][j]). Optional: called only when the policy's spec_tokens > 0."""
         ...

@@ -8,6 +8,13 @@ decode step's tokens, then the prefills'. A request ends at `max_tokens` or a st
 (waiting, prefilling or decoding); its row is freed. The decoding requests hold the pool's first rows: one
 that starts decoding takes the row after them (swapping with a prefilling request there), and when some end
 the last ones move into the holes.
+
+With `spec_tokens` > 0 a decode step speculates (vLLM's prompt lookup): each decoding request drafts up to
+`spec_tokens` tokens from its own prompt and tokens (`drafting.prompt_lookup`), and one batched forward
+(`ModelRunner.verify`) feeds every row its last token and its draft and picks the token after each. A row
+keeps the picked tokens for as long as its draft agreed with them, and the first pick that disagreed: exactly
+the tokens one-at-a-time decoding picks (a sampled token is the same seeded draw, keyed on its index), up to
+d + 1 of them for a draft of d. A step without any draft is the plain decode forward.
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from evo.workloads.generation import GenerationRequest, TokenEvent, check_fits
+from evo.workloads.generation_core.drafting import prompt_lookup
 from evo.workloads.generation_core.pool import Pool
 from evo.workloads.generation_core.runner import ModelRunner
 
@@ -27,13 +35,15 @@ PREFILL = ("whole", "chunked")
 @dataclass(frozen=True)
 class SchedulerPolicy:
     """What the scheduler reads of an engine's genes: how requests are batched, how many run at once (the pool's
-    rows), whole prompts or `prefill_chunk` tokens a forward, and how many prefill forwards a step runs."""
+    rows), whole prompts or `prefill_chunk` tokens a forward, how many prefill forwards a step runs, and the most
+    tokens a decoding request drafts a step (0: no speculation; more needs a runner with `verify`)."""
 
     batching: str
     max_running: int
     prefill: str
     prefill_chunk: int
     max_prefills_per_step: int
+    spec_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.batching not in BATCHING or self.prefill not in PREFILL:
@@ -43,6 +53,8 @@ class SchedulerPolicy:
         if self.max_running < 1 or self.max_prefills_per_step < 1 or not chunk_ok:
             raise ValueError(f"max_running, max_prefills_per_step and (chunked) prefill_chunk must be >= 1, got "
                              f"{self.max_running}, {self.max_prefills_per_step}, {self.prefill_chunk}")
+        if self.spec_tokens < 0:
+            raise ValueError(f"spec_tokens must be >= 0 (0: no speculation), got {self.spec_tokens}")
 
 
 @dataclass(eq=False)
@@ -65,7 +77,10 @@ class _Run:
 
 class Scheduler:
     """`add`, `step`, `abort` (the generation contract) over a pool and a model runner (see the module).
-    `context` makes the context each step runs in (the engine's: no autograd, an attention backend)."""
+    `context` makes the context each step runs in (the engine's: no autograd, an attention backend); `drafter`
+    (context, k) -> at most k draft tokens, when the policy speculates."""
+
+    drafter = staticmethod(prompt_lookup)
 
     def __init__(self, runner: ModelRunner, pool: Pool, policy: SchedulerPolicy, max_positions: int,
                  num_threads: int | None, context: Callable[[], AbstractContextManager] = nullcontext) -> None:
@@ -139,21 +154,51 @@ class Scheduler:
         return events
 
     def _decode(self) -> list[TokenEvent]:
-        """One batched forward of every decoding request; those that finish leave their rows."""
+        """One batched forward of every decoding request (see the module for speculation); those that finish
+        leave their rows. A request's tokens of one step are its events in order, none after its last."""
         runs = self.decoding
         positions = [run.cached for run in runs]
-        for run, p in zip(runs, positions):
-            self.pool.reserve(run.row, p + 1)
-        made = self.runner.decode([run.made[-1] for run in runs], positions, [(run.request, len(run.made)) for run in runs])
+        drafts = [self._draft(run, p) for run, p in zip(runs, positions)] if self.policy.spec_tokens else []
+        if any(drafts):
+            made = self._verify(runs, positions, drafts)
+        else:
+            for run, p in zip(runs, positions):
+                self.pool.reserve(run.row, p + 1)
+            tokens = self.runner.decode([run.made[-1] for run in runs], positions,
+                                        [(run.request, len(run.made)) for run in runs])
+            made = [[token] for token in tokens]
         events, ended = [], []
-        for run, token in zip(runs, made):
-            run.made.append(token)
-            events.append(TokenEvent(run.request.id, token, run.finished()))
-            if events[-1].finished:
-                ended.append(run)
+        for run, tokens in zip(runs, made):
+            for token in tokens:
+                run.made.append(token)
+                events.append(TokenEvent(run.request.id, token, run.finished()))
+                if events[-1].finished:
+                    ended.append(run)
+                    break
         if ended:
             self._end(ended)
         return events
+
+    def _draft(self, run: _Run, position: int) -> tuple[int, ...]:
+        """The request's draft: at most spec_tokens, and no more than its tokens left after the one it surely
+        makes (a draft of d may yield d + 1) nor than the positions after `position`, where its last token goes."""
+        room = min(self.policy.spec_tokens, run.request.max_tokens - len(run.made) - 1,
+                   self.max_positions - 1 - position)
+        return tuple(self.drafter(run.request.prompt + tuple(run.made), room))[:room] if room > 0 else ()
+
+    def _verify(self, runs: list[_Run], positions: list[int], drafts: list[tuple[int, ...]]) -> list[list[int]]:
+        """Each row's last token and draft through one forward; per row the picks its draft agreed with, and the
+        first that disagreed (or the one after the whole draft)."""
+        fed = [[run.made[-1], *draft] for run, draft in zip(runs, drafts)]
+        for run, p, tokens in zip(runs, positions, fed):
+            self.pool.reserve(run.row, p + len(tokens))
+        picks = [[(run.request, len(run.made) + j) for j in range(len(tokens))] for run, tokens in zip(runs, fed)]
+        picked = self.runner.verify(fed, positions, picks)
+        kept = []
+        for draft, row in zip(drafts, picked):
+            agreed = next((j for j, token in enumerate(draft) if token != row[j]), len(draft))
+            kept.append(row[:agreed + 1])
+        return kept
 
     # ------------------------------------------------------------------ rows: the decoding ones first
     def _free(self, row: int) -> None:

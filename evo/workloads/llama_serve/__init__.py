@@ -73,6 +73,8 @@ class LlamaServeWorkload(GenerationWorkload):
         v = genome.values()
         parts = [f"{v.get('batching')} x{v.get('max_running')}", f"prefill {v.get('prefill')}",
                  f"kv {v.get('kv_pool')}", f"step {v.get('decode_step')}"]
+        if v.get("speculation", "off") != "off":
+            parts.append(f"spec {v.get('speculation')} x{v.get('spec_tokens')}")
         weights = f"weights {v.get('weight_dtype')}"
         parts.append(weights + " int8" if v.get("weight_quant") == "int8" else weights)  # lossy engines stand out
         if v.get("linear_kernel", "torch") != "torch":

@@ -7,12 +7,14 @@ apart the same way):
 - the scheduler, shared with every generation engine here (`evo.workloads.generation_core.Scheduler`):
   admits waiting requests (continuous or static batching, at most `max_running`), runs their prefill
   (whole, or a chunk a step), keeps the decoding requests in the pool's first rows (when one ends, the
-  last moves into its row) and emits one token per request that produced one;
+  last moves into its row) and emits the tokens each request produced (one, or with speculation the draft
+  tokens verified and the one after);
 - the model runner (`ModelRunner`): the `llama` workload's `LlamaEngine` layers, called once per prefill
   (chunk) and once per step for every decoding request together: B rows at B positions, each rotated at
   its own position, its K/V written at its own position, attending under a per-row mask made by one
-  comparison (a single decoding row runs as a one-token chunk, with no mask). Greedy, or each request's
-  seeded sampling (`evo.workloads.generation_core.pick_tokens`).
+  comparison (a single decoding row runs as a one-token chunk, with no mask). A verify step (speculation)
+  is the same with T tokens a row, under a per-row causal mask. Greedy, or each request's seeded sampling
+  (`evo.workloads.generation_core.pick_tokens`).
 
 The KV pools and the runner live here, beside each other, because they are this model's; the KV pools
 would move to a module of their own as soon as another engine uses them. `BatchedLlamaGenerator` is the
@@ -88,17 +90,19 @@ class SlotPool:
         return kv
 
     def decode_kv(self, n: int, pos: torch.Tensor, S: int) -> KV:
-        """Rows [0, n) each write one position pos[r] (pos [n]); they read [n, KVH, S, d] views."""
-        rows = self.row_ids[:n]
+        """Rows [0, n) each write T positions pos[r] (pos [n, T]: T = 1 a decode step, more a verify); they read
+        [n, KVH, S, d] views."""
+        rows = self.row_ids[:n, None]
 
-        def kv(i: int, k: torch.Tensor, v: torch.Tensor):  # k, v [n, KVH, 1, d]
-            # into the layer's own tensor, not a view of it: a compiled step then writes in place
+        def kv(i: int, k: torch.Tensor, v: torch.Tensor):  # k, v [n, KVH, T, d]
+            # into the layer's own tensor, not a view of it: a compiled step then writes in place. The indexed
+            # places are [n, T, KVH, d] in both layouts (BHLD's two index tensors, apart, put their dims first)
             if self.bhld:
-                self.k[i][rows, :, pos] = k[:, :, 0]
-                self.v[i][rows, :, pos] = v[:, :, 0]
+                self.k[i][rows, :, pos] = k.transpose(1, 2)
+                self.v[i][rows, :, pos] = v.transpose(1, 2)
             else:
-                self.k[i][rows, pos] = k[:, :, 0]
-                self.v[i][rows, pos] = v[:, :, 0]
+                self.k[i][rows, pos] = k.transpose(1, 2)
+                self.v[i][rows, pos] = v.transpose(1, 2)
             return self.k_read[i][:n, :, :S], self.v_read[i][:n, :, :S]
 
         return kv
@@ -151,32 +155,30 @@ class PagedPool:
         return blocks.view(n, nb * self.block, self.kv_heads, self.d).transpose(1, 2)
 
     def _where(self, table: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block, offset) of positions pos [n] in the rows of table [n, per_row]."""
-        return table.gather(1, (pos // self.block)[:, None])[:, 0], pos % self.block
+        """(block, offset) of positions pos [n, T] in the rows of table [n, per_row], each [n, T]."""
+        return table.gather(1, pos // self.block), pos % self.block
+
+    def _writer(self, table: torch.Tensor, pos: torch.Tensor, S: int) -> KV:
+        """Writes positions pos [n, T] of the rows of table [n, per_row] (their blocks reserved); reads their
+        [0, S) as [n, KVH, S, d]."""
+        block, offset = self._where(table, pos)
+        read = table[:, :math.ceil(S / self.block)]
+
+        def kv(i: int, k: torch.Tensor, v: torch.Tensor):  # k, v [n, KVH, T, d]
+            self.k_write[i].index_put_((block, offset), k.transpose(1, 2))
+            self.v_write[i].index_put_((block, offset), v.transpose(1, 2))
+            return self._gather(self.k[i], read)[:, :, :S], self._gather(self.v[i], read)[:, :, :S]
+
+        return kv
 
     def prefill_kv(self, row: int, pos: int, T: int) -> KV:
-        end = pos + T
-        table = self.table[row:row + 1, :math.ceil(end / self.block)]
-        positions = torch.arange(pos, end, device=table.device)
-        block, offset = self._where(table.expand(T, -1), positions)
-
-        def kv(i: int, k: torch.Tensor, v: torch.Tensor):  # k, v [1, KVH, T, d]
-            self.k_write[i].index_put_((block, offset), k[0].transpose(0, 1))
-            self.v_write[i].index_put_((block, offset), v[0].transpose(0, 1))
-            return self._gather(self.k[i], table)[:, :, :end], self._gather(self.v[i], table)[:, :, :end]
-
-        return kv
+        """Writes one request's positions [pos, pos+T); reads its [0, pos+T) as [1, KVH, pos+T, d]."""
+        table = self.table[row:row + 1]
+        return self._writer(table, torch.arange(pos, pos + T, device=table.device)[None], pos + T)
 
     def decode_kv(self, n: int, pos: torch.Tensor, S: int) -> KV:
-        table = self.table[:n, :math.ceil(S / self.block)]
-        block, offset = self._where(self.table[:n], pos)
-
-        def kv(i: int, k: torch.Tensor, v: torch.Tensor):  # k, v [n, KVH, 1, d]
-            self.k_write[i].index_put_((block, offset), k[:, :, 0])
-            self.v_write[i].index_put_((block, offset), v[:, :, 0])
-            return self._gather(self.k[i], table)[:, :, :S], self._gather(self.v[i], table)[:, :, :S]
-
-        return kv
+        """Rows [0, n) each write T positions pos[r] (pos [n, T]); they read [n, KVH, S, d]."""
+        return self._writer(self.table[:n], pos, S)
 
 
 def make_pool(plan: ServePlan, engine: LlamaEngine, max_positions: int) -> SlotPool | PagedPool:
@@ -222,11 +224,11 @@ class ModelRunner:
 
     def _chunk(self, row: int, tokens: tuple[int, ...], pos: int, picks: list[Pick] | None) -> list[int]:
         """Tokens at positions [pos, pos+T) of one row, attending to its keys [0, pos+T) (causal: the attention
-        stage's mask=None form); the token after the last one (none without `picks`)."""
+        stage's mask=None form); the tokens after the last len(picks) ones (none without `picks`)."""
         engine, T = self.engine, len(tokens)
         x = engine.embed[torch.tensor(tokens, device=engine.device)][None]  # [1, T, D]
         h = engine._layers(x, engine._rotary(pos, T), self.pool.prefill_kv(row, pos, T), None)
-        return self._pick(engine._logits(h[:, -1]), picks) if picks else []
+        return self._pick(engine._logits(h[0, T - len(picks):]), picks) if picks else []
 
     def decode(self, tokens: list[int], positions: list[int], picks: list[Pick]) -> list[int]:
         """Rows [0, n) each feed tokens[r] at positions[r]; their next tokens, each picked by its request."""
@@ -240,10 +242,39 @@ class ModelRunner:
 
     def _eager_step(self, token: torch.Tensor, pos: torch.Tensor, S: int) -> torch.Tensor:
         """token, pos [n]: one forward of rows [0, n), attending to keys [0, S); logits [n, V]."""
-        engine = self.decoder
+        engine, pos = self.decoder, pos[:, None]  # [n, 1]: one position a row
         x = engine.embed[token][:, None]  # [n, 1, D]
         h = engine._layers(x, self._row_rotation(pos), self.pool.decode_kv(len(token), pos, S), self._row_mask(pos, S))
         return engine._logits(h[:, 0])
+
+    def verify(self, fed: list[list[int]], positions: list[int], picks: list[list[Pick]]) -> list[list[int]]:
+        """Rows [0, n) each feed fed[r] at positions [positions[r], positions[r] + len(fed[r])) in one forward; per
+        row, the token picked after each fed one. One row runs as a chunk (causal, no mask); more as T tokens a
+        row (the longest fed), each (row, t) rotated and written at its own position, under a per-row causal mask.
+
+        A shorter row is padded by repeating its last fed token at the positions after its own, clamped to the
+        last one. What the pads write is harmless: no real query sees it (the mask shows (r, t) only keys up to
+        its own position, and pads sit after the row's real tokens), a position after the ones the row has fed
+        is written again by the forward that feeds it before any query can see it, and the last position is
+        never fed (a request's last token is not fed back), so nothing reads it. Keys and values of rejected
+        draft tokens likewise lie after the row's cached positions, and are rewritten before they are read."""
+        if len(fed) == 1:
+            return [self._chunk(0, tuple(fed[0]), positions[0], picks[0])]
+        engine, device = self.engine, self.engine.device
+        n, T, last = len(fed), max(len(tokens) for tokens in fed), self.max_positions - 1
+        for r, p in enumerate(positions):
+            self.pool.reserve(r, min(p + T, last + 1))  # the pads' positions too (a paged row needs their blocks)
+        token = torch.tensor([tokens + tokens[-1:] * (T - len(tokens)) for tokens in fed], device=device)  # [n, T]
+        pos = torch.tensor([[min(p + t, last) for t in range(T)] for p in positions], device=device)  # [n, T]
+        S = min(max(positions) + T, last + 1)
+        h = engine._layers(engine.embed[token], self._row_rotation(pos), self.pool.decode_kv(n, pos, S),
+                           self._row_mask(pos, S))  # [n, T, D]
+        real = torch.tensor([r * T + t for r, tokens in enumerate(fed) for t in range(len(tokens))], device=device)
+        flat = self._pick(engine._logits(h.reshape(n * T, -1)[real]), [pick for row in picks for pick in row])
+        starts = [0]
+        for tokens in fed:
+            starts.append(starts[-1] + len(tokens))
+        return [flat[a:b] for a, b in zip(starts, starts[1:])]
 
     def _padded_step(self, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """The compiled static-shape step, its batch padded to the next power of two: pad rows feed token 0 at
@@ -260,17 +291,19 @@ class ModelRunner:
         return self._eager_step(token, pos, self.max_positions)
 
     def _row_rotation(self, pos: torch.Tensor):
-        """The rotary factors of rows at positions pos [n], shaped to rotate [n, h, 1, d]."""
-        rot = self.engine._rotary_at(pos)  # [n, d/2]: complex, or (cos, sin)
-        return tuple(r[:, None, None] for r in rot) if isinstance(rot, tuple) else rot[:, None, None]
+        """The rotary factors of rows' tokens at positions pos [n, T], shaped to rotate [n, h, T, d]."""
+        n, T = pos.shape
+        rot = self.engine._rotary_at(pos.reshape(-1))  # [n*T, d/2]: complex, or (cos, sin)
+        return tuple(r.view(n, 1, T, -1) for r in rot) if isinstance(rot, tuple) else rot.view(n, 1, T, -1)
 
     def _row_mask(self, pos: torch.Tensor, S: int) -> torch.Tensor:
-        """Additive mask of rows at positions pos [n] over S keys, by one comparison: 0 up to each row's position,
-        -inf after. Against the grouped call's scores (`grouped_queries`): [n, 1, 1, S] for SDPA's [n, KVH, G, S],
-        [n, 1, 1, 1, S] for the matmul form's [n, KVH, 1, G, S]. (The attention stage documents a [T, S] mask,
-        which cannot differ per row.)"""
-        mask = torch.where(self.key_positions[:S] <= pos[:, None], self.visible, self.hidden)  # [n, S]
-        return mask[:, None, None, None] if self.engine.plan.attention == "matmul" else mask[:, None, None]
+        """Additive mask of rows' tokens at positions pos [n, T] over S keys, by one comparison: 0 up to each
+        token's position, -inf after. A decode step (T = 1) against the grouped call's scores (`grouped_queries`):
+        [n, 1, 1, S] for SDPA's [n, KVH, G, S], [n, 1, 1, 1, S] for the matmul form's [n, KVH, 1, G, S]; a verify
+        against the plain call's: [n, 1, T, S] for SDPA's [n, H, T, S], [n, 1, 1, T, S] for [n, KVH, G, T, S].
+        (The attention stage documents a [T, S] mask, which cannot differ per row.)"""
+        mask = torch.where(self.key_positions[:S] <= pos[..., None], self.visible, self.hidden)  # [n, T, S]
+        return mask[:, None, None] if self.engine.plan.attention == "matmul" else mask[:, None]
 
     _pick = staticmethod(pick_tokens)
 
@@ -290,7 +323,7 @@ class BatchedLlamaGenerator(Scheduler):
         self.plan = plan
         pool = make_pool(plan, engine, max_positions)
         policy = SchedulerPolicy(plan.batching, plan.max_running, plan.prefill, plan.prefill_chunk,
-                                 plan.max_prefills_per_step)
+                                 plan.max_prefills_per_step, plan.drafted)
         super().__init__(ModelRunner(engine, pool, plan, max_positions), pool, policy, max_positions,
                          engine.num_threads, partial(_inference, engine._sdpa_backend))
 

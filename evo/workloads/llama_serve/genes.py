@@ -5,8 +5,8 @@ attention form), threads, the KV layout and dtype, the weights' dtype, layout an
 on (lossy values among them: bfloat16 at a float32 preset, int8, float16 or int8 packed weights), and the open stages' code genes. The call engine's
 `kv_alloc`, `prefill` and `decode_step` do not apply (a pooled cache is preallocated; this engine schedules
 its own prefill and decode step). Added here, the engine's own decisions: how requests are batched and
-admitted, how prefill shares a step with decoding, how the KV pool is laid out (slots or paged blocks) and
-how the batched decode step runs.
+admitted, how prefill shares a step with decoding, how the KV pool is laid out (slots or paged blocks),
+how the batched decode step runs and whether it speculates (prompt lookup, verified exactly).
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ MAX_RUNNING = (1, 2, 4, 8, 16, 32, 64)
 PREFILL_CHUNKS = (16, 32, 64, 128, 256)
 PREFILLS_PER_STEP = (1, 2, 4, 16, 64)
 KV_BLOCKS = (16, 32, 64)
+SPEC_TOKENS = (2, 4, 8)
 # the llama genes this engine does not read: a pool is preallocated; prefill and the step are scheduled here
 NOT_SHARED = ("kv_alloc", "prefill", "prefill_chunk", "decode_step")
 
@@ -67,6 +68,18 @@ def _step_genes(device: DeviceInfo) -> list[Gene]:
     ]
 
 
+def _speculation_genes() -> list[Gene]:
+    return [
+        Gene("speculation", "scheduling", ("off", "prompt_lookup"), "off",
+             "off: a decode step makes one token per request; prompt_lookup: each request drafts the tokens that "
+             "followed the latest earlier occurrence of its last 1-3 tokens in its prompt and output (vLLM's n-gram "
+             "proposer), and one batched forward verifies every draft: exact, it keeps only the drafted tokens equal "
+             "to what plain decoding picks (greedy or the seeded draw), and the pick after them"),
+        Gene("spec_tokens", "scheduling", SPEC_TOKENS, 4,
+             "the most tokens a request drafts per step (speculation=prompt_lookup), clamped to its tokens left"),
+    ]
+
+
 def _pool_genes() -> list[Gene]:
     return [
         Gene("kv_pool", "memory", ("slots", "paged"), "slots",
@@ -91,7 +104,7 @@ def _compiled_step_needs_slots(values: Mapping[str, Scalar]) -> str | None:
 def gene_space(preset: ServePreset, device: DeviceInfo) -> GeneSpace:
     """Genes legal for `preset` on `device` (names are a contract with operators, configs and the workload)."""
     genes = (_llama._fusion_genes(device) + _batching_genes(preset) + _prefill_genes() + _step_genes(device)
-             + _shared_memory_genes(preset) + _llama.kernel_genes(device) + _pool_genes())
+             + _shared_memory_genes(preset) + _llama.kernel_genes(device) + _pool_genes() + _speculation_genes())
     constraints = (
         Constraint("decode_step compiled needs kv_pool slots", _compiled_step_needs_slots),
         Constraint("kv_dtype no wider than weight_dtype", _llama._kv_no_wider_than_weights),
@@ -100,6 +113,7 @@ def gene_space(preset: ServePreset, device: DeviceInfo) -> GeneSpace:
     ignored = [
         Ignored(("prefill_chunk",), lambda v: v.get("prefill") == "whole", "prefill=whole has no chunks"),
         Ignored(("kv_block",), lambda v: v.get("kv_pool") == "slots", "kv_pool=slots has no blocks"),
+        Ignored(("spec_tokens",), lambda v: v.get("speculation") == "off", "speculation=off drafts no tokens"),
         _llama.INT8_IGNORES_LAYOUT,
         _llama.PACKED_IGNORES_LAYOUT,
     ]
@@ -131,6 +145,8 @@ class ServePlan:
     kv_pool: str
     kv_block: int
     kv_layout: str
+    speculation: str
+    spec_tokens: int
 
     @classmethod
     def from_genome(cls, genome: Genome) -> ServePlan:
@@ -138,4 +154,10 @@ class ServePlan:
         return cls(batching=str(v["batching"]), max_running=int(v["max_running"]), prefill=str(v["prefill"]),
                    prefill_chunk=int(v["prefill_chunk"]), max_prefills_per_step=int(v["max_prefills_per_step"]),
                    decode_step=str(v["decode_step"]), kv_pool=str(v["kv_pool"]), kv_block=int(v["kv_block"]),
-                   kv_layout=str(v["kv_layout"]))
+                   kv_layout=str(v["kv_layout"]), speculation=str(v["speculation"]),
+                   spec_tokens=int(v["spec_tokens"]))
+
+    @property
+    def drafted(self) -> int:
+        """The most tokens a request drafts a step (0: no speculation): the scheduler's spec_tokens."""
+        return self.spec_tokens if self.speculation != "off" else 0
