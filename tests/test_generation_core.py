@@ -275,3 +275,12 @@ def test_a_stop_id_inside_an_accepted_run_ends_the_request_there():
     (fed0, picked0), (fed1, picked1) = scheduler.runner.verifies[0]
     assert fed0 == [1, 2, 3, 4, 1] and picked0 == [2, 3, 4, 1, 2]  # all agreed: the stop id cut the run
     assert fed1 == [1, 2, 3] and len(steps) == 2
+
+
+def test_speculation_stops_above_its_row_limit_and_refuses_bad_settings():
+    policy = SchedulerPolicy("continuous", 16, "whole", 16, 16, spec_tokens=4, spec_max_rows=4)
+    assert [policy.speculates(rows) for rows in (1, 4, 5, 16)] == [True, True, False, False]
+    assert SchedulerPolicy("continuous", 16, "whole", 16, 16, spec_tokens=4).speculates(16)  # 0: any rows
+    assert not SchedulerPolicy("continuous", 16, "whole", 16, 16).speculates(1)
+    with pytest.raises(ValueError, match="spec_min_ngram"):
+        SchedulerPolicy("continuous", 16, "whole", 16, 16, spec_tokens=4, spec_min_ngram=0)

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import deque
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 from evo.workloads.generation import GenerationRequest, TokenEvent, check_fits
@@ -44,6 +45,8 @@ class SchedulerPolicy:
     prefill_chunk: int
     max_prefills_per_step: int
     spec_tokens: int = 0
+    spec_min_ngram: int = 1  # the shortest context suffix a draft may match
+    spec_max_rows: int = 0  # speculate only while at most this many requests decode (0: however many)
 
     def __post_init__(self) -> None:
         if self.batching not in BATCHING or self.prefill not in PREFILL:
@@ -53,8 +56,14 @@ class SchedulerPolicy:
         if self.max_running < 1 or self.max_prefills_per_step < 1 or not chunk_ok:
             raise ValueError(f"max_running, max_prefills_per_step and (chunked) prefill_chunk must be >= 1, got "
                              f"{self.max_running}, {self.max_prefills_per_step}, {self.prefill_chunk}")
-        if self.spec_tokens < 0:
-            raise ValueError(f"spec_tokens must be >= 0 (0: no speculation), got {self.spec_tokens}")
+        if self.spec_tokens < 0 or self.spec_min_ngram < 1 or self.spec_max_rows < 0:
+            raise ValueError(f"spec_tokens must be >= 0 (0: no speculation), spec_min_ngram >= 1 and spec_max_rows >= 0"
+                             f" (0: any), got {self.spec_tokens}, {self.spec_min_ngram}, {self.spec_max_rows}")
+
+    def speculates(self, rows: int) -> bool:
+        """Whether a decode step of `rows` decoding requests drafts (a verify forward costs more per row than a
+        plain step, which pays off at few rows; vLLM turns speculation off above a batch size the same way)."""
+        return self.spec_tokens > 0 and (self.spec_max_rows == 0 or rows <= self.spec_max_rows)
 
 
 @dataclass(eq=False)
@@ -78,15 +87,14 @@ class _Run:
 class Scheduler:
     """`add`, `step`, `abort` (the generation contract) over a pool and a model runner (see the module).
     `context` makes the context each step runs in (the engine's: no autograd, an attention backend); `drafter`
-    (context, k) -> at most k draft tokens, when the policy speculates."""
-
-    drafter = staticmethod(prompt_lookup)
+    (context, k) -> at most k draft tokens, when the policy speculates (prompt lookup by default)."""
 
     def __init__(self, runner: ModelRunner, pool: Pool, policy: SchedulerPolicy, max_positions: int,
                  num_threads: int | None, context: Callable[[], AbstractContextManager] = nullcontext) -> None:
         self.runner, self.pool, self.policy, self.max_positions = runner, pool, policy, max_positions
         self.num_threads = num_threads  # the engine's threads gene, as the engine's process reads it
         self.context = context
+        self.drafter = partial(prompt_lookup, min_ngram=policy.spec_min_ngram)
         self.waiting: deque[GenerationRequest] = deque()
         self.prefilling: list[_Run] = []  # admission order
         self.decoding: list[_Run] = []  # decoding[r].row == r: the pool's first rows
@@ -158,7 +166,7 @@ class Scheduler:
         leave their rows. A request's tokens of one step are its events in order, none after its last."""
         runs = self.decoding
         positions = [run.cached for run in runs]
-        drafts = [self._draft(run, p) for run, p in zip(runs, positions)] if self.policy.spec_tokens else []
+        drafts = [self._draft(run, p) for run, p in zip(runs, positions)] if self.policy.speculates(len(runs)) else []
         if any(drafts):
             made = self._verify(runs, positions, drafts)
         else:

@@ -323,7 +323,7 @@ class BatchedLlamaGenerator(Scheduler):
         self.plan = plan
         pool = make_pool(plan, engine, max_positions)
         policy = SchedulerPolicy(plan.batching, plan.max_running, plan.prefill, plan.prefill_chunk,
-                                 plan.max_prefills_per_step, plan.drafted)
+                                 plan.max_prefills_per_step, plan.drafted, plan.spec_min_ngram, plan.spec_max_rows)
         super().__init__(ModelRunner(engine, pool, plan, max_positions), pool, policy, max_positions,
                          engine.num_threads, partial(_inference, engine._sdpa_backend))
 

@@ -24,6 +24,8 @@ PREFILL_CHUNKS = (16, 32, 64, 128, 256)
 PREFILLS_PER_STEP = (1, 2, 4, 16, 64)
 KV_BLOCKS = (16, 32, 64)
 SPEC_TOKENS = (2, 4, 8)
+SPEC_MIN_NGRAMS = (1, 2, 3)
+SPEC_MAX_ROWS = (1, 4, 16, 64)  # 64: the largest max_running, so always
 # the llama genes this engine does not read: a pool is preallocated; prefill and the step are scheduled here
 NOT_SHARED = ("kv_alloc", "prefill", "prefill_chunk", "decode_step")
 
@@ -77,6 +79,12 @@ def _speculation_genes() -> list[Gene]:
              "to what plain decoding picks (greedy or the seeded draw), and the pick after them"),
         Gene("spec_tokens", "scheduling", SPEC_TOKENS, 4,
              "the most tokens a request drafts per step (speculation=prompt_lookup), clamped to its tokens left"),
+        Gene("spec_min_ngram", "scheduling", SPEC_MIN_NGRAMS, 2,
+             "the shortest suffix of a request's context a draft may match (1: any earlier occurrence of its last "
+             "token drafts; longer: fewer, likelier drafts)"),
+        Gene("spec_max_rows", "scheduling", SPEC_MAX_ROWS, 4,
+             "speculate only while at most this many requests decode (a verify forward costs more per row than a "
+             "plain step: it pays off at a few rows, as vLLM turns speculation off above a batch size)"),
     ]
 
 
@@ -113,7 +121,8 @@ def gene_space(preset: ServePreset, device: DeviceInfo) -> GeneSpace:
     ignored = [
         Ignored(("prefill_chunk",), lambda v: v.get("prefill") == "whole", "prefill=whole has no chunks"),
         Ignored(("kv_block",), lambda v: v.get("kv_pool") == "slots", "kv_pool=slots has no blocks"),
-        Ignored(("spec_tokens",), lambda v: v.get("speculation") == "off", "speculation=off drafts no tokens"),
+        Ignored(("spec_tokens", "spec_min_ngram", "spec_max_rows"), lambda v: v.get("speculation") == "off",
+                "speculation=off drafts no tokens"),
         _llama.INT8_IGNORES_LAYOUT,
         _llama.PACKED_IGNORES_LAYOUT,
     ]
@@ -147,6 +156,8 @@ class ServePlan:
     kv_layout: str
     speculation: str
     spec_tokens: int
+    spec_min_ngram: int = 2
+    spec_max_rows: int = 4
 
     @classmethod
     def from_genome(cls, genome: Genome) -> ServePlan:
@@ -155,7 +166,8 @@ class ServePlan:
                    prefill_chunk=int(v["prefill_chunk"]), max_prefills_per_step=int(v["max_prefills_per_step"]),
                    decode_step=str(v["decode_step"]), kv_pool=str(v["kv_pool"]), kv_block=int(v["kv_block"]),
                    kv_layout=str(v["kv_layout"]), speculation=str(v["speculation"]),
-                   spec_tokens=int(v["spec_tokens"]))
+                   spec_tokens=int(v["spec_tokens"]), spec_min_ngram=int(v["spec_min_ngram"]),
+                   spec_max_rows=int(v["spec_max_rows"]))
 
     @property
     def drafted(self) -> int:
