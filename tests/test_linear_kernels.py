@@ -29,6 +29,15 @@ def test_each_kernel_multiplies_any_row_count_within_its_bound(kernel):
         assert ((got.double() - want).norm() / want.norm()).item() < BOUNDS[kernel], (kernel, rows)
 
 
+def test_one_row_weights_multiply_a_single_row_by_torchs_copy():
+    gen = torch.Generator().manual_seed(8)
+    w = torch.randn(64, 32, generator=gen)
+    packed = PackedLinear.of(w, "int8_dynamic", one_row=True)  # lossy for many rows, float32 for one
+    x = torch.randn(1, 32, generator=gen)
+    assert torch.allclose(packed(x), x @ w.T, rtol=1e-5, atol=1e-5)
+    assert packed.one_row.shape == (32, 64) and PackedLinear.of(w, "packed").one_row is None
+
+
 def test_the_gene_marks_lossy_kernels_and_needs_float32_weights():
     space = gene_space(PRESETS["cpu_small"], DeviceInfo("cpu", "cpu", 1))
     gene = next(g for g in space.genes if g.name == "linear_kernel")

@@ -113,6 +113,7 @@ DESIGNS = {
     "halves_on_the_fly": {"rotary": "on_the_fly", "rotary_pairs": "halves", "fused_qkv": False,
                           "fused_gate_up": False, "norm_fused_residual": False, "weight_layout": "native_left"},
     "packed": {"linear_kernel": "packed"},  # oneDNN over weights reordered at load: lossless
+    "packed_one_row": {"linear_kernel": "packed", "one_row_weights": True, "max_running": 1},  # one-row steps
     "speculation": {"speculation": "prompt_lookup", "spec_tokens": 4, "spec_min_ngram": 1},
     # drafts verified over gathered blocks, beside prompts chunked into a queue
     "paged_chunked_speculation": {"kv_pool": "paged", "prefill": "chunked", "prefill_chunk": 16,

@@ -140,7 +140,7 @@ class LlamaEngine:
         """A projection [out, in] as the engine multiplies it: packed for the genome's CPU kernel, int8 rows and
         scales, or in the dtype and layout."""
         if self.packed:
-            return PackedLinear.of(w, self.plan.linear_kernel)
+            return PackedLinear.of(w, self.plan.linear_kernel, self.plan.one_row_weights)
         if self.quantised:
             return Int8Weight.of(w, self.device, self.dtype)
         return self._float_w(w)
@@ -150,7 +150,8 @@ class LlamaEngine:
         self.embed = weights["model.embed_tokens.weight"].to(self.device, self.dtype)  # [V, D]
         self.final_norm = weights["model.norm.weight"].to(self.device, self.dtype)
         head = lm_head(weights)
-        self.head = PackedLinear.of(head, self.plan.linear_kernel) if self.packed else self._float_w(head)  # [D, V] or [V, D]
+        self.head = (PackedLinear.of(head, self.plan.linear_kernel, self.plan.one_row_weights) if self.packed
+                     else self._float_w(head))  # [D, V] or [V, D]
         self.layers = []
         for i in range(self.spec.layers):
             lw = layer_weights(weights, i)

@@ -92,7 +92,11 @@ def kernel_genes(device: DeviceInfo) -> list[Gene]:
                  "all rows of a step; fp16_weights: fbgemm float16 weights, float32 activations (half the bytes); "
                  "int8_dynamic: fbgemm int8 weights per output channel, activations quantised per call (a quarter "
                  "of the bytes). Non-torch kernels take float32 weights (weight_dtype=float32, weight_quant=none)",
-                 tuple(k for k in LOSSY_KERNELS if k in kernels))]
+                 tuple(k for k in LOSSY_KERNELS if k in kernels)),
+            Gene("one_row_weights", "memory", (False, True), False,
+                 "with a packed linear_kernel, also keep every projection and the LM head as torch's [in, out] and "
+                 "multiply a single row there (a one-row decode step reads that copy: torch's one-row product "
+                 "streams weights faster than the packed kernels; twice the weights' memory)")]
 
 
 def _packed_kernel_needs_float32(values: Mapping[str, Scalar]) -> str | None:
@@ -107,6 +111,8 @@ def _packed_kernel_needs_float32(values: Mapping[str, Scalar]) -> str | None:
 # packed kernels store their weights one way
 PACKED_IGNORES_LAYOUT = Ignored(("weight_layout",), lambda v: v.get("linear_kernel", "torch") != "torch",
                                 "a packed linear_kernel stores its weights one way")
+TORCH_KERNEL_HAS_ONE_WAY = Ignored(("one_row_weights",), lambda v: v.get("linear_kernel", "torch") == "torch",
+                                   "linear_kernel=torch multiplies every row count the same way")
 
 
 def _static_step_needs_preallocated_cache(values: Mapping[str, Scalar]) -> str | None:
@@ -140,7 +146,7 @@ def gene_space(preset: Preset, device: DeviceInfo) -> GeneSpace:
         Constraint("a packed linear_kernel needs float32 weights", _packed_kernel_needs_float32),
     )
     ignored = [Ignored(("prefill_chunk",), lambda v: v.get("prefill") == "whole", "prefill=whole has no chunks"),
-               INT8_IGNORES_LAYOUT, PACKED_IGNORES_LAYOUT]
+               INT8_IGNORES_LAYOUT, PACKED_IGNORES_LAYOUT, TORCH_KERNEL_HAS_ONE_WAY]
     if device.kind == "cuda":
         ignored.append(Ignored(("sdpa_backend",), lambda v: v.get("attention") == "matmul",
                                "attention=matmul calls no SDPA kernel"))
@@ -169,6 +175,7 @@ class Plan:
     weight_layout: str
     weight_quant: str
     linear_kernel: str = "torch"
+    one_row_weights: bool = False
 
     @classmethod
     def from_genome(cls, genome: Genome) -> Plan:
@@ -181,4 +188,5 @@ class Plan:
             prefill=str(v["prefill"]), prefill_chunk=int(v["prefill_chunk"]), decode_step=str(v["decode_step"]),
             threads=int(v["threads"]), kv_layout=str(v["kv_layout"]), kv_alloc=str(v["kv_alloc"]),
             kv_dtype=str(v["kv_dtype"]), weight_dtype=str(v["weight_dtype"]), weight_layout=str(v["weight_layout"]),
-            weight_quant=str(v["weight_quant"]), linear_kernel=str(v.get("linear_kernel", "torch")))
+            weight_quant=str(v["weight_quant"]), linear_kernel=str(v.get("linear_kernel", "torch")),
+            one_row_weights=bool(v.get("one_row_weights", False)))

@@ -12,7 +12,10 @@ weights; 0.3 / 0.6 / 2.8 ms int8, with the weight L3-resident):
 - `int8_dynamic`: fbgemm's int8 weights, one scale per output channel (absmax / 127), activations quantised
   to uint8 per call over the call's whole [M, in] (so a row's rounding depends on the batch's range), int32
   accumulation (a quarter of the bytes; lossy: ~1e-2 relative error of the product).
-Each `PackedLinear` is called as W(x): x [..., in] float32 -> [..., out] float32. CPU only.
+Each `PackedLinear` is called as W(x): x [..., in] float32 -> [..., out] float32. CPU only. With `one_row` it also
+keeps the weight as torch's [in, out] and multiplies a single row by `x @ W` there (the gene `one_row_weights`):
+at one row and one thread oneDNN's packed float32 read a weight streamed from memory at 13 GB/s against torch's
+17, so a one-row step gains what twice the weights' memory costs.
 """
 from __future__ import annotations
 
@@ -57,16 +60,19 @@ class PackedLinear:
     kernel: str
     out_features: int
     run: Callable[[torch.Tensor], torch.Tensor]
+    one_row: torch.Tensor | None = None  # [in, out]: torch's x @ W for a single row
 
     @classmethod
-    def of(cls, w: torch.Tensor, kernel: str) -> PackedLinear:
+    def of(cls, w: torch.Tensor, kernel: str, one_row: bool = False) -> PackedLinear:
         if kernel not in PACKERS:
             raise ValueError(f"linear_kernel {kernel!r} packs no weight; packed kernels: {sorted(PACKERS)}")
         w = w.detach().to("cpu", torch.float32).contiguous()
-        return cls(kernel, w.shape[0], PACKERS[kernel](w))
+        return cls(kernel, w.shape[0], PACKERS[kernel](w), w.t().contiguous() if one_row else None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
+        if self.one_row is not None and rows.shape[0] == 1:
+            return torch.mm(rows, self.one_row).view(*x.shape[:-1], self.out_features)
         if not rows.is_contiguous():
             rows = rows.contiguous()
         return self.run(rows).view(*x.shape[:-1], self.out_features)

@@ -125,6 +125,7 @@ def gene_space(preset: ServePreset, device: DeviceInfo) -> GeneSpace:
                 "speculation=off drafts no tokens"),
         _llama.INT8_IGNORES_LAYOUT,
         _llama.PACKED_IGNORES_LAYOUT,
+        _llama.TORCH_KERNEL_HAS_ONE_WAY,
     ]
     if device.kind == "cuda":
         ignored.append(Ignored(("sdpa_backend",), lambda v: v.get("attention") == "matmul",
