@@ -1,5 +1,5 @@
-"""A llama_serve search end to end (the generation contract through the driver): real Ray, the strict
-sandbox, a real SQLite MLflow store. Its summary holds every engine's serving figures under `vllm bench
+"""A llama_serve search end to end (the generation contract through the driver), its candidates screened on
+shorter replays: real Ray, the strict sandbox, a real SQLite MLflow store. Its summary holds every engine's serving figures under `vllm bench
 serve`'s names, the final re-timing's paired intervals of each figure, and the registered model; `evo
 report` and the MLflow description show the table."""
 from __future__ import annotations
@@ -25,7 +25,7 @@ def test_a_generation_search_reports_paired_serving_figures_against_its_baseline
     config = load_config(ROOT / "configs" / "llama_serve_smoke.yaml", [
         "baselines=[hf_static]", "search.generations=1", "search.offspring=2", "search.max_evaluations=3",
         "search.population.size=2", "evaluators.count=1", "search.intensify.final_race=0",
-        "evaluator.accuracy.mode=budget", "genes={weight_quant: [int8]}",
+        "evaluator.accuracy.mode=budget", "genes={weight_quant: [int8]}", "search.screen.count=6",
         f"mlflow.tracking_uri={uri}", "mlflow.experiment=serve-e2e", "mlflow.model_name=serve-e2e-engine"])
     log = io.StringIO()
     result = run(config, tmp_path / "run", out=log)
@@ -33,8 +33,11 @@ def test_a_generation_search_reports_paired_serving_figures_against_its_baseline
     assert summary["best_genome"] is not None, log.getvalue()[-3000:]
     assert summary["baselines"]["hf_static"]["status"] == "ok", summary["baselines"]
     best, baseline = summary["serving"]["best"], summary["serving"]["hf_static"]
-    for figures in (best, baseline):
-        assert figures["completed"] == figures["requests"] == 12 and figures["concurrency"] == 4
+    # candidates are screened on 6-request replays (their single timings compare with no baseline's); the
+    # baselines and every paired figure are timed on the whole 12-request trace
+    assert summary["best_fidelity"] == "screen" and summary["speedups"] == {}
+    for figures, requests in ((best, 6), (baseline, 12)):
+        assert figures["completed"] == figures["requests"] == requests and figures["concurrency"] == 4
         assert figures["output_throughput"] > 0 and figures["tpot_ms"]["p99"] >= figures["tpot_ms"]["median"] > 0
     assert summary["best_latency_ms"] == pytest.approx(1e3 / best["output_throughput"], rel=0.35)  # median of replays
     paired = summary["serving_paired"]["hf_static"]
@@ -45,6 +48,11 @@ def test_a_generation_search_reports_paired_serving_figures_against_its_baseline
     speedup = summary["speedup_paired"]["hf_static"]
     assert paired["output_throughput"][0] == pytest.approx(speedup, rel=0.15)
     assert summary["registered_model"] == "models:/serve-e2e-engine/1"
+    import pyarrow.parquet as pq
+
+    fidelity = {f for path in (result.run_dir / "generations").glob("gen_*.parquet")
+                for f in pq.read_table(path).column("fidelity").to_pylist()}
+    assert fidelity == {"screen"}, fidelity  # the evidence says how each figure was measured
     loss = summary["accuracy"]["best"]  # int8 weights, judged against a budget calibrated on honest bfloat16
     assert summary["best_genome"]["memory"]["weight_quant"] == "int8"
     assert loss["mode"] == "budget" and loss["budget"]["basis"].startswith("calibrated") and loss["steps"] > 100

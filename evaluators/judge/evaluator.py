@@ -176,9 +176,15 @@ class Evaluator:
             "cores": list(self.cores) if self.cores is not None else None,
         }
 
-    def evaluate(self, genome_json: str, sources: Mapping[str, str] | None = None) -> EvalResult:
+    def evaluate(self, genome_json: str, sources: Mapping[str, str] | None = None,
+                 screen: Mapping[str, int] | None = None) -> EvalResult:
         """Build, check and time the engine a genome describes. `sources` maps code hash -> source for the
-        genome's code genes (`evo.core.code`): checked here (compiled, never run), run only in the engine's process."""
+        genome's code genes (`evo.core.code`): checked here (compiled, never run), run only in the engine's process.
+        `screen` ({count, replays}, `evo.core.fidelity.ScreenSettings.to_evaluator`): a generation engine's
+        screening evaluation, the whole check replay and then shorter timed replays (its result's fidelity
+        "screen"); None: full fidelity."""
+        if screen is not None and self.generation is None:
+            raise ValueError("screen applies to generation workloads only (a call workload's timing case is fixed)")
         start = time.perf_counter()
         try:
             genome = Genome.from_json(genome_json)
@@ -195,7 +201,8 @@ class Evaluator:
         except CodeError as exc:
             return self._result(genome.hash, BUILD_ERROR, start, message=f"invalid engine code: {exc}",
                                 error=f"CodeError: {exc}")
-        return self._evaluate(genome.hash, start, {"genome_json": genome.to_json(), "guarded": True, "sources": code})
+        return self._evaluate(genome.hash, start, {"genome_json": genome.to_json(), "guarded": True, "sources": code},
+                              screen)
 
     def _code(self, genome: Genome, sources: Mapping[str, str]) -> dict[str, str]:
         """{hash: source} of the genome's code genes, each present, matching its hash and checked."""
@@ -248,7 +255,8 @@ class Evaluator:
         return self._floor_ms
 
     # ----------------------------------------------------------------- one evaluation
-    def _evaluate(self, genome_hash: str, start: float, engine: dict) -> EvalResult:
+    def _evaluate(self, genome_hash: str, start: float, engine: dict,
+                  screen: Mapping[str, int] | None = None) -> EvalResult:
         self.roofline_floor_ms()  # the ceilings are measured before any engine runs
         self._seen = {}
         self._telemetry_start, self._retimed_after_throttle = self.sampler.sample(self.device), False
@@ -259,7 +267,7 @@ class Evaluator:
             with num_threads(1):
                 try:
                     process.launch(preload=self._preload)
-                    result = self._judge(process, genome_hash, start, engine)
+                    result = self._judge(process, genome_hash, start, engine, screen)
                 except EngineProcessError as exc:
                     result = self._failed(genome_hash, start, exc, "sandbox", self._limit(genome_hash, build=True))
                 finally:
@@ -274,9 +282,10 @@ class Evaluator:
             if self.device != "cpu":
                 torch.cuda.empty_cache()
 
-    def _judge(self, process: EngineProcess, genome_hash: str, start: float, engine: dict) -> EvalResult:
+    def _judge(self, process: EngineProcess, genome_hash: str, start: float, engine: dict,
+               screen: Mapping[str, int] | None = None) -> EvalResult:
         if self.generation is not None:
-            return self.generation.judge(process, genome_hash, start, engine)
+            return self.generation.judge(process, genome_hash, start, engine, screen)
         settings = self.settings
         null_ms = 0.0
         try:

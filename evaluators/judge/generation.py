@@ -35,7 +35,8 @@ from __future__ import annotations
 import math
 import time
 import weakref
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -46,6 +47,7 @@ from evaluators.judge.request_ids import RequestIds
 from evaluators.judge.traffic import TimedShape, check_sends, draw_timed, stop_case, timed_sends
 from evaluators.sandbox.process import EngineProcess, EngineProcessError
 from evaluators.settings import OBJECTIVE_BOUNDS
+from evo.core.fidelity import FULL, SCREEN
 from evo.core.records import INCORRECT, OK, RUNTIME_ERROR, SUSPECT, TIMEOUT, EvalResult
 from evo.core.stream_metrics import ServingMetrics, Slo, serving_metrics
 from evo.core.trace import TraceSpec
@@ -129,28 +131,36 @@ class GenerationJudge:
         self._rounds: list[tuple[TimedShape, GenerationRequest | None]] = []
 
     # ----------------------------------------------------------------- one evaluation
-    def judge(self, process: EngineProcess, genome_hash: str, start: float, engine: dict) -> EvalResult:
+    def judge(self, process: EngineProcess, genome_hash: str, start: float, engine: dict,
+              screen: Mapping[str, int] | None = None) -> EvalResult:
+        """One evaluation (see the module); with `screen` ({count, replays}) its timed replays are `replays` of a
+        trace of `count` requests (at most the run's), the check replay whole: the result's fidelity "screen"."""
         ev = self.ev
+        trace, replays, fidelity = self.trace, self.replays, FULL
+        if screen is not None:
+            trace = replace(self.trace, count=max(1, min(int(screen["count"]), self.trace.count)))
+            replays, fidelity = int(screen["replays"]), SCREEN
         built, failed = ev.built(process, genome_hash, start, engine, contract="generation")
         if failed is not None:
-            return failed
-        stamp, deadline = built.stamp, built.deadline
+            return replace(failed, fidelity=fidelity)
+        stamp, deadline = {**built.stamp, "fidelity": fidelity}, built.deadline
         generator = ConfinedGenerator(process)  # each replay bounds it by the evaluation's deadline
         held = _Held(greedy_only=self.greedy_only(engine))
         tally = self.tally()
         problem = self.check(generator, deadline, held.greedy_only, held.ids, tally)
         if problem:
             return ev.result(genome_hash, problem[0], start, message=problem[1], **stamp)
-        shape = draw_timed(self.trace, self._rng())  # this evaluation's trace
-        timed, problem = self._timed(generator, deadline, self.replays, shape, held, tally)
+        shape = draw_timed(trace, self._rng())  # this evaluation's trace
+        timed, problem = self._timed(generator, deadline, replays, shape, held, tally)
         if problem:
             return ev.result(genome_hash, problem[0], start, message=problem[1], **stamp)
         median = self._median(timed)
-        note = (f"{sum(len(t.result.requests) for t in timed)} requests of {len(timed)} timed replays and "
+        note = (f"{sum(len(t.result.requests) for t in timed)} requests of {len(timed)} timed"
+                f"{' screening' if fidelity == SCREEN else ''} replays and "
                 f"{self.checked_requests} of a check replay, each scored on its own tokens")
         if ev.below_floor(median):
             first = median
-            again, problem = self._timed(generator, deadline, self.replays, shape, held, tally)
+            again, problem = self._timed(generator, deadline, replays, shape, held, tally)
             if problem:
                 return ev.result(genome_hash, problem[0], start, message=f"re-verification: {problem[1]}", **stamp)
             timed, median = again, self._median(again)

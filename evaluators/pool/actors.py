@@ -35,7 +35,7 @@ from evaluators.judge.evaluator import Evaluator
 from evaluators.pool.placement import NodeView, PlacementError, SlotPlan, initial_plan, placement_kind, plan_slots
 from evaluators.settings import EvaluatorSettings, PoolSettings
 from evo.core.records import RUNTIME_ERROR, TIMEOUT, EvalResult, Proposal
-from evo.core.retiming import PairedTiming, failed_timing
+from evo.core.retiming import NOT_TIMED, PairedTiming, failed_timing
 from evo.core.seeds import derive_seed
 from evo.workloads.base import DeviceInfo, MachineRates, Preset
 
@@ -124,6 +124,7 @@ class EvaluatorPool:
         self.on_event = on_event
         self.should_stop = lambda: False  # polled at least once a second: stop dispatching when true
         self.sources_of: Callable[[Proposal], dict[str, str]] = lambda p: dict(p.sources)  # code hash -> source
+        self.screen: dict[str, int] | None = None  # candidates' evaluations screen so (evo.core.fidelity); None: full
         self.watch_interval_s, self.node_wait_s = watch_interval_s, node_wait_s
         self.slots: list[_Slot] = []
         self.device_type: str | None = None  # the device every timing of this run comes from
@@ -285,8 +286,9 @@ class EvaluatorPool:
 
     def run(self, proposals: list[Proposal]) -> Iterator[tuple[Proposal, EvalResult]]:
         # (genome JSON[, sources]): only genomes with code genes need sources
-        jobs = [_Job(p, "evaluate", (p.genome.to_json(), *filter(None, [self.sources_of(p)])), {}, _eval_failure(p.hash))
-                for p in proposals]
+        screen = {"screen": self.screen} if self.screen else {}
+        jobs = [_Job(p, "evaluate", (p.genome.to_json(), *filter(None, [self.sources_of(p)])), screen,
+                     _eval_failure(p.hash, "screen" if screen else "full")) for p in proposals]
         yield from self._dispatch(jobs)
 
     def retime(self, jobs: list[RetimeJob]) -> list[list[PairedTiming]]:
@@ -300,7 +302,7 @@ class EvaluatorPool:
         if not jobs:
             return []
         answers = dict(self._dispatch(calls, timeout_factor=max(self._budget_factor(job.engines) for job in jobs)))
-        return [answers.get(i) or job.failed("not timed: the run was stopped", "") for i, job in enumerate(jobs)]
+        return [answers.get(i) or job.failed(NOT_TIMED, "") for i, job in enumerate(jobs)]
 
     def _budget_factor(self, engines: Sequence[str]) -> float:
         """The evaluators' budget for these engines ("baseline:NAME" or genome JSON), in eval_timeout_s: a
@@ -390,9 +392,9 @@ class EvaluatorPool:
             self._kill(slot)
 
 
-def _eval_failure(genome_hash: str) -> Callable[[str, str, str, str], EvalResult]:
+def _eval_failure(genome_hash: str, fidelity: str = "full") -> Callable[[str, str, str, str], EvalResult]:
     return lambda status, message, error, evaluator: EvalResult(genome_hash, status, message=message, error=error,
-                                                                evaluator=evaluator)
+                                                                evaluator=evaluator, fidelity=fidelity)
 
 
 def _short(node_id: str) -> str:

@@ -110,6 +110,9 @@ class EvalResult:
     # a generation engine's accuracy contract and what it lost against the float64 reference
     # (`evaluators.judge.accuracy`: mode, top-1 agreement, gaps, near ties, the budget); empty for a call engine
     accuracy: dict[str, Any] = field(default_factory=dict)
+    # how it was timed: "full" (the run's whole trace or timing case) or "screen" (a generation workload's
+    # shorter screening replays, `evo.core.fidelity`): single timings of different fidelities never compare
+    fidelity: str = "full"
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:

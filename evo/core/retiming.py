@@ -25,6 +25,7 @@ import numpy as np
 from evo.core.records import Evaluated
 
 FASTER, SLOWER, EQUAL, FAILED = "faster", "slower", "equal", "failed"
+NOT_TIMED = "not timed: the run was stopped"  # the message of a re-timing a stop left undone (no verdict on A)
 VERDICTS: tuple[str, ...] = (FASTER, SLOWER, EQUAL, FAILED)
 MIN_PAIRS = 6  # fewer pairs than this cannot exclude anything at 95% (the interval is every Walsh average)
 CONFIDENCE = 0.95
@@ -164,6 +165,11 @@ def failed_timing(a: str, b: str, message: str, min_effect: float, **fields: Any
     return PairedTiming(a, b, FAILED, min_effect=min_effect, message=message[:500], **fields)
 
 
+def not_timed(timing: PairedTiming) -> bool:
+    """Whether a stop left this re-timing undone (it says nothing about its engines)."""
+    return timing.verdict == FAILED and timing.message.startswith(NOT_TIMED)
+
+
 @dataclass(frozen=True)
 class IntensifySettings:
     """Intensification (the config's `search.intensify`): a candidate that looks faster than its parent or
@@ -229,5 +235,5 @@ class Retimer(Protocol):
         ...
 
 
-__all__ = ["Challenge", "Retimer", "CONFIDENCE", "EQUAL", "FAILED", "FASTER", "IntensifySettings", "MIN_PAIRS", "PairedTiming", "SLOWER",
-           "VERDICTS", "decide", "failed_timing", "hodges_lehmann", "paired_timing", "pooled"]
+__all__ = ["Challenge", "Retimer", "CONFIDENCE", "EQUAL", "FAILED", "FASTER", "IntensifySettings", "MIN_PAIRS", "NOT_TIMED", "PairedTiming", "SLOWER",
+           "VERDICTS", "decide", "failed_timing", "hodges_lehmann", "not_timed", "paired_timing", "pooled"]

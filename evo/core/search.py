@@ -47,7 +47,10 @@ from evo.core.lessons import Lessons
 from evo.core.population import Population, PopulationSettings
 from evo.core.proposer import Archive, Feedback, ProposalRequest, improves_on_parent
 from evo.core.records import STATUSES, EvalResult, Evaluated, Parent, Proposal
-from evo.core.retiming import EQUAL, FASTER, Challenge, IntensifySettings, PairedTiming, Retimer, pooled
+from evo.core.fidelity import ScreenSettings
+from evo.core.reserve import EndReserve
+from evo.core.retiming import (EQUAL, FASTER, Challenge, IntensifySettings, PairedTiming, Retimer, not_timed,
+                               pooled)
 from evo.core.seeds import derive_seed
 
 # The default team: one agent per genome domain (registered under the domain's name) and recombination.
@@ -64,7 +67,8 @@ class SearchSettings:
     generations: int = 6  # generations to run (generation 0 is the seeds)
     offspring: int = 8  # proposals per generation
     max_evaluations: int = 60  # genome evaluations in all (baselines not counted)
-    max_wall_s: float = 540.0  # no new generation starts after this many seconds
+    max_wall_s: float = 540.0  # no new generation starts after this many seconds; while intensifying, none starts
+    # unless it, the final race of what waits and the final re-timing fit in it too (`evo.core.reserve`)
     agents: tuple[str, ...] = DEFAULT_AGENTS  # agents taking part by registered name (also: optuna, code) or
     # dotted path to a Proposer class (package.module:Class)
     parents_per_agent: int = 3  # parents offered to each agent per generation
@@ -75,6 +79,8 @@ class SearchSettings:
     intensify: IntensifySettings = field(default_factory=IntensifySettings)  # paired re-timing of challengers
     prescreen_factor: float = 0.0  # > 0 (at least 1): skip proposals the workload's model (kernel_facts)
     # predicts slower than this factor times its prediction for the best measured genome; 0: off
+    screen: ScreenSettings = field(default_factory=ScreenSettings)  # a generation workload's candidates timed on
+    # shorter replays, the promising ones raced paired on whole ones (`evo.core.fidelity`); count 0: off
 
     def __post_init__(self) -> None:
         for name, value in (("generations", self.generations), ("offspring", self.offspring),
@@ -168,8 +174,10 @@ class RaceResult:
 
 class Search:
     def __init__(self, gene_space: GeneSpace, settings: SearchSettings, team: Team, lessons: Lessons | None = None,
-                 retimer: Retimer | None = None, predict: Callable[[Genome], float | None] | None = None) -> None:
-        """`predict`: a genome's modelled time in ms (None: no model for it), read by the pre-screen."""
+                 retimer: Retimer | None = None, predict: Callable[[Genome], float | None] | None = None,
+                 reserve: EndReserve | None = None) -> None:
+        """`predict`: a genome's modelled time in ms (None: no model for it), read by the pre-screen. `reserve`:
+        what the run's end costs (with a retimer): generations stop while the final race and re-timing fit."""
         self.gene_space = gene_space
         self.settings = settings
         self.team = team
@@ -191,6 +199,9 @@ class Search:
         self.prescreened: dict[str, float] = {}  # skipped by the pre-screen: genome hash -> modelled ms
         self.incumbent: Evaluated | None = None  # with intensification: the best, confirmed by paired re-timing
         self.retimings: list[PairedTiming] = []  # every paired re-timing of this search, in order
+        self.reserve = reserve
+        self.generation_walls: list[float] = []  # each generation's wall time in this session, re-timings included
+        self.stopped_for_end: str = ""  # why the search started no more generations to keep its end in budget
         if lessons is not None:
             self._learn_from(lessons)
 
@@ -214,8 +225,34 @@ class Search:
         return (
             self.generation >= self.settings.generations
             or self.budget_left() <= 0
-            or time.monotonic() - self._started > self.settings.max_wall_s
+            or self.elapsed_s() > self.settings.max_wall_s
+            or self._end_would_not_fit()
         )
+
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self._started
+
+    def end_reserve_s(self, waiting: int | None = None) -> float:
+        """Seconds the run's end needs: a round of the final race for what waits (+1: the next generation may
+        add one) and the final re-timing (0 without a reserve; nan while no cost is known)."""
+        if self.reserve is None or not self.intensifying:
+            return 0.0
+        waiting = len(self.unexamined()) + 1 if waiting is None else waiting
+        race = self.reserve.race_s(min(waiting, self.settings.intensify.final_race), self.retimings)
+        return race + self.reserve.final_s()
+
+    def _end_would_not_fit(self) -> bool:
+        """Whether another generation (as long as the median one so far) and the run's end overrun max_wall_s."""
+        if self.reserve is None or not self.intensifying or not self.generation_walls:
+            return False
+        generation_s, end_s = statistics.median(self.generation_walls), self.end_reserve_s()
+        if not math.isfinite(end_s) or self.elapsed_s() + generation_s + end_s <= self.settings.max_wall_s:
+            return False
+        self.stopped_for_end = (f"no generation started after {self.elapsed_s():.0f} s: another (~{generation_s:.0f} s)"
+                                f" and the run's end (~{end_s:.0f} s: the final race of {len(self.unexamined())}"
+                                f" waiting and the final re-timing) would overrun search.max_wall_s ="
+                                f" {self.settings.max_wall_s:g} s")
+        return True
 
     @property
     def intensifying(self) -> bool:
@@ -376,6 +413,7 @@ class Search:
             wall_s=time.monotonic() - self._generation_started,
             retimings=tuple(timings),
         )
+        self.generation_walls.append(report.wall_s)
         self._current = []
         self.generation += 1
         return report
@@ -401,6 +439,8 @@ class Search:
         """Re-time this generation's challengers (fastest-looking first, within the budget left once the
         final race's reserve is set aside)."""
         left = self.retimes_left()
+        if self.settings.screen.enabled:  # promote the fastest-looking share of the generation, no more
+            left = min(left, math.ceil(self.settings.screen.promote * sum(e.result.ok for e in current)))
         challenges = []
         for item in sorted((e for e in current if e.result.ok), key=lambda e: (e.fitness, e.proposal.hash)):
             if len(challenges) >= left:
@@ -414,8 +454,8 @@ class Search:
         if len(answers) != len(challenges):
             raise RuntimeError(f"the retimer answered {len(answers)} of {len(challenges)} challenges")
         timings = [replace(t, a=c.challenger.proposal.hash, b=c.holder.proposal.hash, reason=c.reason,
-                           generation=c.generation) for c, t in zip(challenges, answers)]
-        self.retimings += timings
+                           generation=c.generation) for c, t in zip(challenges, answers) if not not_timed(t)]
+        self.retimings += timings  # one a stop left undone examined nothing: its challenger waits for the race
         return timings
 
     def retimes_left(self) -> int:
@@ -432,9 +472,11 @@ class Search:
         return sorted((e for e in self.known.values() if e.result.ok and e.fitness < self.incumbent.fitness
                        and e.proposal.hash not in examined), key=lambda e: (e.fitness, e.proposal.hash))
 
-    def final_race(self, not_run: str | None = None) -> RaceResult:
+    def final_race(self, not_run: str | None = None, should_stop: Callable[[], bool] = lambda: False) -> RaceResult:
         """Race the fastest-looking unexamined candidates against the incumbent before the winner is declared
-        (see the module). `not_run`: the race does not run, and every such candidate is named with this reason."""
+        (see the module). `not_run`: the race does not run, and every such candidate is named with this reason.
+        With a reserve, a round races only the contenders that fit in what is left of search.max_wall_s (the
+        final re-timing's share set aside); `should_stop`: a stop ends it, keeping the rounds it finished."""
         started, settings = time.monotonic(), self.settings.intensify
         waiting = self.unexamined()
         before = self.incumbent.proposal.hash if self.incumbent else None
@@ -450,13 +492,22 @@ class Search:
         raced, timings, rounds = [], [], 0
         evidence: dict[str, PairedTiming] = {}  # contender -> its pooled record against the current holder
         decisions: dict[str, PairedTiming] = {}  # contender -> the record that decided it last
+
+        def leave(items: list[Evaluated], reason: str) -> None:
+            left_out.extend(Unexamined(c.proposal.hash, c.fitness, reason) for c in items if c.proposal.hash not in raced)
+
         while contenders and rounds < settings.race_rounds:
-            if time.monotonic() - started >= settings.race_wall_s:
-                why = f"the final race's wall time ran out (search.intensify.race_wall_s = {settings.race_wall_s:g} s)"
-                left_out = [Unexamined(c.proposal.hash, c.fitness, why) for c in contenders
-                            if c.proposal.hash not in raced] + left_out
+            if should_stop():
+                leave(contenders, "the run was stopped during its final race")
                 break
-            contenders = contenders[:budget - len(self.retimings) - len(timings)]  # later rounds stay in budget
+            if time.monotonic() - started >= settings.race_wall_s:
+                leave(contenders, f"the final race's wall time ran out (search.intensify.race_wall_s = "
+                                  f"{settings.race_wall_s:g} s)")
+                break
+            contenders, over = self._fit_in_wall(contenders[:budget - len(self.retimings) - len(timings)],
+                                                 [*self.retimings, *timings])
+            if over:
+                leave(*over)
             if not contenders:
                 break
             holder = self.incumbent
@@ -465,9 +516,13 @@ class Search:
             if len(answers) != len(challenges):
                 raise RuntimeError(f"the retimer answered {len(answers)} of {len(challenges)} challenges")
             rounds += 1
-            raced += [c.proposal.hash for c in contenders if c.proposal.hash not in raced]
+            undone = [c for c, answer in zip(contenders, answers) if not_timed(answer)]
+            leave(undone, "the run was stopped during its final race")
+            raced += [c.proposal.hash for c, a in zip(contenders, answers) if not not_timed(a) and c.proposal.hash not in raced]
             decided = []
             for c, answer in zip(contenders, answers):
+                if not_timed(answer):
+                    continue
                 record = replace(answer, a=c.proposal.hash, b=holder.proposal.hash, reason="race",
                                  generation=self.generation)
                 timings.append(record)  # each round's own pairs are the evidence; the pooled ones decide
@@ -482,10 +537,27 @@ class Search:
                 evidence.clear()
             else:
                 contenders = [c for c, r in decided if r.verdict == EQUAL]
+            if undone:
+                break
         self.retimings += timings
         return RaceResult(tuple(raced), tuple(timings), rounds, before, self.incumbent.proposal.hash,
                           tuple(sorted(left_out, key=lambda u: (u.latency_ms, u.hash))),
                           time.monotonic() - started, tuple(decisions.values()))
+
+    def _fit_in_wall(self, contenders: list[Evaluated], measured: Sequence[PairedTiming]
+                     ) -> tuple[list[Evaluated], tuple[list[Evaluated], str] | None]:
+        """The contenders (fastest-looking first) one round can race in what is left of search.max_wall_s once
+        the final re-timing's share is set aside, and (the others, why) when some do not fit."""
+        if self.reserve is None:
+            return contenders, None
+        left_s = self.settings.max_wall_s - self.elapsed_s() - self.reserve.final_s()
+        fit = self.reserve.fitting(len(contenders), left_s, measured)
+        if fit >= len(contenders):
+            return contenders, None
+        out = contenders[fit:]
+        needed = self.reserve.race_s(len(out), measured)
+        return contenders[:fit], (out, f"search.max_wall_s ({self.settings.max_wall_s:g} s) ran out: racing the "
+                                       f"{len(out)} left would have needed about {needed:.0f} s more")
 
     def _holder(self, item: Evaluated) -> tuple[Evaluated | None, str]:
         """What `item` looks faster than and must beat paired: the incumbent, else its fastest parent."""

@@ -6,7 +6,12 @@ times it in its evaluators, each challenge in one evaluator, several at once acr
 """
 from __future__ import annotations
 
+import math
+import statistics
+from collections.abc import Iterable
+
 from evaluators.pool.actors import EvaluatorPool, RetimeJob
+from evo.core.fidelity import SCREEN
 from evo.core.records import EvalResult, Evaluated
 from evo.core.retiming import Challenge, IntensifySettings, PairedTiming
 from evo.evidence.engine_record import EngineRecord
@@ -28,14 +33,52 @@ class PoolRetimer:
 
 def final_retiming(pool: EvaluatorPool, best: Evaluated, baselines: dict[str, EvalResult],
                    settings: IntensifySettings) -> list[PairedTiming]:
-    """The best engine against every correct baseline, all interleaved in one evaluator (so every
-    speedup of the summary comes with its 95% interval); [] when no baseline passed."""
+    """The best engine against each correct baseline, paired (so every speedup of the summary comes with its 95%
+    interval): one job a baseline, spread over the evaluators, so a stop keeps the ones that finished (the others
+    answer `evo.core.retiming.NOT_TIMED`); [] when no baseline passed."""
     names = [name for name, result in baselines.items() if result.ok]
-    if not names:
-        return []
-    job = RetimeJob((best.proposal.genome.to_json(), *(f"baseline:{n}" for n in names)),
-                    pool.sources_of(best.proposal), settings.calls, settings.warmup, settings.min_effect, "baseline")
-    return pool.retime([job])[0]
+    jobs = [RetimeJob((best.proposal.genome.to_json(), f"baseline:{n}"), pool.sources_of(best.proposal),
+                      settings.calls, settings.warmup, settings.min_effect, "baseline") for n in names]
+    return [answers[0] for answers in pool.retime(jobs)]
+
+
+def full_replay_s(result: EvalResult, full_count: int) -> float:
+    """One replay of the run's whole trace by this engine, in seconds, from its evaluation (a screening one
+    scaled by requests); nan where it has no replay figures (a call engine, a failure)."""
+    serving = result.serving or {}
+    duration, requests = serving.get("duration_s"), serving.get("requests")
+    if not (result.ok and duration and requests):
+        return math.nan
+    return float(duration) * (full_count / requests if result.fidelity == SCREEN else 1.0)
+
+
+def fixed_s(result: EvalResult, replays: int) -> float:
+    """What an evaluation cost besides its timed replays (build, check replay, scoring), in seconds."""
+    duration = (result.serving or {}).get("duration_s")
+    return max(0.0, result.eval_s - replays * float(duration)) if duration else math.nan
+
+
+def retime_estimate_s(results: Iterable[EvalResult], settings: IntensifySettings, full_count: int,
+                      screen_replays: int, replays: int) -> float:
+    """One paired re-timing of two candidates at full fidelity, before any was measured: each engine built and
+    checked as in its evaluation, then (warmup + calls) whole replays of each (the median over `results`)."""
+    each = [2 * fixed_s(r, screen_replays if r.fidelity == SCREEN else replays)
+            + 2 * (settings.warmup + settings.calls) * full_replay_s(r, full_count) for r in results]
+    each = [x for x in each if math.isfinite(x)]
+    return statistics.median(each) if each else math.nan
+
+
+def final_estimate_s(best: EvalResult | None, baselines: dict[str, EvalResult], settings: IntensifySettings,
+                     full_count: int, screen_replays: int, replays: int, parallel: int) -> float:
+    """The final paired re-timing (`final_retiming`): one job a baseline, `parallel` at a time."""
+    if best is None:
+        return 0.0
+    mine = full_replay_s(best, full_count)
+    mine_fixed = fixed_s(best, screen_replays if best.fidelity == SCREEN else replays)
+    jobs = [mine_fixed + fixed_s(r, replays) + (settings.warmup + settings.calls) * (mine + full_replay_s(r, full_count))
+            for r in baselines.values() if r.ok]
+    jobs = [x for x in jobs if math.isfinite(x)]
+    return max(max(jobs, default=0.0), sum(jobs) / max(1, parallel))
 
 
 def champion_race(pool: EvaluatorPool, settings: IntensifySettings):

@@ -20,6 +20,7 @@ import ray
 
 from evaluators.judge.calibration import CACHED
 from evo.core.code import CodeStore
+from evo.core.fidelity import SCREEN
 from evo.core.genome import DOMAINS
 from evo.core.lessons import FILE as LESSONS_FILE, Lessons, from_search as lessons_from_search
 from evo.core.lessons import write as write_lessons
@@ -31,7 +32,8 @@ from evo.driver.assemble import RunParts, Say, assemble, evidence_sinks, open_ru
 from evo.driver.config import RunConfig
 from evo.driver.progress import NORMAL, SUMMARY, CandidateLines, RunLog, SearchProgress, log
 from evo.driver.resume import ReplayExecutor, SavedRun, restore
-from evo.driver.retime import PoolRetimer, champion_race, final_retiming
+from evo.core.reserve import EndReserve
+from evo.driver.retime import PoolRetimer, champion_race, final_estimate_s, final_retiming, retime_estimate_s
 from evo.driver.rundir import check_config
 from evo.driver.stop import STOP, install_handlers
 from evo.evidence.claims import claim_lines
@@ -88,15 +90,21 @@ def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout
                                                             progress, searching)))
         if parts.mlflow:
             parts.mlflow.log_baselines(baselines, roofline.floor_ms)
-        search, executor = make_search(parts, resume, say)
+        search, executor = make_search(parts, resume, say, baselines)
         with run_log.phase("search", config.search.max_evaluations, "evaluations", search.evaluations) as phase:
             searching.phase = phase
             stopped = search_until_done(search, executor, sinks, run_dir, say)
         with run_log.phase("final race"):
             race = final_race(parts, search, stopped, say)
+        stopped = stopped or STOP.is_set()  # a stop during the race keeps the rounds it finished
         summary = summarize(parts, search, baselines, roofline, stopped, time.monotonic() - started, race)
         with run_log.phase("final paired re-timing"):
             summary = retime_best(parts, search, baselines, summary, stopped, say)
+        if STOP.is_set() and not stopped:  # stopped during the final re-timing: its finished figures stand
+            stopped = True
+            summary = replace(summary, stopped=True)
+            say(f"stopped during the final paired re-timing: kept {len(summary.speedup_ci)} paired figure(s); missing: "
+                f"{', '.join(sorted(summary.final_missing)) or 'none'}")
         summary = replace(summary, registered_model=register_best(parts, summary, stopped, say))
         if summary.best_genome:  # the final race may have crowned another than the last generation's best
             write_json(run_dir / BEST_GENOME_FILE, summary.best_genome)
@@ -113,8 +121,10 @@ class Progress(Sink):
         self.baseline_ms, self.budget = baseline_ms, budget
 
     def on_generation(self, report: GenerationReport, search: Search) -> None:
-        speedup = self.baseline_ms / report.best_latency_ms
         best = report.best
+        screened = best is not None and best.result.fidelity == SCREEN  # not comparable with the baselines' timings
+        speedup = f"{self.baseline_ms / report.best_latency_ms:5.2f}x vs best baseline" if not screened else \
+            "screen fidelity"
         retimed = ""
         if report.retimings:
             verdicts = [t.verdict for t in report.retimings]
@@ -122,7 +132,7 @@ class Progress(Sink):
                        f" equal within noise" + (f", {len(verdicts) - verdicts.count('faster') - verdicts.count('equal')}"
                                                  f" slower or failed" if len(set(verdicts) - {'faster', 'equal'}) else ""))
         log.info(f"gen {report.generation:3d} | best {report.best_latency_ms:8.2f} ms"
-                 f" | {speedup:5.2f}x vs best baseline | valid {report.status_counts.get('ok', 0)}/{len(report.evaluated)}"
+                 f" | {speedup} | valid {report.status_counts.get('ok', 0)}/{len(report.evaluated)}"
                  f" | {report.evals_per_s:5.2f} evals/s | evals {report.evaluations}/{self.budget}"
                  f" | best from {best.proposal.agent if best else '-'}{retimed}{_waiting(search)}")
 
@@ -191,12 +201,16 @@ def modelled_ms(parts: RunParts):
     return predict
 
 
-def make_search(parts: RunParts, resume: SavedRun | None, say: Say) -> tuple[Search, object]:
-    """The search and what evaluates its proposals: the pool, behind the replay of a resumed run's results."""
+def make_search(parts: RunParts, resume: SavedRun | None, say: Say,
+                baselines: dict[str, EvalResult] | None = None) -> tuple[Search, object]:
+    """The search and what evaluates its proposals: the pool (screening candidates where `search.screen` says),
+    behind the replay of a resumed run's results; its end reserved from measured costs (`end_reserve`)."""
     retimer = PoolRetimer(parts.pool) if parts.config.search.intensify.enabled else None
     predict = modelled_ms(parts) if parts.config.search.prescreen_factor else None
     search = Search(parts.gene_space, parts.config.search, parts.team, lessons=parts.lessons, retimer=retimer,
                     predict=predict)
+    search.reserve = end_reserve(parts, search, baselines or {})
+    parts.pool.screen = parts.config.search.screen.to_evaluator()
     executor = parts.pool
     if resume:
         executor = ReplayExecutor(parts.pool, search, restore(search, resume))
@@ -204,6 +218,28 @@ def make_search(parts: RunParts, resume: SavedRun | None, say: Say) -> tuple[Sea
             f"{len(executor.replay)} of the interrupted generation to replay")
     parts.pool.should_stop = STOP.is_set
     return search, executor
+
+
+def end_reserve(parts: RunParts, search: Search, baselines: dict[str, EvalResult]) -> EndReserve:
+    """What the run's end costs (`evo.core.reserve`), from this run's measured evaluations and baselines: a
+    generation workload's replay times scale to whole replays of its trace; a call workload's re-timing cost is
+    known once one was measured."""
+    config = parts.config
+    intensify, screen, replays = config.search.intensify, config.search.screen, config.evaluator.replays
+    parallel = max(1, len(parts.pool.ready_slots()))
+    if parts.workload.contract != "generation":
+        return EndReserve(parallel)
+    full = parts.workload.trace(parts.preset).count
+
+    def guess() -> float:
+        return retime_estimate_s([e.result for e in search.known.values()], intensify, full, screen.replays, replays)
+
+    def final() -> float:
+        best = search.best()
+        return final_estimate_s(best.result if best else None, baselines, intensify, full, screen.replays, replays,
+                                parallel)
+
+    return EndReserve(parallel, guess, final)
 
 
 def search_until_done(search: Search, executor, sinks: SinkList, run_dir: Path, say: Say) -> bool:
@@ -220,7 +256,7 @@ def final_race(parts: RunParts, search: Search, stopped: bool, say: Say) -> Race
     `search.intensify`; see `Search.final_race`) before the winner is declared; its re-timings join the
     run's evidence (retimings.jsonl). A stopped run races nothing and names them."""
     race = search.final_race(not_run="the run was stopped before its final race (resume continues it)"
-                             if stopped else None)
+                             if stopped else None, should_stop=STOP.is_set)
     append_retimings(parts.run_dir, list(race.timings))
     if race.contenders:
         say(f"final race: {len(race.contenders)} candidate(s) that looked faster than {race.before} and were never "

@@ -47,6 +47,13 @@ def check_config(config: RunConfig) -> None:
             preset = workload.with_trace(preset, config.evaluator.trace)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"evaluator.trace: {exc}") from None
+        if config.search.screen.enabled and config.search.screen.count >= workload.trace(preset).count:
+            raise ConfigError(f"search.screen.count: {config.search.screen.count} requests screen nothing: the run's "
+                              f"trace has {workload.trace(preset).count}; give fewer (e.g. {max(1, workload.trace(preset).count // 2)}), "
+                              f"or 0 to time every candidate on the whole trace")
+    elif config.search.screen.enabled:
+        raise ConfigError(f"search.screen: workload {config.workload!r} takes calls, timed on one fixed case; screening"
+                          f" on shorter replays applies to generation workloads only (count 0 turns it off)")
     elif config.evaluator.trace:
         raise ConfigError(f"evaluator.trace: workload {config.workload!r} takes calls, not requests (the call "
                           f"contract): a request trace applies to generation workloads only, e.g. llama_serve")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+from evo.core.fidelity import SCREEN
 from evo.evidence.serving_table import serving_lines
 from evo.evidence.summary import Summary, baseline_not_compared, baselines_measured
 
@@ -122,15 +123,20 @@ def claim_lines(summary: Summary) -> list[str]:
         lines.append(f"  final race: {len(race.get('contenders', []))} never re-timed candidate(s) that looked faster "
                      f"raced the incumbent paired; " + (f"{race['winner']} won (was {race['before']})" if moved
                                                         else "the incumbent held"))
+    for name, why in sorted(summary.final_missing.items()):
+        lines.append(f"  missing: no paired figure against {name}: {why}")
     for item in summary.unexamined:
         lines.append(f"  unexamined: {item['hash']} looked faster ({item['latency_ms']:.3f} ms, one single timing)"
                      f" and was never re-timed: {item['reason']}")
+    if summary.search_end:
+        lines.append(f"  search: {summary.search_end}")
     # a generation engine is scored on its tokens: no relative error, its loss against float64 instead
     accuracy = best_accuracy(summary)
     error = (f", max rel error {summary.best_max_rel_error:.2e}" if _finite(summary.best_max_rel_error)
              else ", every request's tokens those of the float64 reference" if summary.serving and not accuracy else "")
+    fidelity = " at screen fidelity (shorter replays)" if summary.best_fidelity == SCREEN else ""
     lines.append(f"  single timing {summary.best_latency_ms:.3f} ms (IQR {summary.best_latency_spread_ms:.3f}; one"
-                 f" evaluation's median, not a claim){error}")
+                 f" evaluation's median{fidelity}, not a claim){error}")
     return lines + accuracy_lines(accuracy) + serving_lines(summary)
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from evo.core.records import STATUSES, SUSPECT, EvalResult, Evaluated, nan_for_null
-from evo.core.retiming import FAILED, VERDICTS, PairedTiming, paired_figures
+from evo.core.fidelity import FULL, SCREEN
+from evo.core.retiming import FAILED, VERDICTS, PairedTiming, not_timed, paired_figures
 from evo.core.search import RaceResult, Search
 from evo.evidence.floor import RunFloor
 from evo.workloads.base import Roofline
@@ -127,6 +128,11 @@ class Summary:
     # agreement, gaps, near ties, the budget): "best" and each baseline by name (`EvalResult.accuracy`); empty
     # for call workloads. Every claim carries the best's (evo.evidence.claims.loss_words)
     accuracy: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # how the best's single timing was measured: "full", or "screen" (shorter replays, `evo.core.fidelity`), when
+    # `speedups` stay empty: only the final paired re-timing, at full fidelity, compares it with the baselines
+    best_fidelity: str = "full"
+    final_missing: dict[str, str] = field(default_factory=dict)  # baseline -> why it has no final paired figure
+    search_end: str = ""  # why the search started no more generations early, to keep its end in search.max_wall_s
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -156,6 +162,8 @@ def make_summary(search: Search, baselines: dict[str, EvalResult], roofline: Run
     knows (mlflow_run_id, stopped, warm_start, ...)."""
     best = search.best()
     latency = best.result.latency_ms if best else math.nan
+    fidelity = best.result.fidelity if best else FULL
+    comparable = {n: r for n, r in baselines.items() if r.fidelity == fidelity}  # single timings of one fidelity
     top = best_baseline(baselines)
     counts = {s: 0 for s in STATUSES}
     for item in search.known.values():
@@ -175,8 +183,8 @@ def make_summary(search: Search, baselines: dict[str, EvalResult], roofline: Run
         best_baseline=top[0] if top else None,
         baselines_compared=sorted(name for name, r in baselines.items() if r.ok),
         best_baseline_latency_ms=top[1].latency_ms if top else math.nan,
-        speedup_vs_best_baseline=(top[1].latency_ms / latency) if top and best else math.nan,
-        speedups=speedups(latency, baselines),
+        speedup_vs_best_baseline=(top[1].latency_ms / latency) if top and best and top[0] in comparable else math.nan,
+        speedups=speedups(latency, comparable),
         roofline=None if roofline is None else (
             roofline if isinstance(roofline, RunFloor) else RunFloor(roofline)).entry(latency),
         lineage=lineage(search, best.proposal.hash) if best else [],
@@ -190,6 +198,8 @@ def make_summary(search: Search, baselines: dict[str, EvalResult], roofline: Run
         unexamined=[u.to_dict() for u in race.unexamined] if race is not None else [],
         serving=_by_engine(best, baselines, "serving"),
         accuracy=_by_engine(best, baselines, "accuracy"),
+        best_fidelity=fidelity,
+        search_end=search.stopped_for_end,
         **run,
     )
 
@@ -214,8 +224,10 @@ def intensification(search: Search) -> dict[str, Any]:
 def with_final_retimings(summary: Summary, timings: list[PairedTiming]) -> Summary:
     """`summary` with the speedups of the final paired re-timing (a = the best engine, b = "baseline:NAME"):
     the speedup over a baseline is b's latency / a's = 1 / ratio, its interval [1/high, 1/low]."""
-    ci, paired, figures = {}, {}, {}
+    ci, paired, figures, missing = {}, {}, {}, {}
     for t in timings:
+        if not_timed(t) and t.b.startswith("baseline:"):
+            missing[t.b.removeprefix("baseline:")] = "the run was stopped before its paired re-timing finished"
         if t.verdict == FAILED or not t.b.startswith("baseline:"):
             continue
         name = t.b.removeprefix("baseline:")
@@ -223,4 +235,5 @@ def with_final_retimings(summary: Summary, timings: list[PairedTiming]) -> Summa
         ci[name], paired[name] = [low, high], estimate
         if found := paired_figures(t):
             figures[name] = found
-    return dataclasses.replace(summary, speedup_ci=ci, speedup_paired=paired, serving_paired=figures)
+    return dataclasses.replace(summary, speedup_ci=ci, speedup_paired=paired, serving_paired=figures,
+                               final_missing=missing)
