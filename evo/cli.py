@@ -39,12 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
                          help="start from what an earlier run of the same workload, preset and device learned: its "
                               "run directory, its lessons.yaml, or an MLflow experiment (its newest run with lessons)")
     _verbosity_flags(run_cmd)
-    compare_cmd = add("compare", help="benchmark search strategies at the same budget and seeds")
+    compare_cmd = add("compare", help="benchmark search strategies at equal evaluations or wall time, over seeds")
     compare_cmd.add_argument("config", help="YAML experiment config (a smoke-sized one under configs/ is quick)")
     compare_cmd.add_argument("--strategies", default="agents,random,tpe",
                              help="comma-separated: agents, agents-basic, agents+optuna, random, tpe, agents-warm")
     compare_cmd.add_argument("--seeds", type=int, default=10, help="seeds per strategy (search.seed, +1, ...)")
-    compare_cmd.add_argument("--budget", type=int, default=40, help="evaluations per run")
+    budget = compare_cmd.add_mutually_exclusive_group()
+    budget.add_argument("--budget", type=int, help="evaluations per run (default 40 unless --wall-s is given)")
+    budget.add_argument("--wall-s", type=float, metavar="S",
+                        help="charged seconds per run: its evaluations at their measured cost, its own time and its "
+                             "own re-timings; none starts after S (give this or --budget)")
     compare_cmd.add_argument("--out", help="benchmark directory; its cache/ is reused when it exists "
                                            "(default: <out_dir>/compare-<name>-<timestamp>)")
     compare_cmd.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -222,8 +226,9 @@ def main(argv: list[str] | None = None) -> int:
         from evo.bench.compare import compare
 
         try:
-            compare(config, [n.strip() for n in args.strategies.split(",") if n.strip()], args.seeds, args.budget,
-                    args.out)
+            budget = args.budget if args.budget is not None or args.wall_s is not None else 40
+            compare(config, [n.strip() for n in args.strategies.split(",") if n.strip()], args.seeds, budget,
+                    args.out, wall_s=args.wall_s)
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

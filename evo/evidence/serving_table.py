@@ -48,8 +48,10 @@ def serving_lines(summary: Summary) -> list[str]:
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     fmt = lambda r: "  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
     trace = summary.serving.get("best") or next(iter(summary.serving.values()))
-    lines = [f"  serving (ms; one replay of {trace.get('requests', '?')} requests, {trace.get('arrival', '?')} arrivals at "
-             f"concurrency {trace.get('concurrency', '?')}, on the judge's clock):", fmt(head), *map(fmt, rows)]
+    counts = sorted({str(figures.get("requests", "?")) for figures in summary.serving.values()})
+    screened = " (the best's a screening replay, shorter)" if summary.best_fidelity == "screen" else ""
+    lines = [f"  serving (ms; one replay of {' or '.join(counts)} requests{screened}, {trace.get('arrival', '?')} arrivals"
+             f" at concurrency {trace.get('concurrency', '?')}, on the judge's clock):", fmt(head), *map(fmt, rows)]
     paired = _paired(summary)
     if paired:
         lines.append("  the best engine's figures / each baseline's, paired 95% intervals (final re-timing):")
