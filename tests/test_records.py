@@ -39,6 +39,8 @@ SCHEMA_WITH_SERVING = pa.schema([*(f for f in OLD_SCHEMA if f.name != "notes"), 
                                  ("notes", pa.string())])  # a generation engine's replay figures (JSON)
 SCHEMA_WITH_ACCURACY = pa.schema([*(f for f in SCHEMA_WITH_SERVING if f.name != "notes"), ("accuracy", pa.string()),
                                   ("notes", pa.string())])  # its loss against the float64 reference (JSON)
+SCHEMA_WITH_FIDELITY = pa.schema([*(f for f in SCHEMA_WITH_ACCURACY if f.name != "notes"), ("fidelity", pa.string()),
+                                  ("notes", pa.string())])  # how it was timed: full, or screen (shorter replays)
 
 
 # An evaluation's loss against the float64 reference as the generation judge records it (EvalResult.accuracy).
@@ -112,15 +114,17 @@ def evaluated(n: int, generation: int = 0, **proposal) -> list[Evaluated]:
 
 
 def test_the_parquet_schema_is_derived_from_the_records_and_matches_the_files_already_written(tmp_path):
-    assert SCHEMA.equals(SCHEMA_WITH_ACCURACY)
+    assert SCHEMA.equals(SCHEMA_WITH_FIDELITY)
     generations = tmp_path / "generations"
     generations.mkdir()
     pq.write_table(OLD_SCHEMA.empty_table(), generations / "gen_0000.parquet")  # written before `serving`
     pq.write_table(SCHEMA_WITH_SERVING.empty_table(), generations / "gen_0001.parquet")  # before `accuracy`
+    pq.write_table(SCHEMA_WITH_ACCURACY.empty_table(), generations / "gen_0003.parquet")  # before `fidelity`
     lossy = dataclasses.replace(evaluated(1)[0], result=dataclasses.replace(evaluated(1)[0].result, accuracy=LOSS))
     pq.write_table(pa.Table.from_pylist([evidence_row(lossy)], schema=SCHEMA), generations / "gen_0002.parquet")
     row, = read_generations(tmp_path).to_pylist()
     assert evaluated_from_row(row).result.accuracy == LOSS  # the loss is stored and read back whole
+    assert evaluated_from_row({**row, "fidelity": None}).result.fidelity == "full"  # an older row: the whole trace
     item, = evaluated(1, metrics={"tokens_in": 12, "cost_usd": 0.5}, artifacts={"prompt": "agent/p.json"})
     row = evidence_row(item)
     assert list(row) == SCHEMA.names

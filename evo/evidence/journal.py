@@ -181,6 +181,8 @@ def evaluated_from_row(row: dict[str, Any]) -> Evaluated:
                         move=row["move"], generation=row["generation"], move_kind=row["move_kind"], index=row["index"],
                         metrics=metrics, artifacts=artifacts)
     values = {f.name: row[f.name] for f in dataclasses.fields(EvalResult) if f.name in row}
+    if values.get("fidelity") is None:  # a row written before results said how they were timed: the whole trace
+        values.pop("fidelity", None)
     for name in JSON_FIELDS & set(values):
         values[name] = json.loads(values[name] or "{}")
     return Evaluated(proposal, EvalResult.from_dict(values))
