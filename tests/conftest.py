@@ -14,6 +14,17 @@ os.environ.setdefault("EVO_BASELINE_CACHE", tempfile.mkdtemp(prefix="evo-baselin
 
 import pytest
 
+_CORES = os.sched_getaffinity(0)  # every core this session may use
+
+
+@pytest.fixture(autouse=True)
+def all_cores_back():
+    """A test that builds an `Evaluator` in this process is pinned to its cores (`evaluators.machine.device.pin_cores`);
+    every later test gets all of them back, and so does a Ray started later (its workers inherit this process's)."""
+    yield
+    if os.sched_getaffinity(0) != _CORES:
+        os.sched_setaffinity(0, _CORES)
+
 
 def start_local_ray():
     """The in-process local Ray most tests share (start ~6 s, stop ~1.4 s), on 127.0.0.1."""
