@@ -34,6 +34,7 @@ from evaluators.judge.calibration import Calibration
 from evaluators.judge.evaluator import Evaluator
 from evaluators.pool.placement import NodeView, PlacementError, SlotPlan, initial_plan, placement_kind, plan_slots
 from evaluators.settings import EvaluatorSettings, PoolSettings
+from evo.core.fidelity import FULL, SCREEN
 from evo.core.records import RUNTIME_ERROR, TIMEOUT, EvalResult, Proposal
 from evo.core.retiming import NOT_TIMED, PairedTiming, failed_timing
 from evo.core.seeds import derive_seed
@@ -288,7 +289,7 @@ class EvaluatorPool:
         # (genome JSON[, sources]): only genomes with code genes need sources
         screen = {"screen": self.screen} if self.screen else {}
         jobs = [_Job(p, "evaluate", (p.genome.to_json(), *filter(None, [self.sources_of(p)])), screen,
-                     _eval_failure(p.hash, "screen" if screen else "full")) for p in proposals]
+                     _eval_failure(p.hash, SCREEN if screen else FULL)) for p in proposals]
         yield from self._dispatch(jobs)
 
     def retime(self, jobs: list[RetimeJob]) -> list[list[PairedTiming]]:
@@ -392,7 +393,7 @@ class EvaluatorPool:
             self._kill(slot)
 
 
-def _eval_failure(genome_hash: str, fidelity: str = "full") -> Callable[[str, str, str, str], EvalResult]:
+def _eval_failure(genome_hash: str, fidelity: str = FULL) -> Callable[[str, str, str, str], EvalResult]:
     return lambda status, message, error, evaluator: EvalResult(genome_hash, status, message=message, error=error,
                                                                 evaluator=evaluator, fidelity=fidelity)
 

@@ -518,11 +518,10 @@ class Search:
             rounds += 1
             undone = [c for c, answer in zip(contenders, answers) if not_timed(answer)]
             leave(undone, "the run was stopped during its final race")
-            raced += [c.proposal.hash for c, a in zip(contenders, answers) if not not_timed(a) and c.proposal.hash not in raced]
+            timed = [(c, answer) for c, answer in zip(contenders, answers) if not not_timed(answer)]
+            raced += [c.proposal.hash for c, _ in timed if c.proposal.hash not in raced]
             decided = []
-            for c, answer in zip(contenders, answers):
-                if not_timed(answer):
-                    continue
+            for c, answer in timed:
                 record = replace(answer, a=c.proposal.hash, b=holder.proposal.hash, reason="race",
                                  generation=self.generation)
                 timings.append(record)  # each round's own pairs are the evidence; the pooled ones decide

@@ -52,17 +52,19 @@ def full_replay_s(result: EvalResult, full_count: int) -> float:
     return float(duration) * (full_count / requests if result.fidelity == SCREEN else 1.0)
 
 
-def fixed_s(result: EvalResult, replays: int) -> float:
-    """What an evaluation cost besides its timed replays (build, check replay, scoring), in seconds."""
+def fixed_s(result: EvalResult, screen_replays: int, replays: int) -> float:
+    """What an evaluation cost besides its timed replays (build, check replay, scoring), in seconds: `replays`
+    of them at full fidelity, `screen_replays` at screen fidelity."""
     duration = (result.serving or {}).get("duration_s")
-    return max(0.0, result.eval_s - replays * float(duration)) if duration else math.nan
+    timed = screen_replays if result.fidelity == SCREEN else replays
+    return max(0.0, result.eval_s - timed * float(duration)) if duration else math.nan
 
 
 def retime_estimate_s(results: Iterable[EvalResult], settings: IntensifySettings, full_count: int,
                       screen_replays: int, replays: int) -> float:
     """One paired re-timing of two candidates at full fidelity, before any was measured: each engine built and
     checked as in its evaluation, then (warmup + calls) whole replays of each (the median over `results`)."""
-    each = [2 * fixed_s(r, screen_replays if r.fidelity == SCREEN else replays)
+    each = [2 * fixed_s(r, screen_replays, replays)
             + 2 * (settings.warmup + settings.calls) * full_replay_s(r, full_count) for r in results]
     each = [x for x in each if math.isfinite(x)]
     return statistics.median(each) if each else math.nan
@@ -74,8 +76,9 @@ def final_estimate_s(best: EvalResult | None, baselines: dict[str, EvalResult], 
     if best is None:
         return 0.0
     mine = full_replay_s(best, full_count)
-    mine_fixed = fixed_s(best, screen_replays if best.fidelity == SCREEN else replays)
-    jobs = [mine_fixed + fixed_s(r, replays) + (settings.warmup + settings.calls) * (mine + full_replay_s(r, full_count))
+    mine_fixed = fixed_s(best, screen_replays, replays)
+    calls = settings.warmup + settings.calls
+    jobs = [mine_fixed + fixed_s(r, screen_replays, replays) + calls * (mine + full_replay_s(r, full_count))
             for r in baselines.values() if r.ok]
     jobs = [x for x in jobs if math.isfinite(x)]
     return max(max(jobs, default=0.0), sum(jobs) / max(1, parallel))

@@ -26,13 +26,13 @@ from evo.core.lessons import FILE as LESSONS_FILE, Lessons, from_search as lesso
 from evo.core.lessons import write as write_lessons
 from evo.core.loop import run_search
 from evo.core.records import EvalResult
+from evo.core.reserve import EndReserve
 from evo.core.retiming import PairedTiming
 from evo.core.search import GenerationReport, RaceResult, Search
 from evo.driver.assemble import RunParts, Say, assemble, evidence_sinks, open_run_dir, start_ray
 from evo.driver.config import RunConfig
 from evo.driver.progress import NORMAL, SUMMARY, CandidateLines, RunLog, SearchProgress, log
 from evo.driver.resume import ReplayExecutor, SavedRun, restore
-from evo.core.reserve import EndReserve
 from evo.driver.retime import PoolRetimer, champion_race, final_estimate_s, final_retiming, retime_estimate_s
 from evo.driver.rundir import check_config
 from evo.driver.stop import STOP, install_handlers

@@ -47,9 +47,10 @@ def check_config(config: RunConfig) -> None:
             preset = workload.with_trace(preset, config.evaluator.trace)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"evaluator.trace: {exc}") from None
-        if config.search.screen.enabled and config.search.screen.count >= workload.trace(preset).count:
+        requests = workload.trace(preset).count
+        if config.search.screen.enabled and config.search.screen.count >= requests:
             raise ConfigError(f"search.screen.count: {config.search.screen.count} requests screen nothing: the run's "
-                              f"trace has {workload.trace(preset).count}; give fewer (e.g. {max(1, workload.trace(preset).count // 2)}), "
+                              f"trace has {requests}; give fewer (e.g. {max(1, requests // 2)}), "
                               f"or 0 to time every candidate on the whole trace")
     elif config.search.screen.enabled:
         raise ConfigError(f"search.screen: workload {config.workload!r} takes calls, timed on one fixed case; screening"

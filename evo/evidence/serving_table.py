@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from evo.core.fidelity import SCREEN
 from evo.evidence.summary import Summary
 
 COLUMNS = (("output tok/s", "output_throughput", None), ("req/s", "request_throughput", None),
@@ -49,7 +50,7 @@ def serving_lines(summary: Summary) -> list[str]:
     fmt = lambda r: "  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
     trace = summary.serving.get("best") or next(iter(summary.serving.values()))
     counts = sorted({str(figures.get("requests", "?")) for figures in summary.serving.values()})
-    screened = " (the best's a screening replay, shorter)" if summary.best_fidelity == "screen" else ""
+    screened = " (the best's a screening replay, shorter)" if summary.best_fidelity == SCREEN else ""
     lines = [f"  serving (ms; one replay of {' or '.join(counts)} requests{screened}, {trace.get('arrival', '?')} arrivals"
              f" at concurrency {trace.get('concurrency', '?')}, on the judge's clock):", fmt(head), *map(fmt, rows)]
     paired = _paired(summary)

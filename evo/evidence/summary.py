@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from evo.core.records import STATUSES, SUSPECT, EvalResult, Evaluated, nan_for_null
-from evo.core.fidelity import FULL, SCREEN
+from evo.core.fidelity import FULL
 from evo.core.retiming import FAILED, VERDICTS, PairedTiming, not_timed, paired_figures
 from evo.core.search import RaceResult, Search
 from evo.evidence.floor import RunFloor
