@@ -90,6 +90,8 @@ def kernel_genes(device: DeviceInfo) -> list[Gene]:
                  "torch: the projections and LM head by torch's matmul in weight_layout (int8 rows by weight_quant); "
                  "packed: weights reordered once for oneDNN's float32 kernel, which streams each weight once for "
                  "all rows of a step; fp16_weights: fbgemm float16 weights, float32 activations (half the bytes); "
+                 "bf16_weights: oneDNN bfloat16 weights, each projection's rows rounded to bfloat16 (half the "
+                 "bytes; on AMX or AVX-512 BF16 16 rows cost about what one does); "
                  "int8_dynamic: fbgemm int8 weights per output channel, activations quantised per call (a quarter "
                  "of the bytes). Non-torch kernels take float32 weights (weight_dtype=float32, weight_quant=none)",
                  tuple(k for k in LOSSY_KERNELS if k in kernels)),
