@@ -5,7 +5,7 @@
         --concurrency 1,4,16 --rounds 6
 
 Each server (ours, transformers_cb, vllm, llamacpp, llamacpp_q8 by default; `--servers` picks, `--ours-int8` adds
-our int8 engine) is started once on 127.0.0.1 at a free port at its documented best settings for the load, and
+our int8 engine, `--ours-bf16` our bfloat16-weight engine with transformers_cb_bf16 and llamacpp_bf16) is started once on 127.0.0.1 at a free port at its documented best settings for the load, and
 kept up while the others are loaded: llama.cpp's `llama-server` is restarted for each concurrency with
 `--parallel` equal to it (its continuous batching over that many slots), vLLM's CPU build runs with its
 recommended environment (VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND), `transformers serve` with
@@ -18,7 +18,8 @@ load at any moment; each compute server gets `--threads` threads.
 Each ratio of ours to theirs (output tok/s, TPOT, TTFT, E2EL; > 1: ours better) is taken within a round and
 reported as the median over rounds with its distribution-free 95% interval (`evo.bench.interleaved`: six rounds
 are the fewest that give one). Rows at equal bits: our int8 engine (`--ours-int8`, a budget-mode run's winner)
-against llama.cpp's Q8_0; our float32 engine against llama.cpp's f32 GGUF of the same weights. A server that is
+against llama.cpp's Q8_0; our bfloat16-weight engine (`--ours-bf16`) against llama.cpp's bf16 GGUF and
+`transformers serve --dtype bfloat16`; our float32 engine against llama.cpp's f32 GGUF of the same weights. A server that is
 missing, fails to start or fails a load is a row saying why. The GGUFs are converted from the checkpoint with
 scripts/alternatives/to_gguf.py; the alternatives live in their own venvs under $ALT_DIR (/work/alt), made by
 scripts/alternatives/setup_*.sh. `--ours` is a command template ({port}, {host}, {checkpoint}; `--port {port}` is
@@ -50,9 +51,12 @@ from evo.bench.loadtest import LoadtestError, LoadtestOptions, loadtest  # noqa:
 from evo.bench.loadtest_report import write_result  # noqa: E402
 
 ALT_DIR = Path(os.environ.get("ALT_DIR", "/work/alt"))
-SERVERS = ("ours", "ours_int8", "transformers", "transformers_cb", "vllm", "llamacpp", "llamacpp_q8")
+SERVERS = ("ours", "ours_bf16", "ours_int8", "transformers", "transformers_cb", "transformers_cb_bf16", "vllm",
+           "llamacpp", "llamacpp_bf16", "llamacpp_q8")
 DEFAULT_SERVERS = ("ours", "transformers_cb", "vllm", "llamacpp", "llamacpp_q8")
-PAIRS = {"ours_int8": ("llamacpp_q8",)}  # equal bits; "ours" is paired with every float32 alternative
+# equal bits; "ours" (float32) is paired with every server neither ours nor named here, the others with theirs too
+PAIRS = {"ours_int8": ("llamacpp_q8",), "ours_bf16": ("transformers_cb_bf16", "llamacpp_bf16")}
+OURS = ("ours", "ours_bf16", "ours_int8")
 HERE = Path(__file__).resolve().parent / "alternatives"
 
 
@@ -103,9 +107,10 @@ def build_servers(args: argparse.Namespace, max_len: int) -> dict[str, Server]:
     fill = dict(port="{port}", host="127.0.0.1", checkpoint=ckpt, max_len=max_len, threads=threads)
     servers: dict[str, Server] = {}
 
-    for name, given in (("ours", args.ours), ("ours_int8", args.ours_int8)):
+    for name, given in (("ours", args.ours), ("ours_bf16", args.ours_bf16), ("ours_int8", args.ours_int8)):
         if not given:
-            servers[name] = Server(name, missing="no --ours-int8 given (a budget-mode run's int8 engine)")
+            flag = "--" + name.replace("_", "-")
+            servers[name] = Server(name, missing=f"no {flag} given (a budget-mode run's {name[5:]} engine)")
         elif given.startswith(("http://", "https://")):
             servers[name] = Server(name, url=given.rstrip("/"), note="already running (not started here)")
         else:
@@ -118,11 +123,12 @@ def build_servers(args: argparse.Namespace, max_len: int) -> dict[str, Server]:
     # its paged cache takes 90% of free memory unless sized: 13.5 GB at 16 streams of SmolLM2, which made Ray's
     # memory monitor kill our replica beside it. Twice what the largest load holds, in 32-token blocks.
     blocks = max(64, -(-2 * max(args.concurrency) * (args.input_len + args.output_len + 64) // 32))
-    for name, flag in (("transformers", ""),
-                       ("transformers_cb", f" --continuous-batching --cb-block-size 32 --cb-num-blocks {blocks}")):
+    batching = f" --continuous-batching --cb-block-size 32 --cb-num-blocks {blocks}"
+    for name, flag, dtype in (("transformers", "", "float32"), ("transformers_cb", batching, "float32"),
+                              ("transformers_cb_bf16", batching, "bfloat16")):
         servers[name] = Server(
             name, _fill(overrides.get(name, f"{venv} serve {{checkpoint}} --host 127.0.0.1 --port {{port}} --device cpu "
-                                            f"--dtype float32{flag}"), **fill),
+                                            f"--dtype {dtype}{flag}"), **fill),
             env=omp, ignore_eos=False, model=model,
             extra_body={"generation_config": json.dumps({"min_new_tokens": args.output_len,
                                                          "max_new_tokens": args.output_len})},
@@ -140,7 +146,7 @@ def build_servers(args: argparse.Namespace, max_len: int) -> dict[str, Server]:
 
     binary = ALT_DIR / "llamacpp" / "bin" / "llama-server"
     python = ALT_DIR / "llamacpp" / "bin" / "python"
-    for name, outtype in (("llamacpp", "f32"), ("llamacpp_q8", "q8_0")):
+    for name, outtype in (("llamacpp", "f32"), ("llamacpp_bf16", "bf16"), ("llamacpp_q8", "q8_0")):
         gguf = Path(args.out) / f"{ckpt.name}-{outtype}.gguf"
         # llama-server splits its context among its slots: each slot gets max_len positions
         template = (f"{binary} -m {gguf} --host 127.0.0.1 --port {{port}} --parallel {{parallel}} "
@@ -326,8 +332,10 @@ def tables(servers: dict[str, Server], results: dict, notes: dict) -> tuple[str,
                          f"{figure('median_e2el_ms')} | {sum(m['failed'] for m in ok)} | "
                          f"{sum(m.get('output_len_mismatch') or 0 for m in ok)} | {note} |")
     ratios = []
-    for a in ("ours", "ours_int8"):
-        others = PAIRS.get(a) or [n for n in servers if n not in ("ours", "ours_int8", "llamacpp_q8")]
+    paired_elsewhere = {b for bs in PAIRS.values() for b in bs}
+    float32 = [n for n in servers if n not in OURS and n not in paired_elsewhere]
+    for a in OURS:  # a lossy engine of ours: against its equal bits, and also against the float32 alternatives
+        others = [*PAIRS.get(a, ()), *float32]
         for b in others:
             if a in servers and b in servers:
                 for concurrency, rounds in results.items():
@@ -350,8 +358,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ours", required=True,
                         help="our server: a command template with {port} (and {checkpoint}, {host}), or its URL")
     parser.add_argument("--ours-int8", default=None, help="our int8 engine, as --ours (paired with llamacpp_q8)")
+    parser.add_argument("--ours-bf16", default=None, help="our bfloat16-weight engine, as --ours (paired with "
+                                                          "transformers_cb_bf16 and llamacpp_bf16)")
     parser.add_argument("--servers", default=None,
-                        help=f"which to run (default: {','.join(DEFAULT_SERVERS)}, and ours_int8 with --ours-int8); "
+                        help=f"which to run (default: {','.join(DEFAULT_SERVERS)}, and ours_int8 with --ours-int8, "
+                             "ours_bf16, transformers_cb_bf16 and llamacpp_bf16 with --ours-bf16); "
                              f"any of {', '.join(SERVERS)}")
     parser.add_argument("--concurrency", default="1,4,16", help="comma-separated --max-concurrency values")
     parser.add_argument("--rounds", type=int, default=6, help="timed rounds per concurrency (6: the fewest for a 95%% "
@@ -379,7 +390,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--concurrency: got {args.concurrency!r}; allowed: comma-separated integers >= 1, e.g. 1,4,16")
     if not args.concurrency or min(args.concurrency) < 1:
         parser.error(f"--concurrency: got {args.concurrency}; allowed: comma-separated integers >= 1")
-    chosen = args.servers or ",".join(DEFAULT_SERVERS + (("ours_int8",) if args.ours_int8 else ()))
+    added = [n for name in ("ours_bf16", "ours_int8") if getattr(args, name) for n in (name, *PAIRS[name])]
+    chosen = args.servers or ",".join(dict.fromkeys(DEFAULT_SERVERS + tuple(added)))
     args.servers = [s.strip() for s in chosen.split(",") if s.strip()]
     unknown = [s for s in args.servers if s not in SERVERS]
     if unknown or not args.servers:

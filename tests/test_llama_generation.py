@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from evaluators.judge.replay import replay, score
+from evaluators.judge.replay import Send, replay, score
 from evo.core.stream_metrics import serving_metrics
 from evo.core.trace import TraceSpec, draw
 from evo.workloads import get_workload
 from evo.workloads.base import DeviceInfo
+from evo.workloads.generation import GenerationRequest
 from evo.workloads.llama import inputs as llama_inputs
 from evo.workloads.llama.generator import LlamaGenerator
 from evo.workloads.llama.reference import generate
@@ -69,6 +70,20 @@ def test_the_generator_runs_confined_and_the_judge_scores_it_through_its_channel
             return generate(preset.model, torch.tensor([list(prompt)]), torch.tensor([list(tokens[:-1])]))[0].numpy()
 
         assert score(result, reference, tolerance=1e-4, vocab=preset.model.vocab) == [] and not result.violations
+
+        # four steps per exchange (the gene steps_per_exchange): the same tokens, in bursts, in fewer exchanges
+        class Counted(ConfinedGenerator):
+            exchanges = 0
+
+            def step(self):
+                Counted.exchanges += 1
+                return super().step()
+
+        sends = [Send(GenerationRequest(10 + i, tuple(p), 6)) for i, p in enumerate(prompts)]
+        burst = replay(Counted(process, steps_per_exchange=4), sends, deadline_s=120)
+        assert score(burst, reference, tolerance=1e-4, vocab=preset.model.vocab) == [] and not burst.violations
+        assert [len(t) for t in burst.tokens] == [6, 6, 6]
+        assert Counted.exchanges <= 3 and any(len(set(t.token_s)) < len(t.token_s) for t in burst.timelines)
         with pytest.raises(EngineProcessError, match="died"):  # no call contract on a generator: it ends
             process.call({}, {}, timeout_s=30)
     finally:

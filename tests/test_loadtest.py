@@ -417,6 +417,24 @@ def test_compare_flags():
             compare.parse_args(["--checkpoint", "/nope", "--ours", "x", *argv])
 
 
+def test_an_engine_of_fewer_bits_brings_and_meets_only_its_equal_bits(tmp_path):
+    """--ours-bf16 adds our bfloat16-weight engine with transformers and llama.cpp at bfloat16; each of ours is
+    paired with the alternatives of its own bits, and the lossy ones with the float32 alternatives too."""
+    compare = _compare_module()
+    args = compare.parse_args(["--checkpoint", str(_checkpoint(tmp_path)), "--ours", "x", "--ours-bf16", "y"])
+    assert {"ours_bf16", "transformers_cb_bf16", "llamacpp_bf16"} <= set(args.servers)
+    servers = compare.build_servers(args, 2048)
+    assert "--dtype bfloat16" in " ".join(servers["transformers_cb_bf16"].argv)
+    rounds = [{name: {"output_throughput": 1.0, "median_tpot_ms": 1.0, "median_ttft_ms": 1.0, "median_e2el_ms": 1.0,
+                      "failed": 0} for name in servers} for _ in range(6)]
+    _, ratios = compare.tables(servers, {4: rounds}, {name: {} for name in servers})
+    pairs = {(r.a, r.b) for r in ratios}
+    float32 = {"transformers", "transformers_cb", "vllm", "llamacpp"}
+    assert {b for a, b in pairs if a == "ours"} == float32
+    assert {b for a, b in pairs if a == "ours_bf16"} == {"transformers_cb_bf16", "llamacpp_bf16"} | float32
+    assert {b for a, b in pairs if a == "ours_int8"} == {"llamacpp_q8"} | float32
+
+
 def test_a_request_past_its_timeout_is_a_failure_with_its_partial_stream():
     with _TestSseServer(token_s=0.3, eos_after=100) as server:
         result = loadtest(LoadtestOptions(url=server.url, num_prompts=2, random_input_len=4, random_output_len=2,

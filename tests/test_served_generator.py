@@ -6,6 +6,7 @@ ids continue the judge's check's sequence. (What it is held to while it serves: 
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -28,7 +29,8 @@ def greedy(prompt, n):
 
 @pytest.fixture(scope="module")
 def served():
-    genome = W.gene_space(PRESET, _info()).default().to_json()
+    # two steps per exchange (the gene steps_per_exchange): the judge's check and the serving loop both ask for two
+    genome = W.gene_space(PRESET, _info()).make({"steps_per_exchange": 2}).to_json()
     engine = ServedGenerator("llama_serve", "cpu_small", genome, settings=EvaluatorSettings(replays=1),
                              max_waiting=12)
     yield engine
@@ -42,6 +44,7 @@ def _info():
 
 
 def test_concurrent_callers_each_get_the_references_tokens_from_one_engine_loop(served):
+    assert served.exchange_steps == 2  # the genome's, as the judge's check replay ran it
     rng = np.random.default_rng(5)
     asks = [(rng.integers(0, 256, int(rng.integers(1, 25))).tolist(), int(rng.integers(1, 13))) for _ in range(8)]
     got: dict[int, list] = {}
@@ -77,11 +80,15 @@ def test_a_full_queue_is_refused_at_once_and_a_cancelled_stream_gets_nothing_mor
     for stream in streams[:-1]:
         assert len(list(stream)) == 12
     assert list(streams[-1]) == []  # its stream ends when the engine finishes it, with nothing in it
+    deadline = time.monotonic() + 60  # a canary (one per 8 requests) may still be decoding
+    while served.running and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert served.running == 0
 
 
 def test_a_closed_engine_serves_no_more():
-    genome = W.gene_space(PRESET, _info()).default().to_json()
+    # two steps per exchange (the gene steps_per_exchange): the judge's check and the serving loop both ask for two
+    genome = W.gene_space(PRESET, _info()).make({"steps_per_exchange": 2}).to_json()
     engine = ServedGenerator("llama_serve", "cpu_small", genome, settings=EvaluatorSettings(replays=1))
     stream = engine.submit([1, 2], 12)
     engine.close()

@@ -48,6 +48,7 @@ from evaluators.judge.traffic import TimedShape, check_sends, draw_timed, stop_c
 from evaluators.sandbox.process import EngineProcess, EngineProcessError
 from evaluators.settings import OBJECTIVE_BOUNDS
 from evo.core.fidelity import FULL, SCREEN
+from evo.core.genome import Genome
 from evo.core.records import INCORRECT, OK, RUNTIME_ERROR, SUSPECT, TIMEOUT, EvalResult
 from evo.core.stream_metrics import ServingMetrics, Slo, serving_metrics
 from evo.core.trace import TraceSpec
@@ -103,6 +104,7 @@ class _Held:
     ids: RequestIds = field(default_factory=RequestIds)
     greedy_only: bool = False
     calls: int = 0
+    steps_per_exchange: int = 1  # the genome's (`GenerationWorkload.exchange_steps`); a baseline's: 1
 
 
 class GenerationJudge:
@@ -144,8 +146,8 @@ class GenerationJudge:
         if failed is not None:
             return replace(failed, fidelity=fidelity)
         stamp, deadline = {**built.stamp, "fidelity": fidelity}, built.deadline
-        generator = ConfinedGenerator(process)  # each replay bounds it by the evaluation's deadline
-        held = _Held(greedy_only=self.greedy_only(engine))
+        held = self._held_for(engine)
+        generator = ConfinedGenerator(process, steps_per_exchange=held.steps_per_exchange)  # each replay bounds it
         tally = self.tally()
         problem = self.check(generator, deadline, held.greedy_only, held.ids, tally)
         if problem:
@@ -331,6 +333,13 @@ class GenerationJudge:
         """A generator seeded from the OS's randomness (never the run's seed nor the trace's)."""
         return np.random.default_rng(self.ev.next_seed())
 
+    def _held_for(self, engine: dict) -> _Held:
+        """A fresh `_Held` for `engine`: greedy-only if a baseline declared so; a genome's steps per exchange."""
+        steps, exchange = 1, getattr(self.workload, "exchange_steps", None)
+        if "genome_json" in engine and exchange is not None:
+            steps = exchange(Genome.from_json(engine["genome_json"]))
+        return _Held(greedy_only=self.greedy_only(engine), steps_per_exchange=steps)
+
     def greedy_only(self, engine: dict) -> bool:
         """Whether `engine` is a baseline its workload declares greedy-only (candidates never are)."""
         name = engine.get("baseline")
@@ -358,13 +367,18 @@ class GenerationJudge:
         built, failed = self.ev.built(process, "held", time.perf_counter(), engine, contract="generation")
         if failed is not None:
             return f"{failed.status}: {failed.message}", 0.0
-        held = self._held[process] = _Held(greedy_only=self.greedy_only(engine))
+        held = self._held[process] = self._held_for(engine)
         self._rounds = []
-        problem = self.check(ConfinedGenerator(process), deadline, held.greedy_only, held.ids)  # its own budget
+        problem = self.check(ConfinedGenerator(process, steps_per_exchange=held.steps_per_exchange), deadline,
+                             held.greedy_only, held.ids)  # its own budget
         if problem is not None:
             return f"{problem[0]}: {problem[1]}", 0.0
         self.held_metrics = self._checked_metrics
         return None, 0.0
+
+    def exchange_steps(self, process: EngineProcess) -> int:
+        """The steps per exchange of a held engine's genome (1 for a baseline): whoever steps it next asks that many."""
+        return self._held.setdefault(process, _Held()).steps_per_exchange
 
     def request_ids(self, process: EngineProcess) -> RequestIds:
         """The request ids of a held engine's process: whoever sends it requests next continues its sequence."""
@@ -379,7 +393,8 @@ class GenerationJudge:
             shape = draw_timed(self.trace, self._rng())
             self._rounds.append((shape, stop_case(shape, self._rng(), self.vocab, self.continuation)))
         (shape, stop), held.calls = self._rounds[held.calls], held.calls + 1
-        one, problem = self._timed_replay(ConfinedGenerator(process), shape, stop, held, deadline, where)
+        one, problem = self._timed_replay(ConfinedGenerator(process, steps_per_exchange=held.steps_per_exchange),
+                                          shape, stop, held, deadline, where)
         if problem:
             return math.nan, f"{problem[0]}: {problem[1]}", ()
         return objective_of(one.metrics, self.objective), None, (one, where)

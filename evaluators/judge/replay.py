@@ -4,7 +4,8 @@ then score each request's own tokens.
 `replay` sends each request as its client would (`Send`): at its arrival time; in a closed loop when one of
 the `concurrency` clients is free; or once another request has k tokens (a request arriving while others
 decode). A client may go away after its request's k-th token: the judge aborts the request in the engine.
-It calls the engine's `step` while anything is in flight and stamps each token when `step` hands it back:
+It calls the engine's `step` while anything is in flight (an exchange: one engine step, or the genome's
+`steps_per_exchange`) and stamps each token when `step` hands it back:
 an engine that computes everything and then bursts its tokens gets the TTFT a client would have seen. The
 engine's own clock counts for nothing. Tokens that break the contract (for a request never sent, after a
 request's last token: past `max_tokens` or its stop id, after the judge aborted it, a last token not marked
@@ -50,12 +51,15 @@ class ForbiddenCallError(GenerationError):
 
 class ConfinedGenerator:
     """A generation engine in its own confined process, seen through its channel: `add` and `step` each
-    one exchange (the candidate frozen in between); a step's events must be [id, token, finished] triples."""
+    one exchange (the candidate frozen in between); a step's events must be [id, token, finished] triples.
+    `steps_per_exchange` (the genome's, `GenerationWorkload.exchange_steps`): `step` asks for up to that many
+    scheduling steps at once and returns all their tokens."""
 
     MAX_EVENTS = 1 << 14  # a step's tokens: more than this is not an answer
 
-    def __init__(self, process, timeout_s: float = 60.0) -> None:
+    def __init__(self, process, timeout_s: float = 60.0, steps_per_exchange: int = 1) -> None:
         self.process, self.deadline = process, time.perf_counter() + timeout_s
+        self.steps_per_exchange = max(1, int(steps_per_exchange))
 
     def _left(self) -> float:
         """Seconds to the deadline, for one exchange (every exchange is bounded by what is left)."""
@@ -74,7 +78,7 @@ class ConfinedGenerator:
             raise GenerationError(f"aborting request {request_id}: {_why(reply)}")
 
     def step(self) -> list[TokenEvent]:
-        reply = self.process.step(self._left())
+        reply = self.process.step(self._left(), self.steps_per_exchange)
         _forbidden(reply)
         if reply.get("op") != "stepped":
             raise GenerationError(f"a step: {_why(reply)}")
@@ -194,8 +198,8 @@ def replay(engine: GenerationEngine, trace: Sequence[TraceRequest] | Sequence[Se
             due = min((s.arrival_s or 0.0 for s in pending), default=0.0)
             time.sleep(min(0.001, max(0.0, due - (clock() - start))))
             continue
-        events = engine.step()
-        stamp, steps = clock() - start, steps + 1
+        events = engine.step()  # an exchange: up to its steps_per_exchange engine steps, all their tokens
+        stamp, steps = clock() - start, steps + getattr(engine, "steps_per_exchange", 1)
         problems, ended = _receive(flights, events, steps, stamp)
         violations += problems
         left = _leave(engine, flights)

@@ -123,7 +123,7 @@ class _Runner:
             elif op == "add" and self.engine is not None and self.spec.get("contract") == "generation":
                 self.add(message)
             elif op == "step" and self.engine is not None and self.spec.get("contract") == "generation":
-                self.step()
+                self.step(message)
             elif op == "abort" and self.engine is not None and self.spec.get("contract") == "generation":
                 self.abort(message)
             else:
@@ -222,11 +222,17 @@ class _Runner:
             return
         self.send(op="added")
 
-    def step(self) -> None:
-        """One scheduling step; its tokens as [request id, token, finished] triples (the judge checks them)."""
+    def step(self, message: dict) -> None:
+        """Up to `steps` scheduling steps (1 unless asked; fewer once a step makes no token); their tokens in order
+        as [request id, token, finished] triples (the judge checks them)."""
+        events: list[list] = []
         try:
             with torch.no_grad():
-                events = [[int(e.request_id), int(e.token), bool(e.finished)] for e in self.engine.step()]
+                for _ in range(max(1, int(message.get("steps", 1)))):
+                    made = [[int(e.request_id), int(e.token), bool(e.finished)] for e in self.engine.step()]
+                    events += made
+                    if not made:
+                        break
         except BaseException as exc:  # noqa: BLE001 - reported, the judge decides
             self.send(op="raised", **_describe(exc))
             return

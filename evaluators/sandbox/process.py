@@ -243,9 +243,10 @@ class EngineProcess:
         """Hand a generation engine a request (GenerationRequest's fields); its answer (`added` or `raised`)."""
         return self._ask({"op": "add", "request": dict(request)}, timeout_s)
 
-    def step(self, timeout_s: float = math.inf) -> dict:
-        """One step of a generation engine; its answer (`stepped` with `events`, or `raised`)."""
-        return self._ask({"op": "step"}, timeout_s)
+    def step(self, timeout_s: float = math.inf, steps: int = 1) -> dict:
+        """Up to `steps` steps of a generation engine in one exchange; its answer (`stepped` with the `events` of
+        them all, or `raised`)."""
+        return self._ask({"op": "step", "steps": int(steps)}, timeout_s)
 
     def abort(self, request_id: int, timeout_s: float = math.inf) -> dict:
         """Drop a request of a generation engine; its answer (`aborted` or `raised`)."""

@@ -133,6 +133,7 @@ class ServedGenerator:
                                        f"scale the serving guards by")
         self.judged = Judged.of(judge.held_metrics, int(self.judge.preset.shape["R"]), "the judge's check replay")
         self.ids = judge.request_ids(self._process)  # users' and canaries' ids continue the check's sequence
+        self.exchange_steps = judge.exchange_steps(self._process)  # as the judge checked it
         self.estimate = RunningEstimate(judge)  # the accuracy contract over what the replica checks while it serves
         # the check replay covers seeded sampling, except for a baseline its workload declares greedy-only
         greedy = judge.greedy_only(spec)
@@ -206,7 +207,7 @@ class ServedGenerator:
 
     # ------------------------------------------------------------------ the loop (its own thread)
     def _serve(self) -> None:
-        generator = ConfinedGenerator(self._process, timeout_s=STEP_TIMEOUT_S)
+        generator = ConfinedGenerator(self._process, timeout_s=STEP_TIMEOUT_S, steps_per_exchange=self.exchange_steps)
         try:
             while not self._stop.is_set() and self._failure is None:
                 if not self._open:  # idle: wait for a request instead of stepping

@@ -67,6 +67,11 @@ class GenerationWorkload(Workload):
         checkpoint = self._use(preset).model.checkpoint
         return _real_text_ids(str(checkpoint)) if checkpoint else None
 
+    def exchange_steps(self, genome: Genome) -> int:
+        """Scheduling steps the engine runs per exchange with the judge or Serve (`steps_per_exchange`, 1 when the
+        genome has no such gene). The judge reads it from the genome it verified, never from the engine."""
+        return int(genome.values().get("steps_per_exchange", 1))
+
     def build(self, genome: Genome, preset: Preset, device: DeviceInfo, sources: Mapping[str, str] = NO_SOURCES):
         raise TypeError(f"{self.name} engines generate: build them with build_generator (the generation contract)")
 

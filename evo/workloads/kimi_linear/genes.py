@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from evo.core.genome import Gene, GeneSpace, Genome, Ignored
 from evo.workloads.base import DeviceInfo
+from evo.workloads.generation_core.exchange import exchange_gene
 from evo.workloads.kda import genes as _kda
 from evo.workloads.kimi_linear.presets import KimiPreset
 from evo.workloads.llama import genes as _llama
@@ -91,7 +92,7 @@ def _fusion_genes() -> list[Gene]:
 
 def gene_space(preset: KimiPreset, device: DeviceInfo) -> GeneSpace:
     """Genes legal for `preset` on `device` (names are a contract with operators, configs and the workload)."""
-    genes = _scheduling_genes(preset, device) + _memory_genes(preset) + _fusion_genes()
+    genes = _scheduling_genes(preset, device) + [exchange_gene()] + _memory_genes(preset) + _fusion_genes()
     # no cross-gene rule: every combination is a correct engine (a bfloat16 state exists only where the
     # preset is bfloat16, a float32 cache beside the model's dtype only where that is narrower, by their genes'
     # values, as the llama workload offers weight_dtype; the shared experts always split exactly, their width

@@ -15,6 +15,7 @@ from typing import Mapping
 
 from evo.core.genome import Constraint, Gene, GeneSpace, Genome, Ignored, Scalar
 from evo.workloads.base import DeviceInfo
+from evo.workloads.generation_core.exchange import exchange_gene
 from evo.workloads.llama import genes as _llama
 from evo.workloads.llama import open_code as _open_code
 from evo.workloads.llama_serve.presets import ServePreset
@@ -112,7 +113,8 @@ def _compiled_step_needs_slots(values: Mapping[str, Scalar]) -> str | None:
 def gene_space(preset: ServePreset, device: DeviceInfo) -> GeneSpace:
     """Genes legal for `preset` on `device` (names are a contract with operators, configs and the workload)."""
     genes = (_llama._fusion_genes(device) + _batching_genes(preset) + _prefill_genes() + _step_genes(device)
-             + _shared_memory_genes(preset) + _llama.kernel_genes(device) + _pool_genes() + _speculation_genes())
+             + _shared_memory_genes(preset) + _llama.kernel_genes(device) + _pool_genes() + _speculation_genes()
+             + [exchange_gene()])
     constraints = (
         Constraint("decode_step compiled needs kv_pool slots", _compiled_step_needs_slots),
         Constraint("kv_dtype no wider than weight_dtype", _llama._kv_no_wider_than_weights),
