@@ -5,7 +5,8 @@
         --concurrency 1,4,16 --rounds 6
 
 Each server (ours, transformers_cb, vllm, llamacpp, llamacpp_q8 by default; `--servers` picks, `--ours-int8` adds
-our int8 engine, `--ours-bf16` our bfloat16-weight engine with transformers_cb_bf16 and llamacpp_bf16) is started once on 127.0.0.1 at a free port at its documented best settings for the load, and
+our int8 engine, `--ours-16bit` our engine of 16-bit weights (bfloat16 or float16) with transformers_cb_bf16 and
+llamacpp_bf16) is started once on 127.0.0.1 at a free port at its documented best settings for the load, and
 kept up while the others are loaded: llama.cpp's `llama-server` is restarted for each concurrency with
 `--parallel` equal to it (its continuous batching over that many slots), vLLM's CPU build runs with its
 recommended environment (VLLM_CPU_KVCACHE_SPACE, VLLM_CPU_OMP_THREADS_BIND), `transformers serve` with
@@ -18,7 +19,7 @@ load at any moment; each compute server gets `--threads` threads.
 Each ratio of ours to theirs (output tok/s, TPOT, TTFT, E2EL; > 1: ours better) is taken within a round and
 reported as the median over rounds with its distribution-free 95% interval (`evo.bench.interleaved`: six rounds
 are the fewest that give one). Rows at equal bits: our int8 engine (`--ours-int8`, a budget-mode run's winner)
-against llama.cpp's Q8_0; our bfloat16-weight engine (`--ours-bf16`) against llama.cpp's bf16 GGUF and
+against llama.cpp's Q8_0; our engine of 16-bit weights (`--ours-16bit`: bf16_weights or fp16_weights) against llama.cpp's bf16 GGUF and
 `transformers serve --dtype bfloat16`; our float32 engine against llama.cpp's f32 GGUF of the same weights. A server that is
 missing, fails to start or fails a load is a row saying why. The GGUFs are converted from the checkpoint with
 scripts/alternatives/to_gguf.py; the alternatives live in their own venvs under $ALT_DIR (/work/alt), made by
@@ -51,12 +52,12 @@ from evo.bench.loadtest import LoadtestError, LoadtestOptions, loadtest  # noqa:
 from evo.bench.loadtest_report import write_result  # noqa: E402
 
 ALT_DIR = Path(os.environ.get("ALT_DIR", "/work/alt"))
-SERVERS = ("ours", "ours_bf16", "ours_int8", "transformers", "transformers_cb", "transformers_cb_bf16", "vllm",
+SERVERS = ("ours", "ours_16bit", "ours_int8", "transformers", "transformers_cb", "transformers_cb_bf16", "vllm",
            "llamacpp", "llamacpp_bf16", "llamacpp_q8")
 DEFAULT_SERVERS = ("ours", "transformers_cb", "vllm", "llamacpp", "llamacpp_q8")
 # equal bits; "ours" (float32) is paired with every server neither ours nor named here, the others with theirs too
-PAIRS = {"ours_int8": ("llamacpp_q8",), "ours_bf16": ("transformers_cb_bf16", "llamacpp_bf16")}
-OURS = ("ours", "ours_bf16", "ours_int8")
+PAIRS = {"ours_int8": ("llamacpp_q8",), "ours_16bit": ("transformers_cb_bf16", "llamacpp_bf16")}
+OURS = ("ours", "ours_16bit", "ours_int8")
 HERE = Path(__file__).resolve().parent / "alternatives"
 
 
@@ -107,7 +108,7 @@ def build_servers(args: argparse.Namespace, max_len: int) -> dict[str, Server]:
     fill = dict(port="{port}", host="127.0.0.1", checkpoint=ckpt, max_len=max_len, threads=threads)
     servers: dict[str, Server] = {}
 
-    for name, given in (("ours", args.ours), ("ours_bf16", args.ours_bf16), ("ours_int8", args.ours_int8)):
+    for name, given in (("ours", args.ours), ("ours_16bit", args.ours_16bit), ("ours_int8", args.ours_int8)):
         if not given:
             flag = "--" + name.replace("_", "-")
             servers[name] = Server(name, missing=f"no {flag} given (a budget-mode run's {name[5:]} engine)")
@@ -358,11 +359,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ours", required=True,
                         help="our server: a command template with {port} (and {checkpoint}, {host}), or its URL")
     parser.add_argument("--ours-int8", default=None, help="our int8 engine, as --ours (paired with llamacpp_q8)")
-    parser.add_argument("--ours-bf16", default=None, help="our bfloat16-weight engine, as --ours (paired with "
+    parser.add_argument("--ours-16bit", default=None, help="our engine of 16-bit weights, as --ours (paired with "
                                                           "transformers_cb_bf16 and llamacpp_bf16)")
     parser.add_argument("--servers", default=None,
                         help=f"which to run (default: {','.join(DEFAULT_SERVERS)}, and ours_int8 with --ours-int8, "
-                             "ours_bf16, transformers_cb_bf16 and llamacpp_bf16 with --ours-bf16); "
+                             "ours_16bit, transformers_cb_bf16 and llamacpp_bf16 with --ours-16bit); "
                              f"any of {', '.join(SERVERS)}")
     parser.add_argument("--concurrency", default="1,4,16", help="comma-separated --max-concurrency values")
     parser.add_argument("--rounds", type=int, default=6, help="timed rounds per concurrency (6: the fewest for a 95%% "
@@ -390,7 +391,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--concurrency: got {args.concurrency!r}; allowed: comma-separated integers >= 1, e.g. 1,4,16")
     if not args.concurrency or min(args.concurrency) < 1:
         parser.error(f"--concurrency: got {args.concurrency}; allowed: comma-separated integers >= 1")
-    added = [n for name in ("ours_bf16", "ours_int8") if getattr(args, name) for n in (name, *PAIRS[name])]
+    added = [n for name in ("ours_16bit", "ours_int8") if getattr(args, name) for n in (name, *PAIRS[name])]
     chosen = args.servers or ",".join(dict.fromkeys(DEFAULT_SERVERS + tuple(added)))
     args.servers = [s.strip() for s in chosen.split(",") if s.strip()]
     unknown = [s for s in args.servers if s not in SERVERS]

@@ -418,11 +418,11 @@ def test_compare_flags():
 
 
 def test_an_engine_of_fewer_bits_brings_and_meets_only_its_equal_bits(tmp_path):
-    """--ours-bf16 adds our bfloat16-weight engine with transformers and llama.cpp at bfloat16; each of ours is
+    """--ours-16bit adds our engine of 16-bit weights with transformers and llama.cpp at bfloat16; each of ours is
     paired with the alternatives of its own bits, and the lossy ones with the float32 alternatives too."""
     compare = _compare_module()
-    args = compare.parse_args(["--checkpoint", str(_checkpoint(tmp_path)), "--ours", "x", "--ours-bf16", "y"])
-    assert {"ours_bf16", "transformers_cb_bf16", "llamacpp_bf16"} <= set(args.servers)
+    args = compare.parse_args(["--checkpoint", str(_checkpoint(tmp_path)), "--ours", "x", "--ours-16bit", "y"])
+    assert {"ours_16bit", "transformers_cb_bf16", "llamacpp_bf16"} <= set(args.servers)
     servers = compare.build_servers(args, 2048)
     assert "--dtype bfloat16" in " ".join(servers["transformers_cb_bf16"].argv)
     rounds = [{name: {"output_throughput": 1.0, "median_tpot_ms": 1.0, "median_ttft_ms": 1.0, "median_e2el_ms": 1.0,
@@ -431,7 +431,7 @@ def test_an_engine_of_fewer_bits_brings_and_meets_only_its_equal_bits(tmp_path):
     pairs = {(r.a, r.b) for r in ratios}
     float32 = {"transformers", "transformers_cb", "vllm", "llamacpp"}
     assert {b for a, b in pairs if a == "ours"} == float32
-    assert {b for a, b in pairs if a == "ours_bf16"} == {"transformers_cb_bf16", "llamacpp_bf16"} | float32
+    assert {b for a, b in pairs if a == "ours_16bit"} == {"transformers_cb_bf16", "llamacpp_bf16"} | float32
     assert {b for a, b in pairs if a == "ours_int8"} == {"llamacpp_q8"} | float32
 
 

@@ -53,6 +53,19 @@ def test_the_lossy_values_are_marked_and_an_exact_space_leaves_them_out():
     assert SPACE.validate(SPACE.completed(type(SPACE.default()).from_dict(old))) == SPACE.default()
 
 
+def test_lessons_stored_before_a_gene_was_added_still_seed_a_warm_start():
+    """A warm start seeds the earlier run's best genomes; one stored before steps_per_exchange existed gets its
+    default (a warm start once dropped every such genome as illegal and seeded random ones)."""
+    from evo.core.effects import GeneEffects
+    from evo.core.lessons import Lessons
+
+    old = SPACE.make({"linear_kernel": "fp16_weights"}).to_dict()
+    del old["scheduling"]["steps_per_exchange"]
+    lessons = Lessons("llama_serve", "cpu_small", "cpu:cpu", ((old, 1.0),), {}, {}, GeneEffects())
+    [(rank, genome, latency)] = lessons.legal_best(SPACE)
+    assert genome == SPACE.make({"linear_kernel": "fp16_weights"}) and (rank, latency) == (0, 1.0)
+
+
 def test_every_entry_point_searches_the_exact_space_of_an_exact_run():
     """search_space is what a run, `evo bench --sample` and `evo compare` draw from: at float32 in exact mode no
     lossy value (bench once drew a bfloat16 KV cache into an exact run), in budget mode all of them."""

@@ -80,11 +80,12 @@ class Lessons:
                        shared=tuple(sorted(effects.values)), used=used)
 
     def legal_best(self, space: GeneSpace) -> list[tuple[int, Genome, float]]:
-        """(rank, genome, latency) of the best genomes that are legal in `space` (a config may restrict it)."""
+        """(rank, genome, latency) of the best genomes that are legal in `space` (a config may restrict it); a genome
+        stored before a gene was added gets that gene's default (`GeneSpace.completed`), as a champion does."""
         out = []
         for rank, (data, latency) in enumerate(self.best):
             try:
-                out.append((rank, space.validate(Genome.from_dict(data)), latency))
+                out.append((rank, space.validate(space.completed(Genome.from_dict(data))), latency))
             except GenomeError:
                 continue
         return out
