@@ -25,7 +25,7 @@ def test_a_generation_search_reports_paired_serving_figures_against_its_baseline
     config = load_config(ROOT / "configs" / "llama_serve_smoke.yaml", [
         "baselines=[hf_static]", "search.generations=1", "search.offspring=2", "search.max_evaluations=3",
         "search.population.size=2", "evaluators.count=1", "search.intensify.final_race=0",
-        "evaluator.accuracy.mode=budget", "genes={weight_quant: [int8]}", "search.screen.count=6",
+        "evaluator.accuracy.mode=budget", "genes={weight_quant: [int8], steps_per_exchange: [1]}", "search.screen.count=6",
         f"mlflow.tracking_uri={uri}", "mlflow.experiment=serve-e2e", "mlflow.model_name=serve-e2e-engine"])
     log = io.StringIO()
     result = run(config, tmp_path / "run", out=log)
@@ -38,7 +38,8 @@ def test_a_generation_search_reports_paired_serving_figures_against_its_baseline
     assert summary["best_fidelity"] == "screen" and summary["speedups"] == {}
     for figures, requests in ((best, 6), (baseline, 12)):
         assert figures["completed"] == figures["requests"] == requests and figures["concurrency"] == 4
-        assert figures["output_throughput"] > 0 and figures["tpot_ms"]["p99"] >= figures["tpot_ms"]["median"] > 0
+        # TPOT may be 0: with steps_per_exchange a short request's tokens can all arrive in one exchange
+        assert figures["output_throughput"] > 0 and figures["tpot_ms"]["p99"] >= figures["tpot_ms"]["median"] >= 0
     assert summary["best_latency_ms"] == pytest.approx(1e3 / best["output_throughput"], rel=0.35)  # median of replays
     paired = summary["serving_paired"]["hf_static"]
     assert {"output_throughput", "tpot_p99_ms", "ttft_median_ms"} <= set(paired)

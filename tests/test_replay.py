@@ -252,6 +252,31 @@ def test_clients_that_arrive_as_others_decode_and_leave_mid_decode_are_scored_on
     assert len(result.served()) == 3  # the replay's figures leave the aborted request out
 
 
+class Exchanging(Honest):
+    """Four engine steps per exchange (the gene steps_per_exchange), all their tokens handed back together."""
+
+    steps_per_exchange = 4
+
+    def step(self) -> list[TokenEvent]:
+        events = []
+        for _ in range(self.steps_per_exchange):
+            events += super().step()
+        return events
+
+
+def test_a_client_gone_at_its_kth_token_gets_none_of_the_rest_of_that_exchange():
+    """With several steps an exchange, a request may finish within the exchange that brought its client's last
+    wanted token: the client has gone at that token, so the rest are dropped and the request is aborted, never
+    counted as served (a timed replay's figures once counted the abort case as a request)."""
+    result = replay(Exchanging(), [Send(_request(0, 4), 0.0, abort_after=2), Send(_request(1, 6), 0.0)],
+                    deadline_s=30, stall_steps=20)
+    assert not result.violations and result.aborted == (0,)
+    assert [len(t) for t in result.tokens] == [2, 6] and len(result.served()) == 1
+    stamps = result.timelines[1].token_s
+    assert stamps[0] == stamps[3] != stamps[4]  # tokens arrive in bursts of four
+    assert score(result, reference_logits, 1e-6, V) == []
+
+
 def test_a_token_after_an_abort_is_a_breach_and_an_aborted_requests_tokens_are_still_scored():
     result = replay(IgnoresAborts(), [Send(_request(0, 6), 0.0, abort_after=1), Send(_request(1, 6), 0.0)],
                     deadline_s=30)

@@ -3,7 +3,8 @@ then score each request's own tokens.
 
 `replay` sends each request as its client would (`Send`): at its arrival time; in a closed loop when one of
 the `concurrency` clients is free; or once another request has k tokens (a request arriving while others
-decode). A client may go away after its request's k-th token: the judge aborts the request in the engine.
+decode). A client may go away after its request's k-th token: the judge aborts the request in the engine (its
+tokens after the k-th in the same exchange never reach the client and are dropped).
 It calls the engine's `step` while anything is in flight (an exchange: one engine step, or the genome's
 `steps_per_exchange`) and stamps each token when `step` hands it back:
 an engine that computes everything and then bursts its tokens gets the TTFT a client would have seen. The
@@ -221,6 +222,9 @@ def _receive(flights: dict[int, _Flight], events: list[TokenEvent], step: int, s
     violations, ended = [], 0
     for event in events:
         flight = flights.get(event.request_id)
+        if flight is not None and not flight.finished and flight.send.abort_after \
+                and len(flight.tokens) >= flight.send.abort_after:
+            continue  # its client went away at its k-th token, earlier in this exchange: the rest never reach it
         problem = _breach(flight, event.request_id, step)
         if problem:
             violations.append(problem)
