@@ -6,8 +6,8 @@ Each exchange with a sandboxed engine costs a round trip over its channel and a 
 exchange the engine runs up to k steps back to back (fewer when a step makes no token) and hands back every
 token they made, in order; the judge stamps them all when the exchange ends, as a client receiving them would. What it
 costs: a request sent meanwhile waits for the exchange to end (TTFT), a client's tokens arrive in bursts of up
-to k (ITL), and a request whose client went away after its k-th token may get a few more before the abort
-reaches the engine (they are scored too). The judge takes k from the genome it verified, never from the engine.
+to k (ITL), and the engine may compute tokens past the one after which a client went away (the judge drops them
+and aborts the request). The judge takes k from the genome it verified, never from the engine.
 """
 from __future__ import annotations
 
