@@ -106,6 +106,10 @@ class _Held:
     calls: int = 0
     steps_per_exchange: int = 1  # the genome's (`GenerationWorkload.exchange_steps`); a baseline's: 1
 
+    def generator(self, process: EngineProcess) -> ConfinedGenerator:
+        """The engine's process as the judge steps it: its genome's steps per exchange each time."""
+        return ConfinedGenerator(process, steps_per_exchange=self.steps_per_exchange)
+
 
 class GenerationJudge:
     """The generation contract's evaluation and held-engine pieces, for one `Evaluator` (its settings,
@@ -147,7 +151,7 @@ class GenerationJudge:
             return replace(failed, fidelity=fidelity)
         stamp, deadline = {**built.stamp, "fidelity": fidelity}, built.deadline
         held = self._held_for(engine)
-        generator = ConfinedGenerator(process, steps_per_exchange=held.steps_per_exchange)  # each replay bounds it
+        generator = held.generator(process)  # each replay bounds it by the evaluation's deadline
         tally = self.tally()
         problem = self.check(generator, deadline, held.greedy_only, held.ids, tally)
         if problem:
@@ -369,8 +373,7 @@ class GenerationJudge:
             return f"{failed.status}: {failed.message}", 0.0
         held = self._held[process] = self._held_for(engine)
         self._rounds = []
-        problem = self.check(ConfinedGenerator(process, steps_per_exchange=held.steps_per_exchange), deadline,
-                             held.greedy_only, held.ids)  # its own budget
+        problem = self.check(held.generator(process), deadline, held.greedy_only, held.ids)  # its own budget
         if problem is not None:
             return f"{problem[0]}: {problem[1]}", 0.0
         self.held_metrics = self._checked_metrics
@@ -393,8 +396,7 @@ class GenerationJudge:
             shape = draw_timed(self.trace, self._rng())
             self._rounds.append((shape, stop_case(shape, self._rng(), self.vocab, self.continuation)))
         (shape, stop), held.calls = self._rounds[held.calls], held.calls + 1
-        one, problem = self._timed_replay(ConfinedGenerator(process, steps_per_exchange=held.steps_per_exchange),
-                                          shape, stop, held, deadline, where)
+        one, problem = self._timed_replay(held.generator(process), shape, stop, held, deadline, where)
         if problem:
             return math.nan, f"{problem[0]}: {problem[1]}", ()
         return objective_of(one.metrics, self.objective), None, (one, where)

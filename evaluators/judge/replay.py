@@ -129,6 +129,11 @@ class _Flight:
     aborted: bool = False
     progress_step: int = 0  # the step of its last token (or of its sending)
 
+    @property
+    def client_gone(self) -> bool:
+        """Its client went away (it has the k-th token its client leaves after) and the judge has not ended it."""
+        return not self.finished and bool(self.send.abort_after) and len(self.tokens) >= self.send.abort_after
+
 
 @dataclass(frozen=True)
 class Replay:
@@ -222,8 +227,7 @@ def _receive(flights: dict[int, _Flight], events: list[TokenEvent], step: int, s
     violations, ended = [], 0
     for event in events:
         flight = flights.get(event.request_id)
-        if flight is not None and not flight.finished and flight.send.abort_after \
-                and len(flight.tokens) >= flight.send.abort_after:
+        if flight is not None and flight.client_gone:
             continue  # its client went away at its k-th token, earlier in this exchange: the rest never reach it
         problem = _breach(flight, event.request_id, step)
         if problem:
@@ -246,7 +250,7 @@ def _leave(engine: GenerationEngine, flights: dict[int, _Flight]) -> list[int]:
     in the engine; their ids."""
     gone = []
     for flight in flights.values():
-        if not flight.finished and flight.send.abort_after and len(flight.tokens) >= flight.send.abort_after:
+        if flight.client_gone:
             engine.abort(flight.request.id)
             flight.finished = flight.aborted = True
             gone.append(flight.request.id)
