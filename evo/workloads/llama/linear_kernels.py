@@ -10,8 +10,8 @@ weights; 0.3 / 0.6 / 2.8 ms int8, with the weight L3-resident):
 - `fp16_weights`: fbgemm's float16 weights, float32 activations and accumulation (half the bytes; lossy:
   ~2e-4 relative error of the product);
 - `bf16_weights`: oneDNN's bfloat16 inner product over a weight reordered to its blocked layout, the call's rows
-  rounded to bfloat16 and its product returned in bfloat16, widened to float32 (half the bytes; lossy: ~4e-3
-  relative error of the product). Where the CPU has AMX or AVX-512 BF16 (oneDNN's `_is_mkldnn_bf16_supported`)
+  rounded to bfloat16 and its product returned in bfloat16, widened to float32 (half the bytes; lossy: ~3e-3
+  relative error of the product, measured on Gaussian rows and weights). Where the CPU has AMX or AVX-512 BF16 (oneDNN's `_is_mkldnn_bf16_supported`)
   its tiles make 16 rows cost what one does: SmolLM2-135M's projections and LM head at 1 / 16 / 32 rows, one
   thread, 28.5 / 31.1 / 37.0 ms against packed float32's 46.6 / 73.5 / 99.2 (Intel Xeon with AMX); without them
   oneDNN emulates bfloat16 and the search will find it slow;
