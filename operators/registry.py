@@ -7,6 +7,6 @@ needs no edit here: register it the same way in your module, or name it by dotte
 from __future__ import annotations
 
 from evo.core.proposer import proposer_class, proposer_names
-from operators import code_agent, fusion, integration, memory_layout, optuna_agent, scheduling  # noqa: F401
+from operators import code_agent, fusion, integration, levers, memory_layout, optuna_agent, scheduling  # noqa: F401
 
 __all__ = ["proposer_class", "proposer_names"]

@@ -3,7 +3,7 @@ against `all` (every token checked against the float64 reference before release)
 
     .venv/bin/python scripts/serve_mode_cost.py [--workload llama_serve] [--preset cpu] [--modes sampled,all]
         [--rounds 1] [--clients 16] [--requests 48] [--sandbox strict] [--verify-chunk 8] [--canary-every 8]
-        [--rescore-fraction 0.05] [--seed 0]
+        [--rescore-fraction 0.05] [--seed 0] [--genes JSON] [--accuracy JSON]
 
 One `ServedGenerator` in this process (its engine in the judge's jail, checked by the judge's check replay),
 driven the way Serve's routes drive it: `--clients` threads, each taking the next of `--requests` greedy
@@ -54,13 +54,18 @@ def main() -> None:
     parser.add_argument("--canary-every", type=int, default=8)
     parser.add_argument("--rescore-fraction", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--genes", default="{}", help="JSON genes replacing the default genome's (e.g. a lossy "
+                        "linear_kernel; judged in the --accuracy mode)")
+    parser.add_argument("--accuracy", default="{}", help='JSON evaluator.accuracy, e.g. {"mode": "budget", '
+                        '"against": "bfloat16"} for a lossy genome')
     args = parser.parse_args()
     workload = get_workload(args.workload)
     preset = workload.presets()[args.preset]
     shapes = _shapes(preset, args.requests, np.random.default_rng(args.seed))
     started = time.perf_counter()
-    served = ServedGenerator(args.workload, args.preset, workload.gene_space(preset, _cpu()).default().to_json(),
-                             settings=EvaluatorSettings(sandbox=args.sandbox))
+    genome = workload.gene_space(preset, _cpu()).default().with_genes(**json.loads(args.genes))
+    served = ServedGenerator(args.workload, args.preset, genome.to_json(),
+                             settings=EvaluatorSettings(sandbox=args.sandbox, accuracy=json.loads(args.accuracy)))
     print(json.dumps({"environment": _environment(), "start_s": time.perf_counter() - started,
                       "judged": served.judged.to_dict()}), flush=True)
     modes = args.modes.split(",")

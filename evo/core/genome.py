@@ -286,9 +286,16 @@ class GeneSpace:
     code_genes: tuple[CodeGene, ...] = ()  # optional genes holding code hashes (absent: hand-written code)
     ignored: tuple[Ignored, ...] = ()  # genes the chosen engine does not read (canonical: their defaults)
     pipeline: StagePipeline | None = None  # the stages whose backend/fuse genes this space holds, if any
+    # the genes the workload names as its speed levers, most leverage first (how a step reads the weights, their
+    # bytes, steps per exchange, speculation): the `levers` agent sweeps them one value at a time
+    levers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         names = {g.name for g in self.genes}
+        unknown_levers = [name for name in self.levers if name not in names]
+        if unknown_levers:
+            raise ValueError(f"the {self.workload} gene space names levers {unknown_levers} it does not declare; "
+                             f"genes: {sorted(names)}")
         for rule in self.ignored:
             unknown = sorted(set(rule.genes) - names)
             if unknown:

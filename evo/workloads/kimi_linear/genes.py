@@ -90,6 +90,11 @@ def _fusion_genes() -> list[Gene]:
     ]
 
 
+# the speed levers, most leverage first (the `levers` agent's sweep): how prompts are prefilled, how many steps an
+# exchange runs, how the experts are dispatched, the projections fused, the MLA cache held
+LEVERS = ("kda_prefill", "steps_per_exchange", "moe_dispatch", "fused_projections", "mla_cache")
+
+
 def gene_space(preset: KimiPreset, device: DeviceInfo) -> GeneSpace:
     """Genes legal for `preset` on `device` (names are a contract with operators, configs and the workload)."""
     genes = _scheduling_genes(preset, device) + [exchange_gene()] + _memory_genes(preset) + _fusion_genes()
@@ -99,7 +104,7 @@ def gene_space(preset: KimiPreset, device: DeviceInfo) -> GeneSpace:
     # being shared_experts x moe_intermediate by the spec's shapes, which a checkpoint is checked against)
     chunked_only = Ignored(KDA_GENES, lambda v: v.get("kda_prefill") != "chunked",
                            "the KDA workload's genes are read by the chunked prefill only")
-    return GeneSpace("kimi_linear", tuple(genes), ignored=(chunked_only,))
+    return GeneSpace("kimi_linear", tuple(genes), ignored=(chunked_only,), levers=LEVERS)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,11 @@ SPEC_MAX_ROWS = (1, 4, 16, 64)  # 64: the largest max_running, so always
 NOT_SHARED = ("kv_alloc", "prefill", "prefill_chunk", "decode_step")
 
 
+# the speed levers, most leverage first (the `levers` agent's sweep): how a step reads the weights (and their bytes),
+# how many steps an exchange runs, speculation, a compiled step
+LEVERS = ("linear_kernel", "steps_per_exchange", "speculation", "decode_step")
+
+
 def _batching_genes(preset: ServePreset) -> list[Gene]:
     R = max(1, preset.shape["R"])
     running = tuple(m for m in MAX_RUNNING if m <= 2 * R) or (1,)
@@ -132,7 +137,8 @@ def gene_space(preset: ServePreset, device: DeviceInfo) -> GeneSpace:
     if device.kind == "cuda":
         ignored.append(Ignored(("sdpa_backend",), lambda v: v.get("attention") == "matmul",
                                "attention=matmul calls no SDPA kernel"))
-    return GeneSpace("llama_serve", tuple(genes), constraints, _open_code.code_genes(preset, device), tuple(ignored))
+    return GeneSpace("llama_serve", tuple(genes), constraints, _open_code.code_genes(preset, device), tuple(ignored),
+                     levers=LEVERS)
 
 
 def llama_genome(genome: Genome, preset: ServePreset, device: DeviceInfo) -> Genome:

@@ -1,0 +1,58 @@
+"""LeverSweepAgent: the workload's speed levers, one value at a time, from the best engine so far.
+
+A coordinate sweep over the genes the workload names as levers (`GeneSpace.levers`, most leverage first: how a
+step reads the weights, their bytes, steps per exchange, speculation). From its best parent it proposes each lever
+set to each of its other values, the genome otherwise unchanged; a child the search already knows is skipped, so
+the sweep moves on by itself and starts again from a new best. Lossy values come first where the run allows
+them (budget mode): such a value is in the space only because it trades precision for speed. The mutation
+agents' random walk over every gene finds a lever's best value too, but at one gene in a dozen per child the
+few evaluations an expensive model allows rarely reach it; the sweep reaches each value of every lever within
+a few generations and leaves the rest of the genome to the other agents.
+"""
+from __future__ import annotations
+
+from evo.core.effects import GeneEffects
+from evo.core.genome import Genome, GenomeError
+from evo.core.proposer import register_proposer
+from evo.core.records import Parent, Proposal
+from operators.base import Agent
+
+
+@register_proposer
+class LeverSweepAgent(Agent):
+    name = "levers"
+    domain = ""  # levers cross domains
+
+    def move_kinds(self, parent: Genome) -> list[str]:
+        return [name for name in self.gene_space.levers if len(self.gene_space.gene(name).values) > 1]
+
+    def propose(self, parents: list[Parent], n: int, generation: int,
+                exclude: frozenset[str] = frozenset(), effects: GeneEffects | None = None) -> list[Proposal]:
+        proposals: list[Proposal] = []
+        seen = {p.genome.hash for p in parents} | set(exclude)
+        for parent in sorted(parents, key=lambda p: p.fitness):  # best first; the next only once it is swept
+            for gene, value, child in self._sweep(parent.genome):
+                if len(proposals) >= n:
+                    return proposals
+                if child.hash in seen:
+                    continue
+                seen.add(child.hash)
+                current = parent.genome.values()[gene]
+                proposals.append(Proposal(genome=child, parents=(parent.genome.hash,), agent=self.name,
+                                          move=f"lever {gene}: {current} -> {value}", move_kind=gene,
+                                          generation=generation))
+        return proposals
+
+    def _sweep(self, parent: Genome):
+        """(gene, value, child) for every lever's other legal values, levers in order, lossy values first."""
+        canonical = self.gene_space.canonical(parent).hash
+        for name in self.move_kinds(parent):
+            gene = self.gene_space.gene(name)
+            current = parent.values()[name]
+            for value in sorted((v for v in gene.values if v != current), key=lambda v: v not in gene.lossy):
+                try:
+                    child = self.gene_space.validate(parent.with_genes(**{name: value}))
+                except GenomeError:
+                    continue  # illegal with the parent's other genes (e.g. a packed kernel over bfloat16 weights)
+                if child.hash not in (parent.hash, canonical):
+                    yield name, value, child
