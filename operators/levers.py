@@ -7,7 +7,8 @@ the sweep moves on by itself and starts again from a new best. Lossy values come
 them (budget mode): such a value is in the space only because it trades precision for speed. The mutation
 agents' random walk over every gene finds a lever's best value too, but at one gene in a dozen per child the
 few evaluations an expensive model allows rarely reach it; the sweep reaches each value of every lever within
-a few generations and leaves the rest of the genome to the other agents.
+a few generations and leaves the rest of the genome to the other agents. Given the search's evidence (per-gene
+effects), values already measured slower than the parent's come last, so the sweep moves on to the next lever.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ class LeverSweepAgent(Agent):
         proposals: list[Proposal] = []
         seen = {p.genome.hash for p in parents} | set(exclude)
         for parent in sorted(parents, key=lambda p: p.fitness):  # best first; the next only once it is swept
-            for gene, value, child in self._sweep(parent.genome):
+            for gene, value, child in self._ordered(parent.genome, effects):
                 if len(proposals) >= n:
                     return proposals
                 if child.hash in seen:
@@ -42,6 +43,22 @@ class LeverSweepAgent(Agent):
                                           move=f"lever {gene}: {current} -> {value}", move_kind=gene,
                                           generation=generation))
         return proposals
+
+    def _ordered(self, parent: Genome, effects: GeneEffects | None) -> list:
+        """The sweep, values the evidence already measured slower than the parent's (the per-gene effects'
+        posterior mean, other genes accounted for) moved to its end: a new best is not made to re-sweep the
+        lever that made it before the next lever gets a turn."""
+        sweep = list(self._sweep(parent))
+        if effects is None:
+            return sweep
+        current = parent.values()
+
+        def measured_slower(move) -> bool:
+            gene, value, _ = move
+            effect, ok = effects.effect(gene, value)
+            return ok > 0 and effect > effects.effect(gene, current[gene])[0]
+
+        return sorted(sweep, key=measured_slower)  # stable: the lever order otherwise
 
     def _sweep(self, parent: Genome):
         """(gene, value, child) for every lever's other legal values, levers in order, lossy values first."""

@@ -10,6 +10,7 @@ from mlflow.tracking import MlflowClient
 
 from evo.driver.config import load_config
 from evo.core.genome import Genome
+from evo.core.retiming import FAILED
 from evo.driver.run import run
 from evo.workloads import get_workload
 from evo.workloads.base import CheckCase, DeviceInfo
@@ -54,6 +55,15 @@ def test_summary_reports_best_baselines_and_roofline(outcome):
     assert summary["intensification"]["retimings"] <= summary["intensification"]["budget"]
     final = [json.loads(line) for line in (result.run_dir / "retimings.jsonl").read_text().splitlines()]
     assert {r["b"] for r in final if r["reason"] == "baseline"} == {f"baseline:{n}" for n in config.baselines}
+    # and against the run's default genome, unless that is the best
+    against_default = [r for r in final if r["reason"] == "default"]
+    assert len(against_default) <= 1 and summary["best_hash"] not in [r["b"] for r in against_default]
+    if against_default and against_default[0]["verdict"] != FAILED:
+        estimate, low, high = summary["vs_default"]["speedup"]
+        assert summary["vs_default"]["hash"] == against_default[0]["b"] and 0 < low <= estimate <= high
+        assert "vs default" in log
+    else:
+        assert not summary["vs_default"], log[-3000:]
     assert "faster than" in log and "(paired, 95% [" in log and "re-timings" in log
     # one line per finished candidate, and the whole log in the run directory
     assert sum(line.startswith("cand gen ") for line in log.splitlines()) == summary["evaluations"], log[-3000:]

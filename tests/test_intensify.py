@@ -138,12 +138,16 @@ def test_summary_speedup_ci_comes_from_the_final_paired_re_timing_and_round_trip
     assert summary.intensification["retimings"] == len(search.retimings) > 0
     assert summary.intensification["faster"] == sum(t.verdict == FASTER for t in search.retimings)
     best = search.best().proposal.hash
-    final = [PairedTiming(best, "baseline:slow", FASTER, 0.25, 0.2, 0.3, 0.02, reason="baseline")]
+    final = [PairedTiming(best, "baseline:slow", FASTER, 0.25, 0.2, 0.3, 0.02, reason="baseline"),
+             PairedTiming(best, "d3fa017", FASTER, 0.5, 0.4, 0.625, 0.02, reason="default")]
     summary = with_final_retimings(summary, final)
     assert summary.speedup_ci == {"slow": [1 / 0.3, 1 / 0.2]} and summary.speedup_paired == {"slow": 4.0}
+    # the run's default genome is no baseline: its paired figure is kept apart, as what the search earned
+    assert summary.vs_default == {"hash": "d3fa017", "speedup": [2.0, 1.6, 2.5], "figures": {}}
     again = Summary.from_dict(json.loads(json.dumps(summary.to_dict())))
     assert again.speedup_ci == {"slow": [1 / 0.3, 1 / 0.2]} and again.intensification == summary.intensification
-    assert Summary.from_dict({}).speedup_ci == {}  # a summary.json written before has none
+    assert again.vs_default == summary.vs_default
+    assert Summary.from_dict({}).speedup_ci == {} and Summary.from_dict({}).vs_default == {}  # written before
 
 
 def test_re_timings_are_journaled_with_their_parquet_and_trimmed_on_resume(tmp_path):

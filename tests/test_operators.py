@@ -87,3 +87,64 @@ def test_fusion_agent_works_on_a_space_without_stage_genes():
     proposals = FusionAgent(space, seed=0).propose([Parent(space.default(), 1.0)], 2, 1)
     assert {p.genome["impl"] for p in proposals} == {"b", "c"}
     assert all(p.genome["size"] == 1 for p in proposals)
+
+
+def test_levers_sweep_the_named_genes_one_value_at_a_time_lossy_first_from_the_best():
+    from evaluators.machine import device as devices
+    from evo.workloads import get_workload
+    from operators.levers import LeverSweepAgent
+    from operators.registry import proposer_class
+
+    assert proposer_class("levers") is LeverSweepAgent  # a config's search.agents names it
+    workload = get_workload("llama_serve")
+    budget = workload.gene_space(workload.presets()["cpu"], devices.device_info("cpu", 1))
+    default = budget.default()
+    worse = budget.make({**default.values(), "max_running": 1})
+    agent = LeverSweepAgent(budget, seed=0)
+    proposals = agent.propose([Parent(worse, 9.0), Parent(default, 1.0)], 4, generation=1)
+    assert [p.parents for p in proposals] == [(default.hash,)] * 4  # from the best parent
+    for p in proposals:  # one lever changed, nothing else
+        changed = {k for k, v in p.genome.values().items() if v != default.values()[k]}
+        assert changed == {p.move_kind} and p.move_kind in budget.levers and budget.is_legal(p.genome)
+    kernel = budget.gene("linear_kernel")
+    assert [p.genome.values()["linear_kernel"] for p in proposals[:len(kernel.lossy)]] == list(kernel.lossy)
+    # what the search knows is skipped: the sweep goes on with the next values
+    more = agent.propose([Parent(default, 1.0)], 3, 2, exclude=frozenset(p.hash for p in proposals))
+    assert not {p.hash for p in more} & {p.hash for p in proposals} and len(more) == 3
+    # an exact run's space holds no lossy value, so neither does the sweep
+    exact = budget.exact_only()
+    swept = LeverSweepAgent(exact, seed=0).propose([Parent(exact.default(), 1.0)], 50, 1)
+    assert swept and all(not exact.lossy_values(p.genome.values()) for p in swept)
+    assert not budget.lossy_values(default.values())
+
+
+def test_a_gene_space_naming_an_undeclared_lever_is_refused():
+    import dataclasses
+
+    import pytest
+
+    space = toy_space()
+    with pytest.raises(ValueError, match="levers \\['no_such_gene'\\]"):
+        dataclasses.replace(space, levers=("no_such_gene",))
+
+
+def test_levers_move_on_past_values_the_evidence_measured_slower():
+    from evaluators.machine import device as devices
+    from evo.core.effects import GeneEffects
+    from evo.workloads import get_workload
+    from operators.levers import LeverSweepAgent
+
+    workload = get_workload("llama_serve")
+    space = workload.gene_space(workload.presets()["cpu"], devices.device_info("cpu", 1))
+    best = space.make({**space.default().values(), "linear_kernel": "bf16_weights"})
+    effects = GeneEffects()
+    rng = np.random.default_rng(0)
+    for kernel, ms in (("bf16_weights", 10.0), ("fp16_weights", 16.0), ("int8_dynamic", 20.0), ("torch", 16.0),
+                       ("packed", 14.0)):
+        for _ in range(3):
+            effects.add(space.make({**best.values(), "linear_kernel": kernel,
+                                    "max_running": int(rng.choice([8, 16]))}), "ok", ms * rng.uniform(0.95, 1.05))
+    first = LeverSweepAgent(space, seed=0).propose([Parent(best, 10.0)], 2, 1, effects=effects)
+    assert [p.move_kind for p in first] == ["steps_per_exchange"] * 2  # linear_kernel's others were slower
+    plain = LeverSweepAgent(space, seed=0).propose([Parent(best, 10.0)], 2, 1)
+    assert [p.move_kind for p in plain] == ["linear_kernel"] * 2  # without evidence: the lever order

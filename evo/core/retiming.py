@@ -25,6 +25,7 @@ import numpy as np
 from evo.core.records import Evaluated
 
 FASTER, SLOWER, EQUAL, FAILED = "faster", "slower", "equal", "failed"
+DEFAULT_REASON = "default"  # the final re-timing of the best engine against the run's default genome
 NOT_TIMED = "not timed: the run was stopped"  # the message of a re-timing a stop left undone (no verdict on A)
 VERDICTS: tuple[str, ...] = (FASTER, SLOWER, EQUAL, FAILED)
 MIN_PAIRS = 6  # fewer pairs than this cannot exclude anything at 95% (the interval is every Walsh average)
@@ -48,7 +49,7 @@ class PairedTiming:
     samples_b_ms: tuple[float, ...] = ()
     message: str = ""
     reason: str = ""  # why it ran: "parent" / "incumbent" (intensification), "race" (the final race),
-    # "baseline" (final), "ab" (the CLI)
+    # "baseline" or "default" (final: a baseline, the run's default genome), "ab" (the CLI)
     generation: int = -1  # the search generation it decided (-1: outside a search)
     wall_s: float = math.nan  # its wall time, builds included
     evaluator: str = ""

@@ -12,8 +12,9 @@ from collections.abc import Iterable
 
 from evaluators.pool.actors import EvaluatorPool, RetimeJob
 from evo.core.fidelity import SCREEN
+from evo.core.genome import Genome
 from evo.core.records import EvalResult, Evaluated
-from evo.core.retiming import Challenge, IntensifySettings, PairedTiming
+from evo.core.retiming import DEFAULT_REASON, Challenge, IntensifySettings, PairedTiming
 from evo.evidence.engine_record import EngineRecord
 
 
@@ -32,13 +33,17 @@ class PoolRetimer:
 
 
 def final_retiming(pool: EvaluatorPool, best: Evaluated, baselines: dict[str, EvalResult],
-                   settings: IntensifySettings) -> list[PairedTiming]:
+                   settings: IntensifySettings, default: Genome | None = None) -> list[PairedTiming]:
     """The best engine against each correct baseline, paired (so every speedup of the summary comes with its 95%
-    interval): one job a baseline, spread over the evaluators, so a stop keeps the ones that finished (the others
-    answer `evo.core.retiming.NOT_TIMED`); [] when no baseline passed."""
+    interval), and against the run's `default` genome where the search found another (reason "default": what
+    the search, not the default, earned): one job each, spread over the evaluators, so a stop keeps the ones that
+    finished (the others answer `evo.core.retiming.NOT_TIMED`)."""
     names = [name for name, result in baselines.items() if result.ok]
-    jobs = [RetimeJob((best.proposal.genome.to_json(), f"baseline:{n}"), pool.sources_of(best.proposal),
-                      settings.calls, settings.warmup, settings.min_effect, "baseline") for n in names]
+    others = [(f"baseline:{n}", "baseline") for n in names]
+    if default is not None and default.hash != best.proposal.genome.hash:
+        others.append((default.to_json(), DEFAULT_REASON))
+    jobs = [RetimeJob((best.proposal.genome.to_json(), other), pool.sources_of(best.proposal),
+                      settings.calls, settings.warmup, settings.min_effect, reason) for other, reason in others]
     return [answers[0] for answers in pool.retime(jobs)]
 
 
@@ -71,15 +76,18 @@ def retime_estimate_s(results: Iterable[EvalResult], settings: IntensifySettings
 
 
 def final_estimate_s(best: EvalResult | None, baselines: dict[str, EvalResult], settings: IntensifySettings,
-                     full_count: int, screen_replays: int, replays: int, parallel: int) -> float:
-    """The final paired re-timing (`final_retiming`): one job a baseline, `parallel` at a time."""
+                     full_count: int, screen_replays: int, replays: int, parallel: int,
+                     default: EvalResult | None = None) -> float:
+    """The final paired re-timing (`final_retiming`): one job a baseline (and one against the `default` genome's
+    engine, when it is not the best), `parallel` at a time."""
     if best is None:
         return 0.0
     mine = full_replay_s(best, full_count)
     mine_fixed = fixed_s(best, screen_replays, replays)
     calls = settings.warmup + settings.calls
+    others = [r for r in baselines.values() if r.ok] + ([default] if default is not None and default.ok else [])
     jobs = [mine_fixed + fixed_s(r, screen_replays, replays) + calls * (mine + full_replay_s(r, full_count))
-            for r in baselines.values() if r.ok]
+            for r in others]
     jobs = [x for x in jobs if math.isfinite(x)]
     return max(max(jobs, default=0.0), sum(jobs) / max(1, parallel))
 

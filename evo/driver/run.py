@@ -236,8 +236,9 @@ def end_reserve(parts: RunParts, search: Search, baselines: dict[str, EvalResult
 
     def final() -> float:
         best = search.best()
+        default = search.known.get(parts.gene_space.default().hash)
         return final_estimate_s(best.result if best else None, baselines, intensify, full, screen.replays, replays,
-                                parallel)
+                                parallel, default.result if default and default is not best else None)
 
     return EndReserve(parallel, guess, final)
 
@@ -295,8 +296,11 @@ def retime_best(parts: RunParts, search: Search, baselines: dict[str, EvalResult
     best = search.best()
     if not (settings.enabled and best is not None and not stopped):
         return summary
-    say(f"final paired re-timing: the best engine against {', '.join(n for n, r in baselines.items() if r.ok)}")
-    timings = final_retiming(parts.pool, best, baselines, settings)
+    default = parts.gene_space.default()
+    against = [n for n, r in baselines.items() if r.ok] + (["the default genome"] if default.hash != best.proposal.hash
+                                                            else [])
+    say(f"final paired re-timing: the best engine against {', '.join(against)}")
+    timings = final_retiming(parts.pool, best, baselines, settings, default)
     append_retimings(parts.run_dir, timings)
     for timing in timings:
         say(f"  {timing.describe()}")
@@ -381,6 +385,10 @@ def _print_summary(summary: Summary, run_dir: Path, mlflow: MlflowSink | None = 
         i = summary.intensification
         lines.append(f"  re-timings  {i['retimings']} of {i['budget']} allowed ({i['faster']} confirmed faster,"
                      f" {i['equal']} equal within noise, {i['slower']} slower, {i['failed']} failed; {i['wall_s']:.1f} s)")
+    if summary.vs_default:
+        estimate, low, high = summary.vs_default["speedup"]
+        lines.append(f"  vs default  {estimate:.2f}x the default genome ({summary.vs_default['hash'][:12]}), paired, "
+                     f"95% [{low:.2f}, {high:.2f}]")
     if summary.registered_model:
         lines.append(f"  registered  {summary.registered_model} (MLflow run {summary.mlflow_run_id})")
     lines.append(f"run directory: {run_dir}")

@@ -15,7 +15,7 @@ from typing import Any
 
 from evo.core.records import STATUSES, SUSPECT, EvalResult, Evaluated, nan_for_null
 from evo.core.fidelity import FULL
-from evo.core.retiming import FAILED, VERDICTS, PairedTiming, not_timed, paired_figures
+from evo.core.retiming import DEFAULT_REASON, FAILED, VERDICTS, PairedTiming, not_timed, paired_figures
 from evo.core.search import RaceResult, Search
 from evo.evidence.floor import RunFloor
 from evo.workloads.base import Roofline
@@ -132,6 +132,11 @@ class Summary:
     # `speedups` stay empty: only the final paired re-timing, at full fidelity, compares it with the baselines
     best_fidelity: str = "full"
     final_missing: dict[str, str] = field(default_factory=dict)  # baseline -> why it has no final paired figure
+    # the final paired re-timing of the best engine against the run's default genome (what the search, not the
+    # default, earned): hash (the default's), speedup [estimate, low, high] (the default's latency / the best's)
+    # and a generation engine's figures (metric -> [estimate, low, high] of the best's value / the default's);
+    # empty when the default is the best or was not timed
+    vs_default: dict[str, Any] = field(default_factory=dict)
     search_end: str = ""  # why the search started no more generations early, to keep its end in search.max_wall_s
 
     def to_dict(self) -> dict[str, Any]:
@@ -224,10 +229,12 @@ def intensification(search: Search) -> dict[str, Any]:
 def with_final_retimings(summary: Summary, timings: list[PairedTiming]) -> Summary:
     """`summary` with the speedups of the final paired re-timing (a = the best engine, b = "baseline:NAME"):
     the speedup over a baseline is b's latency / a's = 1 / ratio, its interval [1/high, 1/low]."""
-    ci, paired, figures, missing = {}, {}, {}, {}
+    ci, paired, figures, missing, default = {}, {}, {}, {}, {}
     for t in timings:
         if not_timed(t) and t.b.startswith("baseline:"):
             missing[t.b.removeprefix("baseline:")] = "the run was stopped before its paired re-timing finished"
+        if t.reason == DEFAULT_REASON and t.verdict != FAILED:
+            default = {"hash": t.b, "speedup": list(t.speedup), "figures": paired_figures(t) or {}}
         if t.verdict == FAILED or not t.b.startswith("baseline:"):
             continue
         name = t.b.removeprefix("baseline:")
@@ -236,4 +243,4 @@ def with_final_retimings(summary: Summary, timings: list[PairedTiming]) -> Summa
         if found := paired_figures(t):
             figures[name] = found
     return dataclasses.replace(summary, speedup_ci=ci, speedup_paired=paired, serving_paired=figures,
-                               final_missing=missing)
+                               final_missing=missing, vs_default=default)
