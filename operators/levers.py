@@ -8,11 +8,11 @@ them (budget mode): such a value is in the space only because it trades precisio
 agents' random walk over every gene finds a lever's best value too, but at one gene in a dozen per child the
 few evaluations an expensive model allows rarely reach it; the sweep reaches each value of every lever within
 a few generations and leaves the rest of the genome to the other agents. Given the search's evidence (per-gene
-effects), values already measured slower than the parent's come last, so the sweep moves on to the next lever.
+effects), values already measured slower than the parent's, or seen only failing, come last, so the sweep moves on to the next lever.
 """
 from __future__ import annotations
 
-from evo.core.effects import GeneEffects
+from evo.core.effects import GeneEffects, value_key
 from evo.core.genome import Genome, GenomeError
 from evo.core.proposer import register_proposer
 from evo.core.records import Parent, Proposal
@@ -46,19 +46,22 @@ class LeverSweepAgent(Agent):
 
     def _ordered(self, parent: Genome, effects: GeneEffects | None) -> list:
         """The sweep, values the evidence already measured slower than the parent's (the per-gene effects'
-        posterior mean, other genes accounted for) moved to its end: a new best is not made to re-sweep the
-        lever that made it before the next lever gets a turn."""
+        posterior mean, other genes accounted for) or saw only fail moved to its end: a new best is not made to
+        re-sweep the lever that made it before the next lever gets a turn."""
         sweep = list(self._sweep(parent))
         if effects is None:
             return sweep
         current = parent.values()
 
-        def measured_slower(move) -> bool:
+        def measured_worse(move) -> bool:
             gene, value, _ = move
             effect, ok = effects.effect(gene, value)
-            return ok > 0 and effect > effects.effect(gene, current[gene])[0]
+            if ok == 0:  # failed every time it was tried (e.g. outside the accuracy budget), or never tried
+                seen = effects.values.get(gene, {}).get(value_key(value))
+                return seen is not None and seen.failed > 0
+            return effect > effects.effect(gene, current[gene])[0]
 
-        return sorted(sweep, key=measured_slower)  # stable: the lever order otherwise
+        return sorted(sweep, key=measured_worse)  # stable: the lever order otherwise
 
     def _sweep(self, parent: Genome):
         """(gene, value, child) for every lever's other legal values, levers in order, lossy values first."""
