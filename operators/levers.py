@@ -12,7 +12,7 @@ effects), values already measured slower than the parent's, or seen only failing
 """
 from __future__ import annotations
 
-from evo.core.effects import GeneEffects, value_key
+from evo.core.effects import GeneEffects
 from evo.core.genome import Genome, GenomeError
 from evo.core.proposer import register_proposer
 from evo.core.records import Parent, Proposal
@@ -32,13 +32,12 @@ class LeverSweepAgent(Agent):
         proposals: list[Proposal] = []
         seen = {p.genome.hash for p in parents} | set(exclude)
         for parent in sorted(parents, key=lambda p: p.fitness):  # best first; the next only once it is swept
-            for gene, value, child in self._ordered(parent.genome, effects):
+            for gene, current, value, child in self._ordered(parent.genome, effects):
                 if len(proposals) >= n:
                     return proposals
                 if child.hash in seen:
                     continue
                 seen.add(child.hash)
-                current = parent.genome.values()[gene]
                 proposals.append(Proposal(genome=child, parents=(parent.genome.hash,), agent=self.name,
                                           move=f"lever {gene}: {current} -> {value}", move_kind=gene,
                                           generation=generation))
@@ -51,28 +50,27 @@ class LeverSweepAgent(Agent):
         sweep = list(self._sweep(parent))
         if effects is None:
             return sweep
-        current = parent.values()
 
         def measured_worse(move) -> bool:
-            gene, value, _ = move
+            gene, current, value, _ = move
             effect, ok = effects.effect(gene, value)
             if ok == 0:  # failed every time it was tried (e.g. outside the accuracy budget), or never tried
-                seen = effects.values.get(gene, {}).get(value_key(value))
-                return seen is not None and seen.failed > 0
-            return effect > effects.effect(gene, current[gene])[0]
+                evidence = effects.evidence(gene, value)
+                return evidence is not None and evidence.failed > 0
+            return effect > effects.effect(gene, current)[0]
 
         return sorted(sweep, key=measured_worse)  # stable: the lever order otherwise
 
     def _sweep(self, parent: Genome):
-        """(gene, value, child) for every lever's other legal values, levers in order, lossy values first."""
-        canonical = self.gene_space.canonical(parent).hash
+        """(gene, its current value, another value, child) for every lever's other legal values, levers in order,
+        lossy values first."""
+        canonical, values = self.gene_space.canonical(parent).hash, parent.values()
         for name in self.move_kinds(parent):
-            gene = self.gene_space.gene(name)
-            current = parent.values()[name]
+            gene, current = self.gene_space.gene(name), values[name]
             for value in sorted((v for v in gene.values if v != current), key=lambda v: v not in gene.lossy):
                 try:
                     child = self.gene_space.validate(parent.with_genes(**{name: value}))
                 except GenomeError:
                     continue  # illegal with the parent's other genes (e.g. a packed kernel over bfloat16 weights)
                 if child.hash not in (parent.hash, canonical):
-                    yield name, value, child
+                    yield name, current, value, child

@@ -164,9 +164,13 @@ class GeneEffects:
             self._posterior = (features, mean, chol)
         return self._posterior
 
+    def evidence(self, gene: str, value: Scalar) -> ValueEvidence | None:
+        """What the results say about this value of this gene; None when no result had it."""
+        return self.values.get(gene, {}).get(value_key(value))
+
     def effect(self, gene: str, value: Scalar) -> tuple[float, int]:
         """(posterior mean effect of this value on log-latency, the other genes accounted for; ok results)."""
-        ev = self.values.get(gene, {}).get(value_key(value))
+        ev = self.evidence(gene, value)
         if ev is None or ev.ok == 0 or not self.rows:
             return 0.0, 0
         features, mean, _ = self._fit()
@@ -177,7 +181,7 @@ class GeneEffects:
         """Failure rate of genomes with this value, shrunk toward the overall rate by `_FAIL_PSEUDO`
         results, so a value must fail clearly more often than the rest before it is avoided."""
         overall = (self.results - self.ok + _FAIL_PRIOR[0]) / (self.results + sum(_FAIL_PRIOR))
-        ev = self.values.get(gene, {}).get(value_key(value))
+        ev = self.evidence(gene, value)
         failed, tries = (ev.failed, ev.tries) if ev else (0, 0)
         return (failed + _FAIL_PSEUDO * overall) / (tries + _FAIL_PSEUDO)
 

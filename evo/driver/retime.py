@@ -35,12 +35,12 @@ class PoolRetimer:
 def final_retiming(pool: EvaluatorPool, best: Evaluated, baselines: dict[str, EvalResult],
                    settings: IntensifySettings, default: Genome | None = None) -> list[PairedTiming]:
     """The best engine against each correct baseline, paired (so every speedup of the summary comes with its 95%
-    interval), and against the run's `default` genome where the search found another (reason "default": what
-    the search, not the default, earned): one job each, spread over the evaluators, so a stop keeps the ones that
-    finished (the others answer `evo.core.retiming.NOT_TIMED`)."""
+    interval), and against `default`, the run's default genome when the search found another (reason "default":
+    what the search, not the default, earned): one job each, spread over the evaluators, so a stop keeps the ones
+    that finished (the others answer `evo.core.retiming.NOT_TIMED`)."""
     names = [name for name, result in baselines.items() if result.ok]
     others = [(f"baseline:{n}", "baseline") for n in names]
-    if default is not None and default.hash != best.proposal.genome.hash:
+    if default is not None:
         others.append((default.to_json(), DEFAULT_REASON))
     jobs = [RetimeJob((best.proposal.genome.to_json(), other), pool.sources_of(best.proposal),
                       settings.calls, settings.warmup, settings.min_effect, reason) for other, reason in others]

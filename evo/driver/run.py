@@ -297,8 +297,8 @@ def retime_best(parts: RunParts, search: Search, baselines: dict[str, EvalResult
     if not (settings.enabled and best is not None and not stopped):
         return summary
     default = parts.gene_space.default()
-    against = [n for n, r in baselines.items() if r.ok] + (["the default genome"] if default.hash != best.proposal.hash
-                                                            else [])
+    default = None if default.hash == best.proposal.hash else default  # the default won: nothing to race
+    against = [n for n, r in baselines.items() if r.ok] + (["the default genome"] if default else [])
     say(f"final paired re-timing: the best engine against {', '.join(against)}")
     timings = final_retiming(parts.pool, best, baselines, settings, default)
     append_retimings(parts.run_dir, timings)
