@@ -5,6 +5,7 @@ request whose memory went to the wrong row, or was cut short, makes other tokens
 from __future__ import annotations
 
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -67,6 +68,7 @@ class FakeRunner:
     def __init__(self, pool: FakePool, model=_next, max_positions: int = 64) -> None:
         self.pool, self.model, self.max_positions = pool, model, max_positions
         self.prefills: list[tuple[int, int, int]] = []  # (request id, pos, T)
+        self.batched_prefills: list[list[int]] = []  # the rows of each prefill_rows call
         self.decodes: list[int] = []  # rows per decode step
         self.verifies: list[list[tuple[list[int], list[int]]]] = []  # per verify step, each row's (fed, picked)
 
@@ -78,6 +80,10 @@ class FakeRunner:
         memory += tokens
         self.prefills.append((pick[0].id if pick else None, pos, len(tokens)))  # id: the prompt's last chunk
         return self.model(memory) if pick else None
+
+    def prefill_rows(self, rows, chunks, positions, picks):
+        self.batched_prefills.append(list(rows))
+        return [self.prefill(*args) for args in zip(rows, chunks, positions, picks)]
 
     def decode(self, tokens, positions, picks):
         self.decodes.append(len(tokens))
@@ -104,9 +110,10 @@ class FakeRunner:
 
 
 def _scheduler(max_running: int, batching="continuous", prefill="whole", chunk=0, prefills=None, context=None,
-               spec=0, model=_next, max_positions=64):
+               spec=0, model=_next, max_positions=64, together=False):
     pool = FakePool(max_running)
-    policy = SchedulerPolicy(batching, max_running, prefill, chunk, prefills or max_running, spec)
+    policy = SchedulerPolicy(batching, max_running, prefill, chunk, prefills or max_running, spec,
+                             prefill_together=together)
     kwargs = {"context": context} if context else {}
     return Scheduler(FakeRunner(pool, model, max_positions), pool, policy, max_positions, num_threads=1, **kwargs)
 
@@ -172,6 +179,22 @@ def test_chunked_prefill_makes_the_first_token_after_the_last_chunk_while_others
     assert [[e.request_id for e in events] for events in steps[:3]] == [[1], [1], [1, 0]]
     # the short request finished its prefill first: it swapped rows with the long one, still prefilling
     assert ("swap", 1, 0) in scheduler.pool.calls
+
+
+def test_prefills_together_go_through_one_call_per_step_and_make_the_same_tokens():
+    """Chunked prompts of three requests, two prefilling at a time: each step's chunks in one prefill_rows call
+    (rows behind a decoding one among them), the tokens those of one request at a time; a runner without
+    prefill_rows is refused."""
+    requests = [GenerationRequest(i, tuple(range(i + 1, i + 2 + 5 * i)), 4) for i in range(4)]
+    scheduler = _scheduler(3, prefill="chunked", chunk=4, prefills=2, together=True)
+    made, _ = _drive(scheduler, requests)
+    assert made == {r.id: _generate(r) for r in requests}
+    batches = scheduler.runner.batched_prefills
+    assert batches and all(len(rows) == 2 for rows in batches), batches
+    assert any(0 not in rows for rows in batches), batches  # row 0 decoding while others prefill together
+    pool, one_at_a_time = FakePool(2), SimpleNamespace(prefill=None, decode=None)  # Kimi Linear's runner's shape
+    with pytest.raises(ValueError, match="prefill_rows"):
+        Scheduler(one_at_a_time, pool, SchedulerPolicy("continuous", 2, "whole", 0, 2, prefill_together=True), 64, 1)
 
 
 def test_one_prefill_a_step_takes_the_oldest_admitted_request():

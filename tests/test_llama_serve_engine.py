@@ -115,6 +115,10 @@ DESIGNS = {
     "packed": {"linear_kernel": "packed"},  # oneDNN over weights reordered at load: lossless
     "packed_one_row": {"linear_kernel": "packed", "one_row_weights": True, "max_running": 1},  # one-row steps
     "speculation": {"speculation": "prompt_lookup", "spec_tokens": 4, "spec_min_ngram": 1},
+    "together": {"prefill_rows": "together"},  # a step's prompts in one padded forward
+    # chunks of several requests in one forward over gathered blocks, a queue behind them
+    "paged_chunked_together": {"kv_pool": "paged", "kv_layout": "BLHD", "prefill": "chunked", "prefill_chunk": 16,
+                               "max_running": 2, "prefill_rows": "together"},
     # drafts verified over gathered blocks, beside prompts chunked into a queue
     "paged_chunked_speculation": {"kv_pool": "paged", "prefill": "chunked", "prefill_chunk": 16,
                                   "max_prefills_per_step": 1, "max_running": 2, "speculation": "prompt_lookup", "spec_min_ngram": 1,
@@ -136,27 +140,37 @@ def test_each_design_decodes_its_own_tokens_as_the_float64_reference_does(design
     _assert_logits_match(result, made)
 
 
+@pytest.mark.parametrize("rows", ["each", "together"])
 @pytest.mark.parametrize("pool", ["slots", "paged"])
-def test_rows_moved_and_swapped_keep_their_requests_keys(pool):
+def test_rows_moved_and_swapped_keep_their_requests_keys(pool, rows):
     """A burst of short and chunked long prompts: a short one finishes its prefill before a long one admitted
-    before it and swaps rows with it; requests that end leave holes the last decoding rows move into."""
+    before it and swaps rows with it; requests that end leave holes the last decoding rows move into. With
+    prefill_rows=together the chunks of a step go through one forward, rows not the pool's first among them."""
     trace = [TraceRequest(i, 0.0, p, n) for i, (p, n) in enumerate(((20, 6), (3, 9), (18, 2), (2, 12), (24, 12),
                                                                      (1, 3)))]
     rng = np.random.default_rng(14)
     prompts = [rng.integers(0, V, t.prompt_len).tolist() for t in trace]
     generator = serve_engine.build(SPACE.make({"prefill": "chunked", "prefill_chunk": 16, "max_running": 4,
-                                               "kv_pool": pool}), PRESET, CPU)
+                                               "kv_pool": pool, "prefill_rows": rows}), PRESET, CPU)
     calls = {"move": 0, "swap": 0}
     for name in calls:
         def counted(*args, _do=getattr(generator.pool, name), _name=name):
             calls[_name] += 1
             return _do(*args)
         setattr(generator.pool, name, counted)
+    batches = []
+    if rows == "together":
+        def recorded(rows, *args, _do=generator.runner.prefill_rows):
+            batches.append(list(rows))
+            return _do(rows, *args)
+        generator.runner.prefill_rows = recorded
     made = _record_logits(generator)
     result = replay(generator, trace, prompts, deadline_s=120)
     assert score(result, _reference, tolerance=1e-4, vocab=V) == []
     _assert_logits_match(result, made)
     assert calls["move"] and calls["swap"], calls
+    if rows == "together":  # several rows a forward, some of them behind the decoding ones
+        assert any(len(b) > 1 for b in batches) and any(b != list(range(len(b))) for b in batches), batches
 
 
 def test_the_static_shape_step_matches_the_reference():

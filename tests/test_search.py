@@ -131,6 +131,19 @@ def test_population_elitism_and_tournament():
     assert parents[0].fitness == 5.0 and all(p in pop.members for p in parents)
 
 
+def test_random_seeds_zero_starts_the_agents_from_the_default_genome_alone():
+    search, _, recorder, reports = run(generations=3, max_evaluations=40, random_seeds=0)
+    first = [e for e in recorder.results if e.proposal.generation == 0]
+    assert [e.proposal.move for e in first] == ["default genome"]
+    children = [e for e in recorder.results if e.proposal.generation == 1 and e.proposal.agent != "seed"]
+    assert children and all(e.proposal.parents == (first[0].proposal.hash,) for e in children)  # from it alone
+    assert len(reports) == 3
+    _, _, recorder, _ = run(generations=1, max_evaluations=40, random_seeds=2)
+    assert sorted(e.proposal.move for e in recorder.results) == ["default genome", "random genome", "random genome"]
+    with pytest.raises(ValueError, match="random_seeds"):
+        make_search(0, random_seeds=-1)
+
+
 def test_seed_genes_restrict_random_seeds_but_not_agents():
     eager_only = {f"backend_{s}": ["eager"] for s in ("prep", "solve", "out")}
     search, _, recorder, _ = run(generations=8, max_evaluations=60, seed_genes=eager_only)

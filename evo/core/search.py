@@ -73,6 +73,8 @@ class SearchSettings:
     # dotted path to a Proposer class (package.module:Class)
     parents_per_agent: int = 3  # parents offered to each agent per generation
     seed_genes: dict[str, list] | None = None  # restrict random seeds (not agents), e.g. {backend_intra: [eager]}
+    random_seeds: int | None = None  # random genomes in generation 0 beside the default (and a warm start's
+    # seeds); None: as many as fill `offspring`; 0: the agents start from the default genome alone
     population: PopulationSettings = field(default_factory=PopulationSettings)
     learning: bool = True  # agents steer by the per-gene effects of every result and the offspring are split
     # by each agent's measured yield; false: per-move statistics only, offspring shared round-robin
@@ -92,6 +94,8 @@ class SearchSettings:
         # which names exist is the registry's business (evo.core.proposer), checked where agents load
         if not (self.prescreen_factor == 0 or self.prescreen_factor >= 1):  # also refuses NaN
             raise ValueError(f"search.prescreen_factor must be 0 (off) or >= 1, got {self.prescreen_factor}")
+        if self.random_seeds is not None and self.random_seeds < 0:
+            raise ValueError(f"search.random_seeds must be >= 0 (or null: fill generation 0), got {self.random_seeds}")
         if not self.agents or len(set(self.agents)) != len(self.agents):
             raise ValueError(f"search.agents must name at least one agent, each once; got {list(self.agents)}")
 
@@ -272,12 +276,11 @@ class Search:
         wanted = min(self.settings.offspring, self.budget_left())
         if wanted <= 0:
             return []
-        if len(self.population) == 0:
-            proposals = self._seeds(wanted)
-        else:
-            proposals = self._offspring(wanted)
+        seeding = len(self.population) == 0
+        proposals = self._seeds(wanted) if seeding else self._offspring(wanted)
         proposals = self._prescreen(proposals)
-        if len(proposals) < wanted:  # agents ran dry (all children known): explore at random
+        if len(proposals) < wanted and not (seeding and self.settings.random_seeds is not None):
+            # agents ran dry (all children known), or seeds were prescreened: explore at random
             more = self._random(wanted - len(proposals), {p.hash for p in proposals} | set(self.prescreened),
                                 "random restart")
             proposals += self._prescreen(more)
@@ -320,7 +323,8 @@ class Search:
         if default.hash not in self.known and default.hash not in {s.hash for s in seeds}:
             seeds.append(Proposal(default, (), "seed", "default genome", self.generation, move_kind="seed"))
         seeds = seeds[:n]
-        return seeds + self._random(n - len(seeds), {s.hash for s in seeds}, "random genome")
+        randoms = n - len(seeds) if self.settings.random_seeds is None else min(n - len(seeds), self.settings.random_seeds)
+        return seeds + self._random(randoms, {s.hash for s in seeds}, "random genome")
 
     def _random(self, n: int, taken: set[str], move: str) -> list[Proposal]:
         out: list[Proposal] = []

@@ -10,11 +10,18 @@ Pick = tuple[GenerationRequest, int]  # how a row's token is chosen: its request
 
 
 class ModelRunner(Protocol):
-    """A prompt chunk of one pool row, and one decode step of the pool's first n rows together; with speculation,
-    a verify forward of those rows, several tokens each."""
+    """A prompt chunk of one pool row (or of several, in one forward), and one decode step of the pool's first n
+    rows together; with speculation, a verify forward of those rows, several tokens each."""
 
     def prefill(self, row: int, tokens: tuple[int, ...], pos: int, pick: Pick | None) -> int | None:
         """Prompt tokens at positions [pos, pos+T) of `row`; with `pick` (they end the prompt), the next token."""
+        ...
+
+    def prefill_rows(self, rows: list[int], chunks: list[tuple[int, ...]], positions: list[int],
+                     picks: list[Pick | None]) -> list[int | None]:
+        """`prefill` of several rows in one forward: chunks[i] at positions [positions[i], ...) of rows[i], each
+        seeing only its own row's keys; per row the next token, or None without its pick. Optional: called only
+        when the policy's prefill_together is set."""
         ...
 
     def decode(self, tokens: list[int], positions: list[int], picks: list[Pick]) -> list[int]:

@@ -3,7 +3,8 @@
 A step decodes every decoding request by one token (one batched forward of the pool's first rows), then
 admits waiting requests (continuous batching: whenever a row is free; static: a new batch only once the
 running one has finished; at most `max_running`) and runs prefill forwards for the oldest admitted ones (the
-whole prompt, or its next chunk); a prompt's last forward picks the request's first token. Its events: the
+whole prompt, or its next chunk: one forward each, or with `prefill_together` one forward for them all, through
+`ModelRunner.prefill_rows`); a prompt's last forward picks the request's first token. Its events: the
 decode step's tokens, then the prefills'. A request ends at `max_tokens` or a stop id, or when aborted
 (waiting, prefilling or decoding); its row is freed. The decoding requests hold the pool's first rows: one
 that starts decoding takes the row after them (swapping with a prefilling request there), and when some end
@@ -47,6 +48,7 @@ class SchedulerPolicy:
     spec_tokens: int = 0
     spec_min_ngram: int = 1  # the shortest context suffix a draft may match
     spec_max_rows: int = 0  # speculate only while at most this many requests decode (0: however many)
+    prefill_together: bool = False  # a step's prefills in one forward (needs a runner with `prefill_rows`)
 
     def __post_init__(self) -> None:
         if self.batching not in BATCHING or self.prefill not in PREFILL:
@@ -91,6 +93,9 @@ class Scheduler:
 
     def __init__(self, runner: ModelRunner, pool: Pool, policy: SchedulerPolicy, max_positions: int,
                  num_threads: int | None, context: Callable[[], AbstractContextManager] = nullcontext) -> None:
+        if policy.prefill_together and not hasattr(runner, "prefill_rows"):
+            raise ValueError(f"prefill_together needs a model runner with prefill_rows; {type(runner).__name__} "
+                             "prefills one request a forward")
         self.runner, self.pool, self.policy, self.max_positions = runner, pool, policy, max_positions
         self.num_threads = num_threads  # the engine's threads gene, as the engine's process reads it
         self.context = context
@@ -141,15 +146,22 @@ class Scheduler:
             self.prefilling.append(_Run(self.waiting.popleft(), row))
 
     def _prefill(self) -> list[TokenEvent]:
-        """A prefill forward (the whole prompt, or its next chunk) for the oldest admitted requests."""
-        events, policy = [], self.policy
+        """A prefill forward (the whole prompt, or its next chunk) for the oldest admitted requests: one each, or
+        one for them all (`prefill_together`)."""
+        events, policy, chunks = [], self.policy, []
         for run in self.prefilling[:policy.max_prefills_per_step]:
             prompt, pos = run.request.prompt, run.prefilled
             T = len(prompt) - pos if policy.prefill == "whole" else min(policy.prefill_chunk, len(prompt) - pos)
             self.pool.reserve(run.row, pos + T)
-            last = pos + T == len(prompt)
-            token = self.runner.prefill(run.row, prompt[pos:pos + T], pos, (run.request, 0) if last else None)
-            run.prefilled += T
+            chunks.append((run, prompt[pos:pos + T], pos, (run.request, 0) if pos + T == len(prompt) else None))
+        if policy.prefill_together and len(chunks) > 1:
+            runs, prompts, starts, picks = zip(*chunks)
+            tokens = self.runner.prefill_rows([run.row for run in runs], list(prompts), list(starts), list(picks))
+        else:
+            tokens = [self.runner.prefill(run.row, *rest) for run, *rest in chunks]
+        for run, chunk, _, _ in chunks:
+            run.prefilled += len(chunk)
+        for (run, *_), token in zip(chunks, tokens):
             if token is None:
                 continue
             run.made.append(token)

@@ -17,7 +17,7 @@ from typing import Mapping
 from evo.core.genome import Constraint, Gene, GeneSpace, Genome, Ignored, Scalar
 from evo.workloads.base import DeviceInfo, Preset
 from evo.workloads.llama import open_code as _open_code
-from evo.workloads.llama.linear_kernels import KERNELS, LOSSY as LOSSY_KERNELS
+from evo.workloads.llama.linear_kernels import LOSSY as LOSSY_KERNELS, cpu_kernel_order
 
 CPU_THREADS = (1, 2, 4, 8, 16)
 PREFILL_CHUNKS = (16, 32, 64, 128)
@@ -85,7 +85,7 @@ def _memory_genes(preset: Preset) -> list[Gene]:
 def kernel_genes(device: DeviceInfo) -> list[Gene]:
     """How the projections and the LM head read their weights (`linear_kernels`): CPU kernels over weights
     packed once at load; elsewhere torch's matmul only."""
-    kernels = KERNELS if device.kind == "cpu" else ("torch",)
+    kernels = cpu_kernel_order() if device.kind == "cpu" else ("torch",)
     return [Gene("linear_kernel", "memory", kernels, "torch",
                  "torch: the projections and LM head by torch's matmul in weight_layout (int8 rows by weight_quant); "
                  "packed: weights reordered once for oneDNN's float32 kernel, which streams each weight once for "
@@ -94,7 +94,7 @@ def kernel_genes(device: DeviceInfo) -> list[Gene]:
                  "bytes; on AMX or AVX-512 BF16 16 rows cost about what one does); "
                  "int8_dynamic: fbgemm int8 weights per output channel, activations quantised per call (a quarter "
                  "of the bytes). Non-torch kernels take float32 weights (weight_dtype=float32, weight_quant=none)",
-                 tuple(k for k in LOSSY_KERNELS if k in kernels)),
+                 tuple(k for k in kernels if k in LOSSY_KERNELS)),
             Gene("one_row_weights", "memory", (False, True), False,
                  "with a packed linear_kernel, also keep every projection and the LM head as torch's [in, out] and "
                  "multiply a single row there (a one-row decode step reads that copy: torch's one-row product "

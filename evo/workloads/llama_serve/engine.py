@@ -92,7 +92,14 @@ class SlotPool:
     def decode_kv(self, n: int, pos: torch.Tensor, S: int) -> KV:
         """Rows [0, n) each write T positions pos[r] (pos [n, T]: T = 1 a decode step, more a verify); they read
         [n, KVH, S, d] views."""
-        rows = self.row_ids[:n, None]
+        return self._writer(self.row_ids[:n], pos, lambda t: t[:n, :, :S])
+
+    def rows_kv(self, rows: torch.Tensor, pos: torch.Tensor, S: int) -> KV:
+        """As `decode_kv` for any rows [n] (a prefill of several): they read [n, KVH, S, d] copies."""
+        return self._writer(rows, pos, lambda t: t[rows, :, :S])
+
+    def _writer(self, rows: torch.Tensor, pos: torch.Tensor, read: Callable[[torch.Tensor], torch.Tensor]) -> KV:
+        rows = rows[:, None]
 
         def kv(i: int, k: torch.Tensor, v: torch.Tensor):  # k, v [n, KVH, T, d]
             # into the layer's own tensor, not a view of it: a compiled step then writes in place. The indexed
@@ -103,7 +110,7 @@ class SlotPool:
             else:
                 self.k[i][rows, pos] = k.transpose(1, 2)
                 self.v[i][rows, pos] = v.transpose(1, 2)
-            return self.k_read[i][:n, :, :S], self.v_read[i][:n, :, :S]
+            return read(self.k_read[i]), read(self.v_read[i])
 
         return kv
 
@@ -180,6 +187,10 @@ class PagedPool:
         """Rows [0, n) each write T positions pos[r] (pos [n, T]); they read [n, KVH, S, d]."""
         return self._writer(self.table[:n], pos, S)
 
+    def rows_kv(self, rows: torch.Tensor, pos: torch.Tensor, S: int) -> KV:
+        """As `decode_kv` for any rows [n] (a prefill of several)."""
+        return self._writer(self.table[rows], pos, S)
+
 
 def make_pool(plan: ServePlan, engine: LlamaEngine, max_positions: int) -> SlotPool | PagedPool:
     s = engine.spec
@@ -229,6 +240,28 @@ class ModelRunner:
         x = engine.embed[torch.tensor(tokens, device=engine.device)][None]  # [1, T, D]
         h = engine._layers(x, engine._rotary(pos, T), self.pool.prefill_kv(row, pos, T), None)
         return self._pick(engine._logits(h[0, T - len(picks):]), picks) if picks else []
+
+    def prefill_rows(self, rows: list[int], chunks: list[tuple[int, ...]], positions: list[int],
+                     picks: list[Pick | None]) -> list[int | None]:
+        """Several rows' prompt chunks in one forward (chunks[i] at positions [positions[i], ...) of rows[i]),
+        each a row of the batch padded to the longest as `verify` pads (the same argument makes the pads
+        harmless), under a per-row causal mask; per row the next token, or None without its pick."""
+        engine, device = self.engine, self.engine.device
+        n, T, last = len(rows), max(len(chunk) for chunk in chunks), self.max_positions - 1
+        for row, p in zip(rows, positions):
+            self.pool.reserve(row, min(p + T, last + 1))  # the pads' positions too (a paged row needs their blocks)
+        token = torch.tensor([chunk + chunk[-1:] * (T - len(chunk)) for chunk in chunks], device=device)  # [n, T]
+        pos = torch.tensor([[min(p + t, last) for t in range(T)] for p in positions], device=device)  # [n, T]
+        S = min(max(positions) + T, last + 1)
+        kv = self.pool.rows_kv(torch.tensor(rows, device=device), pos, S)
+        h = engine._layers(engine.embed[token], self._row_rotation(pos), kv, self._row_mask(pos, S))  # [n, T, D]
+        ends = [r for r, pick in enumerate(picks) if pick is not None]
+        made: list[int | None] = [None] * n
+        if ends:
+            at = torch.tensor([r * T + len(chunks[r]) - 1 for r in ends], device=device)
+            for r, token_id in zip(ends, self._pick(engine._logits(h.reshape(n * T, -1)[at]), [picks[r] for r in ends])):
+                made[r] = token_id
+        return made
 
     def decode(self, tokens: list[int], positions: list[int], picks: list[Pick]) -> list[int]:
         """Rows [0, n) each feed tokens[r] at positions[r]; their next tokens, each picked by its request."""
@@ -323,7 +356,8 @@ class BatchedLlamaGenerator(Scheduler):
         self.plan = plan
         pool = make_pool(plan, engine, max_positions)
         policy = SchedulerPolicy(plan.batching, plan.max_running, plan.prefill, plan.prefill_chunk,
-                                 plan.max_prefills_per_step, plan.drafted, plan.spec_min_ngram, plan.spec_max_rows)
+                                 plan.max_prefills_per_step, plan.drafted, plan.spec_min_ngram, plan.spec_max_rows,
+                                 plan.prefill_rows == "together")
         super().__init__(ModelRunner(engine, pool, plan, max_positions), pool, policy, max_positions,
                          engine.num_threads, partial(_inference, engine._sdpa_backend))
 

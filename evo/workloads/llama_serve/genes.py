@@ -23,6 +23,7 @@ from evo.workloads.llama_serve.presets import ServePreset
 MAX_RUNNING = (1, 2, 4, 8, 16, 32, 64)
 PREFILL_CHUNKS = (16, 32, 64, 128, 256)
 PREFILLS_PER_STEP = (1, 2, 4, 16, 64)
+PREFILL_ROWS = ("each", "together")
 KV_BLOCKS = (16, 32, 64)
 SPEC_TOKENS = (2, 4, 8)
 SPEC_MIN_NGRAMS = (1, 2, 3)
@@ -58,6 +59,11 @@ def _prefill_genes() -> list[Gene]:
         Gene("max_prefills_per_step", "scheduling", PREFILLS_PER_STEP, PREFILLS_PER_STEP[-1],
              "the most requests that run a prefill forward (whole, or one chunk) in a step, oldest first "
              "(the largest value: every admitted request)"),
+        Gene("prefill_rows", "scheduling", PREFILL_ROWS, "each",
+             "each: one forward per prefilling request (its whole prompt or chunk); together: the step's prefills "
+             "(up to max_prefills_per_step requests) in one forward, each request's tokens a row padded to the "
+             "longest, under a per-row causal mask, so the weights are read once for all of them (vLLM packs "
+             "the prefill tokens of several requests into one batch)"),
     ]
 
 
@@ -127,6 +133,8 @@ def gene_space(preset: ServePreset, device: DeviceInfo) -> GeneSpace:
     )
     ignored = [
         Ignored(("prefill_chunk",), lambda v: v.get("prefill") == "whole", "prefill=whole has no chunks"),
+        Ignored(("prefill_rows",), lambda v: v.get("max_prefills_per_step") == 1,
+                "max_prefills_per_step=1 runs one prefill a step"),
         Ignored(("kv_block",), lambda v: v.get("kv_pool") == "slots", "kv_pool=slots has no blocks"),
         Ignored(("spec_tokens", "spec_min_ngram", "spec_max_rows"), lambda v: v.get("speculation") == "off",
                 "speculation=off drafts no tokens"),
@@ -167,6 +175,7 @@ class ServePlan:
     spec_tokens: int
     spec_min_ngram: int = 2
     spec_max_rows: int = 4
+    prefill_rows: str = "each"
 
     @classmethod
     def from_genome(cls, genome: Genome) -> ServePlan:
@@ -176,7 +185,7 @@ class ServePlan:
                    decode_step=str(v["decode_step"]), kv_pool=str(v["kv_pool"]), kv_block=int(v["kv_block"]),
                    kv_layout=str(v["kv_layout"]), speculation=str(v["speculation"]),
                    spec_tokens=int(v["spec_tokens"]), spec_min_ngram=int(v["spec_min_ngram"]),
-                   spec_max_rows=int(v["spec_max_rows"]))
+                   spec_max_rows=int(v["spec_max_rows"]), prefill_rows=str(v["prefill_rows"]))
 
     @property
     def drafted(self) -> int:
