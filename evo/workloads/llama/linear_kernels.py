@@ -63,11 +63,10 @@ def _int8(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def cpu_kernel_order() -> tuple[str, ...]:
-    """KERNELS, bf16_weights before fp16_weights where this CPU multiplies bfloat16 natively (AMX or AVX-512 BF16:
-    SmolLM2-135M's projections and LM head, one thread, 32-37 against fp16_weights' 40-51 ms at one row, 37-43
-    against 89-118 ms at 16; Intel Xeon with AMX); fp16 first elsewhere (AVX2:
-    oneDNN emulates bfloat16). Only the order differs, which a sweep over the values (the `levers` agent's)
-    follows."""
+    """KERNELS in the order this CPU favours: bf16_weights before fp16_weights where it multiplies bfloat16
+    natively (AMX or AVX-512 BF16; SmolLM2-135M's projections and LM head, one thread, Intel Xeon with AMX: 32-37
+    against fp16_weights' 40-51 ms at one row, 37-43 against 89-118 ms at 16), fp16 first elsewhere (on AVX2
+    oneDNN emulates bfloat16). Only the order differs; a sweep over the values (the `levers` agent's) follows it."""
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return KERNELS
     rest = [k for k in KERNELS if k != "bf16_weights"]
