@@ -243,23 +243,14 @@ class ModelRunner:
 
     def prefill_rows(self, rows: list[int], chunks: list[tuple[int, ...]], positions: list[int],
                      picks: list[Pick | None]) -> list[int | None]:
-        """Several rows' prompt chunks in one forward (chunks[i] at positions [positions[i], ...) of rows[i]),
-        each a row of the batch padded to the longest as `verify` pads (the same argument makes the pads
-        harmless), under a per-row causal mask; per row the next token, or None without its pick."""
-        engine, device = self.engine, self.engine.device
-        n, T, last = len(rows), max(len(chunk) for chunk in chunks), self.max_positions - 1
-        for row, p in zip(rows, positions):
-            self.pool.reserve(row, min(p + T, last + 1))  # the pads' positions too (a paged row needs their blocks)
-        token = torch.tensor([chunk + chunk[-1:] * (T - len(chunk)) for chunk in chunks], device=device)  # [n, T]
-        pos = torch.tensor([[min(p + t, last) for t in range(T)] for p in positions], device=device)  # [n, T]
-        S = min(max(positions) + T, last + 1)
-        kv = self.pool.rows_kv(torch.tensor(rows, device=device), pos, S)
-        h = engine._layers(engine.embed[token], self._row_rotation(pos), kv, self._row_mask(pos, S))  # [n, T, D]
+        """Several rows' prompt chunks in one forward (chunks[i] at positions [positions[i], ...) of rows[i]), padded
+        as `verify` pads (`_padded_forward`); per row the next token, or None without its pick."""
+        h, T = self._padded_forward(rows, chunks, positions)
         ends = [r for r, pick in enumerate(picks) if pick is not None]
-        made: list[int | None] = [None] * n
+        made: list[int | None] = [None] * len(rows)
         if ends:
-            at = torch.tensor([r * T + len(chunks[r]) - 1 for r in ends], device=device)
-            for r, token_id in zip(ends, self._pick(engine._logits(h.reshape(n * T, -1)[at]), [picks[r] for r in ends])):
+            at = torch.tensor([r * T + len(chunks[r]) - 1 for r in ends], device=self.engine.device)
+            for r, token_id in zip(ends, self._pick(self.engine._logits(h[at]), [picks[r] for r in ends])):
                 made[r] = token_id
         return made
 
@@ -293,21 +284,32 @@ class ModelRunner:
         draft tokens likewise lie after the row's cached positions, and are rewritten before they are read."""
         if len(fed) == 1:
             return [self._chunk(0, tuple(fed[0]), positions[0], picks[0])]
-        engine, device = self.engine, self.engine.device
-        n, T, last = len(fed), max(len(tokens) for tokens in fed), self.max_positions - 1
-        for r, p in enumerate(positions):
-            self.pool.reserve(r, min(p + T, last + 1))  # the pads' positions too (a paged row needs their blocks)
-        token = torch.tensor([tokens + tokens[-1:] * (T - len(tokens)) for tokens in fed], device=device)  # [n, T]
-        pos = torch.tensor([[min(p + t, last) for t in range(T)] for p in positions], device=device)  # [n, T]
-        S = min(max(positions) + T, last + 1)
-        h = engine._layers(engine.embed[token], self._row_rotation(pos), self.pool.decode_kv(n, pos, S),
-                           self._row_mask(pos, S))  # [n, T, D]
-        real = torch.tensor([r * T + t for r, tokens in enumerate(fed) for t in range(len(tokens))], device=device)
-        flat = self._pick(engine._logits(h.reshape(n * T, -1)[real]), [pick for row in picks for pick in row])
+        h, T = self._padded_forward(None, fed, positions)
+        real = torch.tensor([r * T + t for r, tokens in enumerate(fed) for t in range(len(tokens))],
+                            device=self.engine.device)
+        flat = self._pick(self.engine._logits(h[real]), [pick for row in picks for pick in row])
         starts = [0]
         for tokens in fed:
             starts.append(starts[-1] + len(tokens))
         return [flat[a:b] for a, b in zip(starts, starts[1:])]
+
+    def _padded_forward(self, rows: list[int] | None, fed, positions: list[int]) -> tuple[torch.Tensor, int]:
+        """fed[i] at positions [positions[i], ...) of pool row rows[i] (None: rows [0, n), read as views) in one
+        forward, as T tokens a row (the longest fed), each (row, t) rotated and written at its own position, under
+        a per-row causal mask; a shorter row padded by repeating its last token at the positions after its own,
+        clamped to the last (`verify` says why the pads are harmless). The hidden states [n * T, D] (row r's
+        token t at r * T + t) and T."""
+        engine, device = self.engine, self.engine.device
+        n, T, last = len(fed), max(len(tokens) for tokens in fed), self.max_positions - 1
+        for row, p in zip(range(n) if rows is None else rows, positions):
+            self.pool.reserve(row, min(p + T, last + 1))  # the pads' positions too (a paged row needs their blocks)
+        token = torch.tensor([tokens + tokens[-1:] * (T - len(tokens)) for tokens in fed], device=device)  # [n, T]
+        pos = torch.tensor([[min(p + t, last) for t in range(T)] for p in positions], device=device)  # [n, T]
+        S = min(max(positions) + T, last + 1)
+        kv = self.pool.decode_kv(n, pos, S) if rows is None else self.pool.rows_kv(torch.tensor(rows, device=device),
+                                                                                   pos, S)
+        h = engine._layers(engine.embed[token], self._row_rotation(pos), kv, self._row_mask(pos, S))  # [n, T, D]
+        return h.reshape(n * T, -1), T
 
     def _padded_step(self, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """The compiled static-shape step, its batch padded to the next power of two: pad rows feed token 0 at
