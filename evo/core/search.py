@@ -280,7 +280,7 @@ class Search:
         proposals = self._seeds(wanted) if seeding else self._offspring(wanted)
         proposals = self._prescreen(proposals)
         if len(proposals) < wanted and not (seeding and self.settings.random_seeds is not None):
-            # agents ran dry (all children known), or seeds were prescreened: explore at random
+            # agents ran dry (all children known): explore at random (not past a seed generation's random_seeds)
             more = self._random(wanted - len(proposals), {p.hash for p in proposals} | set(self.prescreened),
                                 "random restart")
             proposals += self._prescreen(more)
