@@ -97,6 +97,36 @@ def test_each_kind_of_loss_beyond_the_budget_is_named(requests, says):
     assert re.search(says, why), why
 
 
+def test_a_short_context_has_its_own_largest_gap():
+    @dataclass(frozen=True)
+    class Prompted(_Request):
+        prompt: tuple = (7, 8)
+
+    row = np.array([1.0, 3.0, 2.95, -2.0])
+    marks = mark(Prompted(), [3, 3, 3], np.stack([row] * 3), window=0.1)  # 5 logits below the pick at each step
+    assert marks.context.tolist() == [2, 3, 4]  # the prompt and the tokens before each step
+    budget = Budget(0.0, 10.0, 0.3, 0.15, short_max_gap=((2, 6.0), (3, 1.0)))
+    assert budget.largest_gaps(marks.context, 3).tolist() == [6.0, 1.0, 0.3]
+    why = budget.breach(_tally(marks))
+    assert why == ("request 0 step 2: a token 5 logits below the reference's pick, beyond the budget's largest gap "
+                   "0.3"), why  # the step past its band's bound by most is named
+    assert Budget(0.0, 10.0, 0.3, 0.15, short_max_gap=((4, 6.0),)).breach(_tally(marks)) == ""
+    assert "largest gap 4 at a context of 2 tokens" in Budget(0.0, 10.0, 0.3, 0.15, short_max_gap=((4, 4.0),)).breach(
+        _tally(marks))
+    assert "beyond the budget's largest gap 0.3" in BUDGET.breach(_tally(_marks([False], [5.0])))  # context unknown
+
+
+def test_the_calibration_bounds_short_contexts_apart_and_a_configs_max_gap_everywhere():
+    from evo.workloads import get_workload
+
+    workload = get_workload("llama_serve")
+    preset = workload.presets()["cpu_small"]
+    calibrated = accuracy.resolve({"mode": "budget"}, workload, preset).budget
+    assert [band for band, _ in calibrated.short_max_gap] == list(accuracy.SHORT_CONTEXTS)
+    assert all(gap > 0 for _, gap in calibrated.short_max_gap) and "contexts of <= 1 tokens" in calibrated.basis
+    assert accuracy.resolve({"mode": "budget", "max_gap": 0.5}, workload, preset).budget.short_max_gap == ()
+
+
 def test_a_request_marked_again_replaces_its_prefix():
     tally = Tally(0.15)
     tally.add("request 1", _marks([True], [0.0]))
@@ -155,7 +185,7 @@ def test_honest_lossy_engines_pass_the_calibrated_budget_and_carry_their_loss(bu
     assert loss["mode"] == "budget" and loss["budget"]["basis"].startswith("calibrated: 2 x an honest bfloat16")
     assert loss["steps"] >= 100 and 0.95 <= loss["agreement"] <= 1.0
     assert loss["agreement_ci"][0] <= loss["agreement"] <= loss["agreement_ci"][1]
-    assert loss["max_gap"] <= loss["budget"]["max_gap"]
+    assert loss["max_gap"] <= max([loss["budget"]["max_gap"], *(gap for _, gap in loss["budget"]["short_max_gap"])])
 
 
 @pytest.mark.parametrize("cheat, says", [
@@ -193,7 +223,8 @@ def test_the_honest_bfloat16_kimi_linear_engine_passes_its_bfloat16_preset():
         result = evaluator.evaluate(_genome(evaluator, {}))
         assert result.status == "ok", result.message
         assert result.accuracy["mode"] == "budget"
-        assert result.accuracy["max_gap"] <= result.accuracy["budget"]["max_gap"]
+        budget = result.accuracy["budget"]
+        assert result.accuracy["max_gap"] <= max([budget["max_gap"], *(gap for _, gap in budget["short_max_gap"])])
     finally:
         evaluator.close()
 

@@ -17,7 +17,11 @@ its way out of (the judge never asks an engine for its own probabilities). Per e
 - **top-1 agreement**: the share of steps whose token is the pick (Wilson 95% interval);
 - **mean gap** over all steps (0 where they agree; a ratio estimate with a 95% interval clustered by request),
   the log-probability the float64 model loses per token;
-- **largest gap** (where: request, step): a bound on every step, so on every request;
+- **largest gap** (where: request, step): a bound on every step, so on every request; over contexts of a few
+  tokens (prompt and tokens before the step) its own, wider bound (`Budget.short_max_gap`): there an honest
+  bfloat16 execution of a Llama model can be off by tens of logits (SmolLM2-135M, two random tokens: its top-10
+  log-probabilities off by up to 18.8, against 0.43 at 64), which one bound for every context would either fail
+  or have to admit everywhere;
 - per request, its disagreements against the budget's agreement (a binomial tail, Bonferroni over requests): an
   engine cannot spend the budget on a few prompts (a trigger, a prompt class);
 - **near ties**: steps whose runner-up lies within the budget's tie window of the pick. An honest engine's rounding
@@ -26,7 +30,7 @@ its way out of (the judge never asks an engine for its own probabilities). Per e
 
 A `Budget` is given in the config or calibrated (`calibrate`): an honest execution of the reference in a lower
 precision (`Workload.honest_logits`, e.g. bfloat16) against float64 over fixed sequences, each of its figures
-times `factor`.
+times `factor`, the largest gap also per band of short contexts (`SHORT_CONTEXTS`).
 """
 from __future__ import annotations
 
@@ -47,11 +51,13 @@ Z95 = 1.959963984540054
 @dataclass(frozen=True)
 class Marks:
     """One request's steps: whether each token is the pick, its gap (logits), whether the step was a near tie
-    (runner-up within the window)."""
+    (runner-up within the window), and the context each step's row reads (prompt and tokens before it; None:
+    not known, judged as a long one)."""
 
     agree: np.ndarray
     gap: np.ndarray
     tie: np.ndarray
+    context: np.ndarray | None = None
 
 
 def mark(request, tokens: Sequence[int], rows: np.ndarray, window: float) -> Marks:
@@ -69,7 +75,8 @@ def mark(request, tokens: Sequence[int], rows: np.ndarray, window: float) -> Mar
             if request.temperature and request.top_p < 1:  # the nucleus's edge moves with the logits too
                 gap[step] = _least_error(row, token, request, step, gap[step])
         tie[step] = scale * (scores[pick] - second) < window
-    return Marks(agree, gap, tie)
+    prompt = getattr(request, "prompt", None)
+    return Marks(agree, gap, tie, None if prompt is None else len(prompt) + np.arange(n))
 
 
 def _least_error(row: np.ndarray, token: int, request, index: int, most: float, rounds: int = 24) -> float:
@@ -209,16 +216,28 @@ class Budget:
     tie_alpha: float = 1e-3
     request_alpha: float = 1e-3
     basis: str = "config"
+    # (longest context, largest gap) per band of short contexts, shortest first: a step whose row reads at most
+    # that many tokens may lie that far below the pick (never less than max_gap); longer contexts: max_gap
+    short_max_gap: tuple[tuple[int, float], ...] = ()
+
+    def largest_gaps(self, context: np.ndarray | None, steps: int) -> np.ndarray:
+        """The largest gap each of `steps` steps reading `context` tokens may have (None: max_gap at each)."""
+        allowed = np.full(steps, self.max_gap)
+        if context is None:
+            return allowed
+        for longest, gap in reversed(self.short_max_gap):  # shortest band last: it wins where bands nest
+            allowed[np.asarray(context) <= longest] = max(self.max_gap, gap)
+        return allowed
 
     def breach(self, tally: Tally) -> str:
         """Why the tally breaks the budget (with 95% confidence for the averages; every step for the largest
-        gap; Bonferroni over requests for one request's agreement), or ""."""
+        gap, its context's; Bonferroni over requests for one request's agreement), or ""."""
         f = tally.figures()
         if not f.steps:
             return ""
-        if f.max_gap > self.max_gap:
-            return (f"{f.max_gap_at}: a token {f.max_gap:.4g} logits below the reference's pick, beyond the budget's "
-                    f"largest gap {self.max_gap:.4g}")
+        over = self._largest_gap_breach(tally)
+        if over:
+            return over
         if f.agreement_ci[1] < self.min_agreement:
             return (f"top-1 agreement {_pct(f.agreement)} {_pct_ci(f.agreement_ci)} over {f.steps} steps, below the "
                     f"budget's {_pct(self.min_agreement)} with 95% confidence")
@@ -230,6 +249,20 @@ class Budget:
                     f"ties (runner-up within {self.tie_window:.3g}); an honest engine takes each at most half the "
                     f"time: p = {f.tie_p:.2g} < {self.tie_alpha:g}")
         return self._request_breach(tally)
+
+    def _largest_gap_breach(self, tally: Tally) -> str:
+        """The step furthest past its context's largest gap, named, or ""."""
+        worst, excess = "", 0.0
+        for name, marks in tally.requests.items():
+            allowed = self.largest_gaps(marks.context, len(marks.gap))
+            step = int(np.argmax(marks.gap - allowed))
+            if marks.gap[step] - allowed[step] > excess:
+                excess = float(marks.gap[step] - allowed[step])
+                where = (f" at a context of {int(marks.context[step])} tokens"
+                         if marks.context is not None and allowed[step] > self.max_gap else "")
+                worst = (f"{name} step {step}: a token {marks.gap[step]:.4g} logits below the reference's pick, beyond "
+                         f"the budget's largest gap {allowed[step]:.4g}{where}")
+        return worst
 
     def _request_breach(self, tally: Tally) -> str:
         miss = 1.0 - self.min_agreement
@@ -245,7 +278,7 @@ class Budget:
         return ""
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "short_max_gap": [list(band) for band in self.short_max_gap]}
 
 
 def _pct(x: float) -> str:
@@ -292,18 +325,26 @@ def resolve(accuracy: Mapping, workload, preset) -> AccuracyContract:
         except NotImplementedError as exc:
             raise ValueError(f"evaluator.accuracy: mode budget needs min_agreement, max_mean_gap and max_gap, or a "
                              f"workload that can calibrate them ({exc})") from exc
+        # a max_gap the config sets holds at every context; a calibrated one keeps its short contexts' bands
+        bands = () if "max_gap" in given else calibrated.short_max_gap
         given = {**{k: v for k, v in asdict(calibrated).items() if k in BUDGET_KEYS}, **given}
         basis = calibrated.basis + (f"; set in the config: {sorted(set(accuracy) & set(BUDGET_KEYS))}"
                                     if set(accuracy) & set(BUDGET_KEYS) else "")
     else:
-        basis = "config"
+        basis, bands = "config", ()
     given.setdefault("tie_window", given["max_gap"])
-    return AccuracyContract("budget", Budget(**given, basis=basis))
+    return AccuracyContract("budget", Budget(**given, basis=basis, short_max_gap=bands))
 
 
 # ---------------------------------------------------------------------------------------------- calibration
 CALIBRATION_SEQUENCES = 16
 CALIBRATION_SEED = 20261205  # fixed: every evaluator and every replica computes the same budget
+# Bands of short contexts (the longest of each) whose largest gap is calibrated apart, from SHORT_SEQUENCES
+# sequences of SHORT_CONTEXTS[-1] tokens scored from their first: a row per context each. An honest bfloat16
+# SmolLM2-135M over 64 draws of random tokens: its picks up to 3.5 logits below float64's at a context of two
+# tokens (top-10 log-probabilities off by up to 18.8), 0.52 at three, 0.07-0.16 from four to 64.
+SHORT_CONTEXTS = (1, 2, 4, 8)
+SHORT_SEQUENCES = 64
 
 
 def calibrate(workload, preset, dtype: str, factor: float) -> Budget:
@@ -335,6 +376,7 @@ def _measure(workload, preset, dtype: str, factor: float) -> Budget:
         honest = workload.honest_logits(preset, prompt, rest, dtype)
         tally.score(_Greedy(i), np.argmax(honest, axis=1).tolist(), exact, name=f"sequence {i}")
         errors.append(_logprob_errors(exact, honest))
+    bands = _short_bands(workload, preset, dtype, factor, rng)
     f, errors = tally.figures(), np.concatenate(errors)
     typical, tail, largest = (float(np.quantile(errors, q)) for q in (0.5, 0.99, 1.0))
     miss = max(1.0 - f.agreement, 1.0 / f.steps)  # no flip seen still allows the rate one in the sample implies
@@ -348,7 +390,35 @@ def _measure(workload, preset, dtype: str, factor: float) -> Budget:
                   basis=(f"calibrated: {factor:g} x an honest {dtype} execution of the reference over "
                          f"{CALIBRATION_SEQUENCES} sequences, {f.steps} rows: agreement {_pct(f.agreement)}, mean gap "
                          f"{f.mean_gap:.3g}, largest gap {f.max_gap:.3g}; log-probability error of a top-10 token: "
-                         f"median {typical:.3g}, 99th percentile {tail:.3g}, largest {largest:.3g}"))
+                         f"median {typical:.3g}, 99th percentile {tail:.3g}, largest {largest:.3g}; contexts of "
+                         + ", ".join(f"<= {n} tokens: largest gap {g:.3g}" for n, g in bands)
+                         + f" ({SHORT_SEQUENCES} sequences)"),
+                  short_max_gap=bands)
+
+
+def _short_bands(workload, preset, dtype: str, factor: float, rng: np.random.Generator
+                 ) -> tuple[tuple[int, float], ...]:
+    """(longest context, largest gap) per band of `SHORT_CONTEXTS`: factor x max(the honest execution's largest
+    gap there, twice the 99th percentile of its top-10 log-probability error there), as `max_gap` is for long
+    contexts."""
+    vocab, longest = int(preset.shape["V"]), min(SHORT_CONTEXTS[-1], int(preset.shape["P"]) + int(preset.shape["N"]) - 1)
+    gaps, errors = [], []
+    for i in range(SHORT_SEQUENCES):
+        seq = rng.integers(0, vocab, size=longest + 1).tolist()
+        prompt, rest = seq[:1], seq[1:]
+        exact = workload.reference_logits(preset, prompt, rest)
+        honest = workload.honest_logits(preset, prompt, rest, dtype)
+        gaps.append(mark(_Greedy(i), np.argmax(honest, axis=1).tolist(), exact, math.inf).gap)
+        errors.append(_logprob_errors(exact, honest))
+    gaps, errors = np.stack(gaps), np.stack(errors)  # [sequence, context - 1]
+    bands, shortest = [], 1
+    for top in SHORT_CONTEXTS:
+        if top > longest:
+            break
+        columns = slice(shortest - 1, top)
+        bands.append((top, factor * max(float(gaps[:, columns].max()), 2 * float(np.quantile(errors[:, columns], 0.99)))))
+        shortest = top + 1
+    return tuple(bands)
 
 
 @dataclass(frozen=True)
