@@ -43,6 +43,8 @@ def test_a_budget_mode_claim_says_what_it_lost_everywhere_it_is_worded():
     assert "    budget: top-1 agreement >= 90.0%, mean gap <= 0.05, largest gap <= 0.3 logits, near ties within 0.15 " \
            "not steered (p >= 0.001); config" in lines
     assert not any("every request's tokens those of the float64 reference" in line for line in lines)
+    banded = dataclasses.replace(SUMMARY, accuracy={"best": {**LOSS, "budget": {**LOSS["budget"], "short_max_gap": [[2, 17.8]]}}})
+    assert any("largest gap <= 0.3 logits, <= 18 after <= 2 tokens, near ties" in line for line in claim_lines(banded))
     tags = version_tags(SUMMARY, "r1", "/runs/x")
     assert tags["accuracy_mode"] == "budget" and tags["accuracy"] == budget and tags["claim"].endswith(budget)
     first, second = run_description(SUMMARY, "/runs/x").splitlines()[:2]

@@ -212,8 +212,9 @@ def accuracy_lines(accuracy: Mapping) -> list[str]:
              f"tokens against float64; {ties}"]
     budget = accuracy.get("budget")
     if budget:
+        short = "".join(f", <= {_gap(gap)} after <= {n} tokens" for n, gap in budget.get("short_max_gap") or ())
         lines.append(f"    budget: top-1 agreement >= {_pct(budget.get('min_agreement'))}, mean gap <= "
-                     f"{_gap(budget.get('max_mean_gap'))}, largest gap <= {_gap(budget.get('max_gap'))} logits, near "
+                     f"{_gap(budget.get('max_mean_gap'))}, largest gap <= {_gap(budget.get('max_gap'))} logits{short}, near "
                      f"ties within {_gap(budget.get('tie_window'))} not steered (p >= {budget.get('tie_alpha', '?')}); "
                      f"{budget.get('basis') or 'basis not recorded'}")
     return lines
