@@ -25,7 +25,10 @@ def test_a_generation_search_reports_paired_serving_figures_against_its_baseline
     config = load_config(ROOT / "configs" / "llama_serve_smoke.yaml", [
         "baselines=[hf_static]", "search.generations=1", "search.offspring=2", "search.max_evaluations=3",
         "search.population.size=2", "evaluators.count=1", "search.intensify.final_race=0",
-        "evaluator.accuracy.mode=budget", "genes={weight_quant: [int8], steps_per_exchange: [1]}", "search.screen.count=6",
+        # int8 weights lose more than the bfloat16 execution the budget is calibrated on (one paired call of 66 steps
+        # agreed on 90.9% [81.6, 95.8] against the calibrated 97.4%): the agreement bound is the config's
+        "evaluator.accuracy.mode=budget", "evaluator.accuracy.min_agreement=0.8",
+        "genes={weight_quant: [int8], steps_per_exchange: [1]}", "search.screen.count=6",
         f"mlflow.tracking_uri={uri}", "mlflow.experiment=serve-e2e", "mlflow.model_name=serve-e2e-engine"])
     log = io.StringIO()
     result = run(config, tmp_path / "run", out=log)
