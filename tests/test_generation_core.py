@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from evo.workloads.generation import GenerationRequest, TokenEvent
 from evo.workloads.generation_core import Scheduler, SchedulerPolicy, prompt_lookup
@@ -307,3 +308,18 @@ def test_speculation_stops_above_its_row_limit_and_refuses_bad_settings():
     assert not SchedulerPolicy("continuous", 16, "whole", 16, 16).speculates(1)
     with pytest.raises(ValueError, match="spec_min_ngram"):
         SchedulerPolicy("continuous", 16, "whole", 16, 16, spec_tokens=4, spec_min_ngram=0)
+
+
+def test_ragged_packs_and_pads_prompts_of_different_lengths():
+    from evo.workloads.generation_core import Ragged
+
+    batch = Ragged.of([3, 1, 2])
+    packed = torch.arange(6.0)[:, None] + 1  # tokens 1..6, prompt by prompt
+    padded = batch.padded(packed, pad=-1.0)
+    assert padded.shape == (3, 3, 1) and batch.longest == 3
+    assert padded[..., 0].tolist() == [[1, 2, 3], [4, -1, -1], [5, 6, -1]]  # each prompt from 0, pad after its end
+    assert torch.equal(batch.packed(padded), packed)
+    assert batch.owner.tolist() == [0, 0, 0, 1, 2, 2] and batch.position.tolist() == [0, 1, 2, 0, 0, 1]
+    assert batch.last.tolist() == [2, 3, 5]
+    with pytest.raises(ValueError, match="at least one token"):
+        Ragged.of([2, 0])

@@ -103,8 +103,12 @@ DESIGNS = {
     "shared_fused": {"shared_expert": "fused"},
     "shared_fused_grouped": {"shared_expert": "fused", "moe_dispatch": "grouped"},
     "shared_fused_dense": {"shared_expert": "fused", "moe_dispatch": "dense"},
+    "together": {"prefill_rows": "together"},
+    "together_chunked_ring_vk": {"prefill_rows": "together", "kda_prefill": "chunked", "conv_window": "ring",
+                                 "state_layout": "vk", "mla_cache": "compressed"},
     "queue_all": {"max_running": 2, "mla_cache": "compressed", "moe_dispatch": "grouped", "kda_prefill": "chunked",
-                  "fused_projections": True, "conv_window": "ring", "state_layout": "vk", "shared_expert": "fused"},
+                  "fused_projections": True, "conv_window": "ring", "state_layout": "vk", "shared_expert": "fused",
+                  "prefill_rows": "together"},
     "eight_running": {"max_running": 8},
 }
 
@@ -263,10 +267,10 @@ def test_the_baselines_decode_the_references_tokens():
 def test_the_workload_hooks():
     assert WORKLOAD.contract == "generation" and WORKLOAD.presets()["cpu_small"] is PRESET
     assert SPACE.default().values()["max_running"] >= PRESET.shape["R"]
-    assert {g.name for g in SPACE.genes} == {"max_running", "kda_prefill", "threads", "mla_cache", "mla_cache_dtype",
-                                             "state_dtype", "state_layout", "conv_window", "moe_dispatch",
-                                             "shared_expert", "fused_projections", "chunk_size", "intra_algorithm",
-                                             "steps_per_exchange"}
+    assert {g.name for g in SPACE.genes} == {"max_running", "prefill_rows", "kda_prefill", "threads", "mla_cache",
+                                             "mla_cache_dtype", "state_dtype", "state_layout", "conv_window",
+                                             "moe_dispatch", "shared_expert", "fused_projections", "chunk_size",
+                                             "intra_algorithm", "steps_per_exchange"}
     assert WORKLOAD.exchange_steps(SPACE.make({"steps_per_exchange": 4})) == 4
     with pytest.raises(TypeError, match="build_generator"):
         WORKLOAD.build(SPACE.default(), PRESET, CPU)

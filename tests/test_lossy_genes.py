@@ -137,3 +137,42 @@ def test_bfloat16_weights_mostly_agree_with_float32():
     assert _agreement({"weight_dtype": "bfloat16", "kv_dtype": "bfloat16"}) >= 0.75
     # both: measured 0.91 (0.76-1.0 per 10 on other prompts)
     assert _agreement({"weight_dtype": "bfloat16", "kv_dtype": "bfloat16", "weight_quant": "int8"}) >= 0.65
+
+
+@pytest.mark.parametrize("T,masked", [(1, True), (3, False)])
+def test_a_bfloat16_cache_is_attended_as_bfloat16_not_widened(T, masked):
+    """kv_dtype=bfloat16 under float32 activations: SDPA reads the cache in bfloat16 (the queries narrowed), so a
+    step reads half the cache's bytes instead of widening all of it first; close to float64's attention."""
+    from types import SimpleNamespace
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from evo.workloads.llama.open_stages.attention import attention
+
+    gen = torch.Generator().manual_seed(0)
+    B, H, KVH, S, d = 2, 6, 2, 9, 16
+    q = torch.randn(B, H, T, d, generator=gen)
+    k, v = (torch.randn(B, KVH, S, d, generator=gen).bfloat16() for _ in range(2))
+    mask = torch.zeros(T, S).masked_fill_(torch.rand(T, S, generator=gen) < 0.3, float("-inf")) if masked else None
+    if mask is not None:
+        mask[:, -1] = 0  # every query sees a key
+
+    class Widened(TorchDispatchMode):
+        seen: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.shape[-2:] == (S, d):
+                self.seen.append(str(func))
+            return out
+
+    with Widened() as mode:
+        got = attention(q, k, v, mask, SimpleNamespace(attention="sdpa"))
+    assert got.dtype == torch.float32 and got.shape == (B, H, T, d)
+    assert mode.seen == [], f"the cache was widened to float32: {mode.seen}"
+    G = H // KVH
+    kk, vv = (t.double().repeat_interleave(G, 1) for t in (k, v))
+    scores = q.double() @ kk.transpose(-1, -2) * d**-0.5
+    scores = scores + (mask.double() if mask is not None else torch.full((T, S), float("-inf")).triu(S - T + 1).double())
+    want = scores.softmax(-1) @ vv
+    assert (got.double() - want).abs().max() < 2e-2

@@ -18,7 +18,8 @@ from __future__ import annotations
 from evo.workloads.generation_core.drafting import prompt_lookup
 from evo.workloads.generation_core.picking import pick_tokens
 from evo.workloads.generation_core.pool import Pool
+from evo.workloads.generation_core.ragged import Ragged
 from evo.workloads.generation_core.runner import ModelRunner, Pick
 from evo.workloads.generation_core.scheduler import Scheduler, SchedulerPolicy
 
-__all__ = ["ModelRunner", "Pick", "Pool", "Scheduler", "SchedulerPolicy", "pick_tokens", "prompt_lookup"]
+__all__ = ["ModelRunner", "Pick", "Pool", "Ragged", "Scheduler", "SchedulerPolicy", "pick_tokens", "prompt_lookup"]

@@ -41,6 +41,12 @@ def _scheduling_genes(preset: KimiPreset, device: DeviceInfo) -> list[Gene]:
              "how a prompt runs through each KDA layer: the token recurrence (one state update per token), or "
              "the KDA workload's chunked engine (by import: the WY form, chunks of 16, pairwise exponents, "
              "stable under this model's strong decay) from a zero state, returning the final state"),
+        Gene("prefill_rows", "scheduling", ("each", "together"), "each",
+             "each: one forward per admitted request's prompt; together: the prompts admitted in a step in one "
+             "forward, their tokens packed for the projections and experts, each KDA and MLA layer running them as "
+             "rows padded to the longest (a padded token leaves a KDA state as it was: decay 1, beta 0; MLA is "
+             "causal, so no real token sees one), so each weight is read once for all of them (vLLM packs the "
+             "prefill tokens of several requests into one batch)"),
         threads,
         *(g for g in _kda._scheduling_genes(device) if g.name in KDA_GENES),
     ]
@@ -90,9 +96,10 @@ def _fusion_genes() -> list[Gene]:
     ]
 
 
-# the speed levers, most leverage first (the `levers` agent's sweep): how prompts are prefilled, how many steps an
+# the speed levers, most leverage first (the `levers` agent's sweep): how prompts are prefilled (together, and through
+# the recurrence or chunks), how many steps an
 # exchange runs, how the experts are dispatched, the projections fused, the MLA cache held
-LEVERS = ("kda_prefill", "steps_per_exchange", "moe_dispatch", "fused_projections", "mla_cache")
+LEVERS = ("prefill_rows", "kda_prefill", "steps_per_exchange", "moe_dispatch", "fused_projections", "mla_cache")
 
 
 def gene_space(preset: KimiPreset, device: DeviceInfo) -> GeneSpace:
@@ -122,6 +129,7 @@ class KimiPlan:
     moe_dispatch: str
     shared_expert: str
     fused_projections: bool
+    prefill_rows: str = "each"
     chunk_size: int = 16  # the chunked prefill's KDA genes (read when kda_prefill is chunked)
     intra_algorithm: str = "blocked_inverse"
 
@@ -133,4 +141,5 @@ class KimiPlan:
                    state_dtype=str(v["state_dtype"]), state_layout=str(v["state_layout"]),
                    conv_window=str(v["conv_window"]), moe_dispatch=str(v["moe_dispatch"]),
                    shared_expert=str(v["shared_expert"]), fused_projections=bool(v["fused_projections"]),
-                   chunk_size=int(v["chunk_size"]), intra_algorithm=str(v["intra_algorithm"]))
+                   chunk_size=int(v["chunk_size"]), intra_algorithm=str(v["intra_algorithm"]),
+                   prefill_rows=str(v["prefill_rows"]))

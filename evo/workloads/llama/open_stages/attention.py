@@ -19,6 +19,13 @@ def attention(q, k, v, mask, plan):
     KVH, S = k.shape[1], k.shape[2]
     if mask is None and T > 1:
         mask = torch.full((T, S), float("-inf"), dtype=q.dtype, device=q.device).triu(S - T + 1)
+    if plan.attention == "sdpa" and k.dtype == torch.bfloat16 and q.dtype == torch.float32:
+        # a bfloat16 cache read as it is (SDPA accumulates in float32): the queries narrowed, not the whole cache widened
+        if mask is not None:
+            mask = mask.to(k.dtype)
+        out = torch.nn.functional.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask,
+                                                               enable_gqa=KVH != H)
+        return out.to(q.dtype)
     if k.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
     if plan.attention == "sdpa":
