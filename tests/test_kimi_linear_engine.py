@@ -299,3 +299,25 @@ def test_one_evaluation_through_the_judge_in_the_strict_sandbox_is_ok():
         evaluator.close()
     assert result.status == OK, result.message
     assert result.serving["completed"] == PRESET.trace.count
+
+
+def test_the_prefill_recurrence_is_scripted_and_bit_identical_to_its_python_loop():
+    """TorchScript runs the KDA prefill loop (torch 2.13 has it); its results are the Python loop's, bit for bit,
+    and the delta rule's (float64, step by step)."""
+    scripted = kimi_engine._recurrent_prefill
+    assert isinstance(scripted, torch.jit.ScriptFunction)
+    gen = torch.Generator().manual_seed(0)
+    T, H, K = 9, 3, 8
+    q, k, v = (torch.randn(T, H, K, generator=gen) for _ in range(3))
+    decay, beta = torch.rand(T, H, K, generator=gen), torch.rand(T, H, generator=gen)
+    got, python = scripted(q, k, v, decay, beta), kimi_engine._recurrence(q, k, v, decay, beta)
+    S = torch.zeros(H, K, K, dtype=torch.float64)
+    out = []
+    for t in range(T):
+        S = S * decay[t, :, :, None].double()
+        residual = v[t].double() - torch.einsum("hk,hkv->hv", k[t].double(), S)
+        S = S + beta[t, :, None, None].double() * k[t].double()[..., None] * residual[:, None]
+        out.append(torch.einsum("hk,hkv->hv", q[t].double(), S))
+    for ours, plain, exact in zip(got, python, (torch.stack(out), S)):
+        assert torch.equal(ours, plain)
+        assert (ours.double() - exact).abs().max() < 1e-5
