@@ -116,6 +116,7 @@ DESIGNS = {
     "packed_one_row": {"linear_kernel": "packed", "one_row_weights": True, "max_running": 1},  # one-row steps
     "speculation": {"speculation": "prompt_lookup", "spec_tokens": 4, "spec_min_ngram": 1},
     "together": {"prefill_rows": "together"},  # a step's prompts in one padded forward
+    "traced": {"decode_step": "traced"},  # the static step, recorded per batch size and run by TorchScript
     # chunks of several requests in one forward over gathered blocks, a queue behind them
     "paged_chunked_together": {"kv_pool": "paged", "kv_layout": "BLHD", "prefill": "chunked", "prefill_chunk": 16,
                                "max_running": 2, "prefill_rows": "together"},

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from contextlib import contextmanager
 from functools import partial
 from typing import Callable, Iterator, Mapping
@@ -214,6 +215,24 @@ def grouped_queries(attention: Callable) -> Callable:
     return call
 
 
+class TracedSteps:
+    """`step(token, pos)` recorded by torch.jit.trace once per batch size (its first call there) and replayed by
+    TorchScript: no Python between the ops. The step must have static shapes for a batch size (the pool's tensors
+    it writes are captured by reference, so the recording writes where the step does)."""
+
+    def __init__(self, step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        self.step = step
+        self.traced: dict[int, Callable] = {}  # batch size -> its recording
+
+    def __call__(self, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        traced = self.traced.get(len(token))
+        if traced is None:
+            with warnings.catch_warnings():  # TorchScript is deprecated in torch 2.13; tracing warns of shapes
+                warnings.simplefilter("ignore")
+                traced = self.traced[len(token)] = torch.jit.trace(self.step, (token, pos), check_trace=False)
+        return traced(token, pos)
+
+
 class ModelRunner:
     """The forwards, blind to requests (the shared scheduler's `evo.workloads.generation_core.ModelRunner`): a
     prompt chunk of one pool row, and one decode step of the pool's first n rows together. Both through
@@ -226,7 +245,8 @@ class ModelRunner:
         device = engine.device
         self.key_positions = torch.arange(max_positions, device=device)
         self.visible, self.hidden = (torch.tensor(x, dtype=engine.dtype, device=device) for x in (0.0, -math.inf))
-        self.compiled = torch.compile(self._static_step, dynamic=False) if plan.decode_step == "compiled" else None
+        self.compiled = (torch.compile(self._static_step, dynamic=False) if plan.decode_step == "compiled"
+                         else TracedSteps(self._static_step) if plan.decode_step == "traced" else None)
 
     def prefill(self, row: int, tokens: tuple[int, ...], pos: int, pick: Pick | None) -> int | None:
         """Prompt tokens at positions [pos, pos+T) of `row`; with `pick` (they end the prompt), the next token."""

@@ -71,13 +71,16 @@ def _step_genes(device: DeviceInfo) -> list[Gene]:
     threads = next(g for g in _llama._scheduling_genes(device) if g.name == "threads")  # the llama gene, as it is
     # compiled on CUDA only: on the 2-core CPU host (torch 2.13, inductor) a build took 10-30 s per batch size
     # and the step ran no faster: 16 rows 7.1 ms compiled (over the whole pool) vs 5.0 ms eager; 1 row 1.8 ms,
-    # as fast as eager's one-row path
-    steps = ("eager", "compiled") if device.kind == "cuda" else ("eager",)
+    # as fast as eager's one-row path. traced on the CPU: the same static step recorded by torch.jit.trace in
+    # ~0.03 s, run by TorchScript without Python between its ops (5.0 M model, one thread: 1 row 1.3-1.9 ms
+    # against eager's 1.8-2.0; 16 rows 3.5-4.3 against 2.9-3.4: the whole pool's keys cost more than Python)
+    steps = ("eager", "compiled") if device.kind == "cuda" else ("eager", "traced")
     return [
         Gene("decode_step", "scheduling", steps, "eager",
-             "the batched decode forward as eager torch (attending to the keys up to the furthest row), or "
-             "torch.compile'd with static shapes (CUDA): the batch padded to the next power of two, attention over "
-             "every position of the pool under the mask, one build per batch size the first time it occurs"),
+             "the batched decode forward as eager torch (attending to the keys up to the furthest row), or with "
+             "static shapes: the batch padded to the next power of two, attention over every position of the pool "
+             "under the mask, built once per batch size the first time it occurs: torch.compile'd (CUDA), or "
+             "recorded by torch.jit.trace and run by TorchScript (CPU)"),
         threads,
     ]
 
@@ -115,8 +118,9 @@ def _shared_memory_genes(preset: ServePreset) -> list[Gene]:
 
 
 def _compiled_step_needs_slots(values: Mapping[str, Scalar]) -> str | None:
-    if values.get("decode_step") == "compiled" and values.get("kv_pool") != "slots":
-        return (f"decode_step='compiled' runs a static-shape step over the slot pool, not over kv_pool="
+    step = values.get("decode_step")
+    if step in ("compiled", "traced") and values.get("kv_pool") != "slots":
+        return (f"decode_step={step!r} runs a static-shape step over the slot pool, not over kv_pool="
                 f"{values.get('kv_pool')!r}; set kv_pool=slots or decode_step=eager")
     return None
 
@@ -127,7 +131,7 @@ def gene_space(preset: ServePreset, device: DeviceInfo) -> GeneSpace:
              + _shared_memory_genes(preset) + _llama.kernel_genes(device) + _pool_genes() + _speculation_genes()
              + [exchange_gene()])
     constraints = (
-        Constraint("decode_step compiled needs kv_pool slots", _compiled_step_needs_slots),
+        Constraint("decode_step compiled or traced needs kv_pool slots", _compiled_step_needs_slots),
         Constraint("kv_dtype no wider than weight_dtype", _llama._kv_no_wider_than_weights),
         Constraint("a packed linear_kernel needs float32 weights", _llama._packed_kernel_needs_float32),
     )

@@ -29,7 +29,7 @@ def attention(q, k, v, mask, plan):
     if k.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
     if plan.attention == "sdpa":
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=KVH != H)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=bool(KVH != H))
     G = H // KVH
     qg = q.reshape(B, KVH, G * T, d)  # the group's query heads share one KV head
     scores = (qg @ k.transpose(-1, -2)).mul_(d**-0.5).view(B, KVH, G, T, S)
