@@ -247,7 +247,7 @@ class KdaLayer:
         T = batch.longest
         mixed = self._convolve(padded, T)  # [n, longest, C]
         g, beta, gate = self._gates(x)
-        g, beta = batch.padded(g), batch.padded(beta)  # pads: log decay 0, beta 0 (and q, k, v of zero inputs)
+        g, beta = batch.padded(g), batch.padded(beta)  # pads: log decay 0, beta 0: a state passes them unchanged
         n = g.shape[0]
         if self.chunked is not None:
             q, k, v = F.silu(mixed).float().view(n, T, 3, self.H, self.K).unbind(2)

@@ -24,7 +24,7 @@ def attention(q, k, v, mask, plan):
         if mask is not None:
             mask = mask.to(k.dtype)
         out = torch.nn.functional.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask,
-                                                               enable_gqa=KVH != H)
+                                                               enable_gqa=bool(KVH != H))
         return out.to(q.dtype)
     if k.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
