@@ -285,6 +285,12 @@ def test_the_default_genome_is_the_plain_engine_and_rules_name_their_genes():
     cuda = gene_space(PRESET, DeviceInfo("cuda", "h200"))
     with pytest.raises(GenomeError, match="kv_pool=slots or decode_step=eager"):
         cuda.make({"decode_step": "compiled", "kv_pool": "paged"})
+    with pytest.raises(GenomeError, match="kv_pool=slots or decode_step=eager"):
+        SPACE.make({"decode_step": "traced", "kv_pool": "paged"})
+    for kernel in ("packed", "int8_dynamic"):  # prepacked weights cannot be held by a trace
+        with pytest.raises(GenomeError, match="set linear_kernel=torch or decode_step=eager"):
+            SPACE.make({"decode_step": "traced", "linear_kernel": kernel})
+    assert SPACE.make({"decode_step": "traced", "weight_quant": "int8"})  # int8 through torch's ops traces
 
 
 def test_the_shared_genes_reach_the_model_engine():

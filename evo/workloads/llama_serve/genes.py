@@ -80,7 +80,7 @@ def _step_genes(device: DeviceInfo) -> list[Gene]:
              "the batched decode forward as eager torch (attending to the keys up to the furthest row), or with "
              "static shapes: the batch padded to the next power of two, attention over every position of the pool "
              "under the mask, built once per batch size the first time it occurs: torch.compile'd (CUDA), or "
-             "recorded by torch.jit.trace and run by TorchScript (CPU)"),
+             "recorded by torch.jit.trace and run by TorchScript (CPU; linear_kernel=torch only)"),
         threads,
     ]
 
@@ -125,6 +125,14 @@ def _compiled_step_needs_slots(values: Mapping[str, Scalar]) -> str | None:
     return None
 
 
+def _traced_step_needs_torch_kernel(values: Mapping[str, Scalar]) -> str | None:
+    if values.get("decode_step") == "traced" and values.get("linear_kernel", "torch") != "torch":
+        return (f"decode_step='traced' records the step with torch.jit.trace, which cannot hold linear_kernel="
+                f"{values.get('linear_kernel')!r}'s prepacked weights (oneDNN's or fbgemm's); set linear_kernel=torch "
+                f"or decode_step=eager")
+    return None
+
+
 def gene_space(preset: ServePreset, device: DeviceInfo) -> GeneSpace:
     """Genes legal for `preset` on `device` (names are a contract with operators, configs and the workload)."""
     genes = (_llama._fusion_genes(device) + _batching_genes(preset) + _prefill_genes() + _step_genes(device)
@@ -132,6 +140,7 @@ def gene_space(preset: ServePreset, device: DeviceInfo) -> GeneSpace:
              + [exchange_gene()])
     constraints = (
         Constraint("decode_step compiled or traced needs kv_pool slots", _compiled_step_needs_slots),
+        Constraint("decode_step traced needs linear_kernel torch", _traced_step_needs_torch_kernel),
         Constraint("kv_dtype no wider than weight_dtype", _llama._kv_no_wider_than_weights),
         Constraint("a packed linear_kernel needs float32 weights", _llama._packed_kernel_needs_float32),
     )
