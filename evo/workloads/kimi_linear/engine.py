@@ -239,7 +239,7 @@ class KdaLayer:
         several), each prompt's state and window into its row of `rows`. The recurrence (or the chunks) runs over
         the prompts as rows padded to the longest with a decay of 1 and beta 0 after each end, which leaves its
         state as its last token left it."""
-        taps, C = self.conv_t.shape
+        taps = self.conv_t.shape[0]
         raw = torch.cat(self.qkv(x), -1)  # [N, C]
         padded = F.pad(batch.padded(raw), (0, 0, taps - 1, 0))  # [n, taps-1 + longest, C]
         for i, (row, T) in enumerate(zip(rows, batch.lengths)):
@@ -517,16 +517,13 @@ class KimiRunner:
         self.model = model
 
     def prefill(self, row: int, tokens: tuple[int, ...], pos: int, pick: Pick | None) -> int | None:
-        if pos != 0 or pick is None:
-            raise ValueError(f"KimiModel prefills whole prompts from position 0 (prefill='whole'), got a chunk of "
-                             f"{len(tokens)} tokens at position {pos}")
-        return pick_tokens(self.model.prefill(row, tokens), [pick])[0]
+        return self.prefill_rows([row], [tokens], [pos], [pick])[0]
 
     def prefill_rows(self, rows: list[int], chunks: list[tuple[int, ...]], positions: list[int],
                      picks: list[Pick | None]) -> list[int | None]:
         if any(positions) or None in picks:
-            raise ValueError(f"KimiModel prefills whole prompts from position 0 (prefill='whole'), got chunks at "
-                             f"positions {positions}")
+            raise ValueError(f"KimiModel prefills whole prompts from position 0 (prefill='whole'), got chunks of "
+                             f"{[len(c) for c in chunks]} tokens at positions {positions}")
         return pick_tokens(self.model.prefill_rows(rows, chunks), picks)
 
     def decode(self, tokens: list[int], positions: list[int], picks: list[Pick]) -> list[int]:

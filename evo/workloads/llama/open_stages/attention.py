@@ -19,17 +19,15 @@ def attention(q, k, v, mask, plan):
     KVH, S = k.shape[1], k.shape[2]
     if mask is None and T > 1:
         mask = torch.full((T, S), float("-inf"), dtype=q.dtype, device=q.device).triu(S - T + 1)
+    dtype = q.dtype
     if plan.attention == "sdpa" and k.dtype == torch.bfloat16 and q.dtype == torch.float32:
         # a bfloat16 cache read as it is (SDPA accumulates in float32): the queries narrowed, not the whole cache widened
-        if mask is not None:
-            mask = mask.to(k.dtype)
-        out = torch.nn.functional.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask,
-                                                               enable_gqa=bool(KVH != H))
-        return out.to(q.dtype)
-    if k.dtype != q.dtype:
+        q, mask = q.to(k.dtype), mask if mask is None else mask.to(k.dtype)
+    elif k.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
     if plan.attention == "sdpa":
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=bool(KVH != H))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=bool(KVH != H))
+        return out.to(dtype)
     G = H // KVH
     qg = q.reshape(B, KVH, G * T, d)  # the group's query heads share one KV head
     scores = (qg @ k.transpose(-1, -2)).mul_(d**-0.5).view(B, KVH, G, T, S)
