@@ -117,6 +117,8 @@ DESIGNS = {
     "speculation": {"speculation": "prompt_lookup", "spec_tokens": 4, "spec_min_ngram": 1},
     "together": {"prefill_rows": "together"},  # a step's prompts in one padded forward
     "traced": {"decode_step": "traced"},  # the static step, recorded per batch size and run by TorchScript
+    "attention_kernel": {"decode_attention": "kernel"},  # our C kernel, each row over its own keys
+    "attention_kernel_paged_blhd": {"decode_attention": "kernel", "kv_pool": "paged", "kv_layout": "BLHD"},
     # chunks of several requests in one forward over gathered blocks, a queue behind them
     "paged_chunked_together": {"kv_pool": "paged", "kv_layout": "BLHD", "prefill": "chunked", "prefill_chunk": 16,
                                "max_running": 2, "prefill_rows": "together"},
@@ -291,6 +293,9 @@ def test_the_default_genome_is_the_plain_engine_and_rules_name_their_genes():
         with pytest.raises(GenomeError, match="set linear_kernel=torch or decode_step=eager"):
             SPACE.make({"decode_step": "traced", "linear_kernel": kernel})
     assert SPACE.make({"decode_step": "traced", "weight_quant": "int8"})  # int8 through torch's ops traces
+    with pytest.raises(GenomeError, match="set decode_step=eager or decode_attention=stage"):
+        SPACE.make({"decode_step": "traced", "decode_attention": "kernel"})
+    assert "decode_attention" not in {g.name for g in cuda.genes}  # a CPU kernel
 
 
 def test_the_shared_genes_reach_the_model_engine():

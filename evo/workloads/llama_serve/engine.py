@@ -34,6 +34,7 @@ import torch
 from evo.core.genome import Genome
 from evo.workloads.base import NO_SOURCES, DeviceInfo
 from evo.workloads.generation_core import Pick, Scheduler, SchedulerPolicy, pick_tokens
+from evo.workloads.generation_core import cpu_kernels
 from evo.workloads.llama import engine as _llama_engine
 from evo.workloads.llama.engine import LlamaEngine
 from evo.workloads.llama_serve.genes import ServePlan, gene_space, llama_genome
@@ -215,6 +216,14 @@ def grouped_queries(attention: Callable) -> Callable:
     return call
 
 
+def kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, plan) -> torch.Tensor:
+    """A decode step's attention by our C kernel (`cpu_kernels.decode_attention`): q [n, H, 1, d]; k, v the pool's
+    [n, KVH, S, d] views; in the mask's place each row's key count [n] (its position + 1), so a row reads its own
+    keys only and no mask is built."""
+    n, H, _, d = q.shape
+    return cpu_kernels.decode_attention(q.view(n, H, d), k, v, lengths, d**-0.5).to(q.dtype).view(n, H, 1, d)
+
+
 class TracedSteps:
     """`step(token, pos)` recorded by torch.jit.trace once per batch size (its first call there) and replayed by
     TorchScript: no Python between the ops. The step must have static shapes for a batch size (the pool's tensors
@@ -242,6 +251,13 @@ class ModelRunner:
         self.engine, self.pool, self.max_positions, self.max_rows = engine, pool, max_positions, plan.max_running
         self.decoder = copy.copy(engine)  # the same layers and weights, its attention stage called per KV group
         self.decoder.attention = grouped_queries(engine.attention)
+        self.kernel = plan.decode_attention == "kernel"
+        if self.kernel:  # a clear error at build time (no compiler, no AVX2, a head dim it cannot take)
+            try:
+                cpu_kernels.check_supported(engine.spec.head_dim, engine.kv_dtype, engine.device)
+            except cpu_kernels.KernelUnavailable as e:
+                raise ValueError(f"decode_attention='kernel': {e}; use decode_attention=stage") from None
+            self.decoder.attention = kernel_attention
         device = engine.device
         self.key_positions = torch.arange(max_positions, device=device)
         self.visible, self.hidden = (torch.tensor(x, dtype=engine.dtype, device=device) for x in (0.0, -math.inf))
@@ -276,7 +292,7 @@ class ModelRunner:
 
     def decode(self, tokens: list[int], positions: list[int], picks: list[Pick]) -> list[int]:
         """Rows [0, n) each feed tokens[r] at positions[r]; their next tokens, each picked by its request."""
-        if self.compiled is None and len(tokens) == 1:  # one row: a one-token chunk, no mask (~10% faster)
+        if self.compiled is None and not self.kernel and len(tokens) == 1:  # one row: a one-token chunk, no mask
             return self._chunk(0, (tokens[0],), positions[0], picks)
         device = self.engine.device
         token, pos = torch.tensor(tokens, device=device), torch.tensor(positions, device=device)
@@ -288,7 +304,8 @@ class ModelRunner:
         """token, pos [n]: one forward of rows [0, n), attending to keys [0, S); logits [n, V]."""
         engine, pos = self.decoder, pos[:, None]  # [n, 1]: one position a row
         x = engine.embed[token][:, None]  # [n, 1, D]
-        h = engine._layers(x, self._row_rotation(pos), self.pool.decode_kv(len(token), pos, S), self._row_mask(pos, S))
+        mask = pos[:, 0] + 1 if self.kernel else self._row_mask(pos, S)  # the kernel takes each row's key count
+        h = engine._layers(x, self._row_rotation(pos), self.pool.decode_kv(len(token), pos, S), mask)
         return engine._logits(h[:, 0])
 
     def verify(self, fed: list[list[int]], positions: list[int], picks: list[list[Pick]]) -> list[list[int]]:

@@ -25,6 +25,7 @@ PREFILL_CHUNKS = (16, 32, 64, 128, 256)
 PREFILLS_PER_STEP = (1, 2, 4, 16, 64)
 PREFILL_ROWS = ("each", "together")
 KV_BLOCKS = (16, 32, 64)
+DECODE_ATTENTION = ("stage", "kernel")
 SPEC_TOKENS = (2, 4, 8)
 SPEC_MIN_NGRAMS = (1, 2, 3)
 SPEC_MAX_ROWS = (1, 4, 16, 64)  # 64: the largest max_running, so always
@@ -34,7 +35,7 @@ NOT_SHARED = ("kv_alloc", "prefill", "prefill_chunk", "decode_step")
 
 # the speed levers, most leverage first (the `levers` agent's sweep): how a step reads the weights (and their bytes),
 # how many steps an exchange runs, speculation, a compiled step
-LEVERS = ("linear_kernel", "steps_per_exchange", "speculation", "decode_step")
+LEVERS = ("linear_kernel", "decode_attention", "steps_per_exchange", "speculation", "decode_step")
 
 
 def _batching_genes(preset: ServePreset) -> list[Gene]:
@@ -82,7 +83,12 @@ def _step_genes(device: DeviceInfo) -> list[Gene]:
              "under the mask, built once per batch size the first time it occurs: torch.compile'd (CUDA), or "
              "recorded by torch.jit.trace and run by TorchScript (CPU; linear_kernel=torch only)"),
         threads,
-    ]
+    ] + ([Gene("decode_attention", "fusion", DECODE_ATTENTION, "stage",
+               "stage: a batched decode step's attention is the attention stage (SDPA or the matmul form over the "
+               "keys up to the furthest row, under a per-row mask); kernel: our C kernel (AVX2, FMA; "
+               "generation_core.cpu_kernels), each row over its own keys only, each key and value read once for the "
+               "query heads that share it, a float32 or bfloat16 cache read as stored (decode_step=eager)")]
+         if device.kind == "cpu" else [])
 
 
 def _speculation_genes() -> list[Gene]:
@@ -133,6 +139,13 @@ def _traced_step_needs_torch_kernel(values: Mapping[str, Scalar]) -> str | None:
     return None
 
 
+def _attention_kernel_needs_eager_step(values: Mapping[str, Scalar]) -> str | None:
+    if values.get("decode_attention") == "kernel" and values.get("decode_step", "eager") != "eager":
+        return (f"decode_attention='kernel' is called from Python between the step's ops, which decode_step="
+                f"{values.get('decode_step')!r} records without; set decode_step=eager or decode_attention=stage")
+    return None
+
+
 def gene_space(preset: ServePreset, device: DeviceInfo) -> GeneSpace:
     """Genes legal for `preset` on `device` (names are a contract with operators, configs and the workload)."""
     genes = (_llama._fusion_genes(device) + _batching_genes(preset) + _prefill_genes() + _step_genes(device)
@@ -141,6 +154,7 @@ def gene_space(preset: ServePreset, device: DeviceInfo) -> GeneSpace:
     constraints = (
         Constraint("decode_step compiled or traced needs kv_pool slots", _compiled_step_needs_slots),
         Constraint("decode_step traced needs linear_kernel torch", _traced_step_needs_torch_kernel),
+        Constraint("decode_attention kernel needs decode_step eager", _attention_kernel_needs_eager_step),
         Constraint("kv_dtype no wider than weight_dtype", _llama._kv_no_wider_than_weights),
         Constraint("a packed linear_kernel needs float32 weights", _llama._packed_kernel_needs_float32),
     )
@@ -158,8 +172,9 @@ def gene_space(preset: ServePreset, device: DeviceInfo) -> GeneSpace:
     if device.kind == "cuda":
         ignored.append(Ignored(("sdpa_backend",), lambda v: v.get("attention") == "matmul",
                                "attention=matmul calls no SDPA kernel"))
+    names = {g.name for g in genes}
     return GeneSpace("llama_serve", tuple(genes), constraints, _open_code.code_genes(preset, device), tuple(ignored),
-                     levers=LEVERS)
+                     levers=tuple(lever for lever in LEVERS if lever in names))  # decode_attention: CPU only
 
 
 def llama_genome(genome: Genome, preset: ServePreset, device: DeviceInfo) -> Genome:
@@ -189,6 +204,7 @@ class ServePlan:
     spec_min_ngram: int = 2
     spec_max_rows: int = 4
     prefill_rows: str = "each"
+    decode_attention: str = "stage"
 
     @classmethod
     def from_genome(cls, genome: Genome) -> ServePlan:
@@ -198,7 +214,8 @@ class ServePlan:
                    decode_step=str(v["decode_step"]), kv_pool=str(v["kv_pool"]), kv_block=int(v["kv_block"]),
                    kv_layout=str(v["kv_layout"]), speculation=str(v["speculation"]),
                    spec_tokens=int(v["spec_tokens"]), spec_min_ngram=int(v["spec_min_ngram"]),
-                   spec_max_rows=int(v["spec_max_rows"]), prefill_rows=str(v["prefill_rows"]))
+                   spec_max_rows=int(v["spec_max_rows"]), prefill_rows=str(v["prefill_rows"]),
+                   decode_attention=str(v.get("decode_attention", "stage")))
 
     @property
     def drafted(self) -> int:

@@ -1,0 +1,11 @@
+"""Our own CPU kernels for the generation engines: C (AVX2 + FMA), compiled on first use by the machine's C compiler
+into a per-user cache and called through ctypes on tensors' memory (no Python between a kernel's loops, no torch
+headers to compile: a build takes well under a second).
+
+`decode_attention`: grouped-query attention of one decode position per row over each row's own keys (float32 or
+bfloat16 cache), each key and value read once for the query heads that share it.
+"""
+from evo.workloads.generation_core.cpu_kernels.build import KernelUnavailable, kernel_library
+from evo.workloads.generation_core.cpu_kernels.decode_attention import check_supported, decode_attention
+
+__all__ = ["KernelUnavailable", "check_supported", "decode_attention", "kernel_library"]

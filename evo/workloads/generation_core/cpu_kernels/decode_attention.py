@@ -1,0 +1,55 @@
+"""Grouped-query decode attention over each row's own keys: the C kernel (`decode_attention.c`) on torch tensors."""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from evo.workloads.generation_core.cpu_kernels.build import KernelUnavailable, kernel_library
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+@functools.cache
+def _kernel():
+    fn = kernel_library("decode_attention").evo_decode_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, ctypes.c_int, _I64, _I64, _I64, _I64, _I64, _I64, _PTR,
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, _PTR]
+    return fn
+
+
+def check_supported(head_dim: int, kv_dtype: torch.dtype, device: torch.device | str) -> None:
+    """Raises KernelUnavailable (what is wrong, what is allowed) unless the kernel can serve this engine; builds it."""
+    if torch.device(device).type != "cpu":
+        raise KernelUnavailable(f"the decode attention kernel runs on the CPU, not {device}")
+    if head_dim % 8:
+        raise KernelUnavailable(f"the decode attention kernel needs a head dim that is a multiple of 8, got {head_dim}")
+    if kv_dtype not in (torch.float32, torch.bfloat16):
+        raise KernelUnavailable(f"the decode attention kernel reads a float32 or bfloat16 cache, not {kv_dtype}")
+    _kernel()
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """q [n, H, d] (any float dtype); k, v [n, KVH, S, d] (float32 or bfloat16, any strides with d contiguous);
+    lengths [n] int64: row r attends to its keys [0, lengths[r]) (each <= S). Returns [n, H, d] float32."""
+    n, H, d = q.shape
+    KVH = k.shape[1]
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or k.dtype != v.dtype or H % KVH or d % 8 or H // KVH > 16:
+        raise ValueError(f"decode_attention: k and v need contiguous heads and one dtype, H a multiple of KVH by at "
+                         f"most 16, d a multiple of 8 "
+                         f"(k {tuple(k.shape)} {k.dtype} strides {k.stride()}, v {v.dtype} strides {v.stride()}, H={H})")
+    q = q.float().contiguous()
+    lengths = lengths.to(torch.int64).contiguous()
+    out = torch.empty(n, H, d, dtype=torch.float32)
+    rc = _kernel()(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), int(k.dtype == torch.bfloat16),
+                   k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), lengths.data_ptr(),
+                   n, H, KVH, d, scale, out.data_ptr())
+    if rc != 0:
+        raise MemoryError("decode_attention: the kernel could not allocate its scratch")
+    return out
+
+
+__all__ = ["KernelUnavailable", "check_supported", "decode_attention"]
