@@ -48,3 +48,18 @@ def test_decode_attention_refuses_what_it_cannot_read():
     k = torch.zeros(1, 1, 4, 8).transpose(-1, -2)  # the head's values not contiguous
     with pytest.raises(ValueError, match="contiguous heads"):
         cpu_kernels.decode_attention(torch.zeros(1, 1, 4), k, k, torch.tensor([2]), 1.0)
+
+
+@pytest.mark.parametrize("with_residual,in_place", [(True, True), (True, False), (False, False)])
+def test_add_rms_norm_matches_float64(with_residual, in_place):
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 72, generator=gen) * 4
+    residual = torch.randn(6, 72, generator=gen) if with_residual else None
+    weight, eps = torch.rand(72, generator=gen) + 0.5, 1e-5
+    x0 = x.clone()
+    normed, new_x = cpu_kernels.add_rms_norm(x, residual, weight, eps, in_place)
+    s = x0.double() + (residual.double() if with_residual else 0)
+    want = s / torch.sqrt(s.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+    assert torch.allclose(new_x.double(), s, atol=1e-6) and torch.allclose(normed.double(), want, atol=1e-5, rtol=1e-5)
+    assert (new_x.data_ptr() == x.data_ptr()) == (in_place or not with_residual)  # written in place only if asked
+    assert torch.equal(x, new_x if in_place else x0)

@@ -119,6 +119,8 @@ DESIGNS = {
     "traced": {"decode_step": "traced"},  # the static step, recorded per batch size and run by TorchScript
     "attention_kernel": {"decode_attention": "kernel"},  # our C kernel, each row over its own keys
     "attention_kernel_paged_blhd": {"decode_attention": "kernel", "kv_pool": "paged", "kv_layout": "BLHD"},
+    "norm_kernel": {"norm_kernel": "kernel"},  # our C add + RMSNorm, the residual added in place
+    "norm_kernel_apart": {"norm_kernel": "kernel", "norm_fused_residual": False, "decode_attention": "kernel"},
     # chunks of several requests in one forward over gathered blocks, a queue behind them
     "paged_chunked_together": {"kv_pool": "paged", "kv_layout": "BLHD", "prefill": "chunked", "prefill_chunk": 16,
                                "max_running": 2, "prefill_rows": "together"},
@@ -295,6 +297,8 @@ def test_the_default_genome_is_the_plain_engine_and_rules_name_their_genes():
     assert SPACE.make({"decode_step": "traced", "weight_quant": "int8"})  # int8 through torch's ops traces
     with pytest.raises(GenomeError, match="set decode_step=eager or decode_attention=stage"):
         SPACE.make({"decode_step": "traced", "decode_attention": "kernel"})
+    with pytest.raises(GenomeError, match="set weight_dtype=float32 or norm_kernel=stage"):
+        SPACE.make({"norm_kernel": "kernel", "weight_dtype": "bfloat16", "kv_dtype": "bfloat16"})
     assert "decode_attention" not in {g.name for g in cuda.genes}  # a CPU kernel
 
 

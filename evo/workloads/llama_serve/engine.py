@@ -224,6 +224,19 @@ def kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     return cpu_kernels.decode_attention(q.view(n, H, d), k, v, lengths, d**-0.5).to(q.dtype).view(n, H, 1, d)
 
 
+def kernel_norm(x: torch.Tensor, residual, weight: torch.Tensor, eps: float, plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """The norm stage's contract (`llama/open_stages/norm.py`) by our C kernel: the add and the norm in one pass."""
+    return cpu_kernels.add_rms_norm(x, residual, weight, eps, plan.norm_fused_residual)
+
+
+def _check_kernel(gene: str, check: Callable, *args) -> None:
+    """A clear error at build time where a kernel cannot serve (no compiler, no AVX2, a shape it cannot take)."""
+    try:
+        check(*args)
+    except cpu_kernels.KernelUnavailable as e:
+        raise ValueError(f"{gene}='kernel': {e}; use {gene}=stage") from None
+
+
 class TracedSteps:
     """`step(token, pos)` recorded by torch.jit.trace once per batch size (its first call there) and replayed by
     TorchScript: no Python between the ops. The step must have static shapes for a batch size (the pool's tensors
@@ -249,14 +262,16 @@ class ModelRunner:
 
     def __init__(self, engine: LlamaEngine, pool: SlotPool | PagedPool, plan: ServePlan, max_positions: int) -> None:
         self.engine, self.pool, self.max_positions, self.max_rows = engine, pool, max_positions, plan.max_running
+        if plan.norm_kernel == "kernel":
+            _check_kernel("norm_kernel", cpu_kernels.check_norm_supported, engine.spec.hidden, engine.dtype,
+                          engine.device)
+            engine.norm = kernel_norm
         self.decoder = copy.copy(engine)  # the same layers and weights, its attention stage called per KV group
         self.decoder.attention = grouped_queries(engine.attention)
         self.kernel = plan.decode_attention == "kernel"
-        if self.kernel:  # a clear error at build time (no compiler, no AVX2, a head dim it cannot take)
-            try:
-                cpu_kernels.check_supported(engine.spec.head_dim, engine.kv_dtype, engine.device)
-            except cpu_kernels.KernelUnavailable as e:
-                raise ValueError(f"decode_attention='kernel': {e}; use decode_attention=stage") from None
+        if self.kernel:
+            _check_kernel("decode_attention", cpu_kernels.check_supported, engine.spec.head_dim, engine.kv_dtype,
+                          engine.device)
             self.decoder.attention = kernel_attention
         device = engine.device
         self.key_positions = torch.arange(max_positions, device=device)

@@ -26,6 +26,7 @@ PREFILLS_PER_STEP = (1, 2, 4, 16, 64)
 PREFILL_ROWS = ("each", "together")
 KV_BLOCKS = (16, 32, 64)
 DECODE_ATTENTION = ("stage", "kernel")
+NORM_KERNEL = ("stage", "kernel")
 SPEC_TOKENS = (2, 4, 8)
 SPEC_MIN_NGRAMS = (1, 2, 3)
 SPEC_MAX_ROWS = (1, 4, 16, 64)  # 64: the largest max_running, so always
@@ -34,8 +35,10 @@ NOT_SHARED = ("kv_alloc", "prefill", "prefill_chunk", "decode_step")
 
 
 # the speed levers, most leverage first (the `levers` agent's sweep): how a step reads the weights (and their bytes),
-# how many steps an exchange runs, speculation, a compiled step
-LEVERS = ("linear_kernel", "decode_attention", "steps_per_exchange", "speculation", "decode_step")
+# how it reads the KV cache (our kernel, bfloat16 bytes), our norm kernel, how many steps an exchange runs,
+# speculation, a compiled step
+LEVERS = ("linear_kernel", "decode_attention", "kv_dtype", "norm_kernel", "steps_per_exchange", "speculation",
+          "decode_step")
 
 
 def _batching_genes(preset: ServePreset) -> list[Gene]:
@@ -87,7 +90,11 @@ def _step_genes(device: DeviceInfo) -> list[Gene]:
                "stage: a batched decode step's attention is the attention stage (SDPA or the matmul form over the "
                "keys up to the furthest row, under a per-row mask); kernel: our C kernel (AVX2, FMA; "
                "generation_core.cpu_kernels), each row over its own keys only, each key and value read once for the "
-               "query heads that share it, a float32 or bfloat16 cache read as stored (decode_step=eager)")]
+               "query heads that share it, a float32 or bfloat16 cache read as stored (decode_step=eager)"),
+          Gene("norm_kernel", "fusion", NORM_KERNEL, "stage",
+               "stage: every RMSNorm (and the residual add before it) is the norm stage; kernel: our C kernel (AVX2, "
+               "FMA), the add and the norm in one pass over each row, float32 activations (decode_step=eager; the "
+               "norm stage's code is then not run)")]
          if device.kind == "cpu" else [])
 
 
@@ -139,10 +146,18 @@ def _traced_step_needs_torch_kernel(values: Mapping[str, Scalar]) -> str | None:
     return None
 
 
-def _attention_kernel_needs_eager_step(values: Mapping[str, Scalar]) -> str | None:
-    if values.get("decode_attention") == "kernel" and values.get("decode_step", "eager") != "eager":
-        return (f"decode_attention='kernel' is called from Python between the step's ops, which decode_step="
-                f"{values.get('decode_step')!r} records without; set decode_step=eager or decode_attention=stage")
+def _kernels_need_eager_step(values: Mapping[str, Scalar]) -> str | None:
+    for gene in ("decode_attention", "norm_kernel"):
+        if values.get(gene) == "kernel" and values.get("decode_step", "eager") != "eager":
+            return (f"{gene}='kernel' is called from Python between the step's ops, which decode_step="
+                    f"{values.get('decode_step')!r} records without; set decode_step=eager or {gene}=stage")
+    return None
+
+
+def _norm_kernel_needs_float32(values: Mapping[str, Scalar]) -> str | None:
+    if values.get("norm_kernel") == "kernel" and values.get("weight_dtype", "float32") != "float32":
+        return (f"norm_kernel='kernel' takes float32 activations, not weight_dtype={values.get('weight_dtype')!r}; set "
+                f"weight_dtype=float32 or norm_kernel=stage")
     return None
 
 
@@ -154,7 +169,8 @@ def gene_space(preset: ServePreset, device: DeviceInfo) -> GeneSpace:
     constraints = (
         Constraint("decode_step compiled or traced needs kv_pool slots", _compiled_step_needs_slots),
         Constraint("decode_step traced needs linear_kernel torch", _traced_step_needs_torch_kernel),
-        Constraint("decode_attention kernel needs decode_step eager", _attention_kernel_needs_eager_step),
+        Constraint("our CPU kernels need decode_step eager", _kernels_need_eager_step),
+        Constraint("norm_kernel kernel needs float32 activations", _norm_kernel_needs_float32),
         Constraint("kv_dtype no wider than weight_dtype", _llama._kv_no_wider_than_weights),
         Constraint("a packed linear_kernel needs float32 weights", _llama._packed_kernel_needs_float32),
     )
@@ -205,6 +221,7 @@ class ServePlan:
     spec_max_rows: int = 4
     prefill_rows: str = "each"
     decode_attention: str = "stage"
+    norm_kernel: str = "stage"
 
     @classmethod
     def from_genome(cls, genome: Genome) -> ServePlan:
@@ -215,7 +232,8 @@ class ServePlan:
                    kv_layout=str(v["kv_layout"]), speculation=str(v["speculation"]),
                    spec_tokens=int(v["spec_tokens"]), spec_min_ngram=int(v["spec_min_ngram"]),
                    spec_max_rows=int(v["spec_max_rows"]), prefill_rows=str(v["prefill_rows"]),
-                   decode_attention=str(v.get("decode_attention", "stage")))
+                   decode_attention=str(v.get("decode_attention", "stage")),
+                   norm_kernel=str(v.get("norm_kernel", "stage")))
 
     @property
     def drafted(self) -> int:

@@ -3,9 +3,12 @@ into a per-user cache and called through ctypes on tensors' memory (no Python be
 headers to compile: a build takes well under a second).
 
 `decode_attention`: grouped-query attention of one decode position per row over each row's own keys (float32 or
-bfloat16 cache), each key and value read once for the query heads that share it.
+bfloat16 cache), each key and value read once for the query heads that share it. `add_rms_norm`: RMSNorm after a
+residual add, float32 rows, in one pass over each row.
 """
 from evo.workloads.generation_core.cpu_kernels.build import KernelUnavailable, kernel_library
 from evo.workloads.generation_core.cpu_kernels.decode_attention import check_supported, decode_attention
+from evo.workloads.generation_core.cpu_kernels.rms_norm import add_rms_norm, check_norm_supported
 
-__all__ = ["KernelUnavailable", "check_supported", "decode_attention", "kernel_library"]
+__all__ = ["KernelUnavailable", "add_rms_norm", "check_norm_supported", "check_supported", "decode_attention",
+           "kernel_library"]
