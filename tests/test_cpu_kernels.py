@@ -48,6 +48,10 @@ def test_decode_attention_refuses_what_it_cannot_read():
     k = torch.zeros(1, 1, 4, 8).transpose(-1, -2)  # the head's values not contiguous
     with pytest.raises(ValueError, match="contiguous heads"):
         cpu_kernels.decode_attention(torch.zeros(1, 1, 4), k, k, torch.tensor([2]), 1.0)
+    k = torch.zeros(2, 1, 4, 8)
+    for lengths in ([1, 5], [0, 2]):  # a row's keys past the cache's, or none: refused, not read out of bounds
+        with pytest.raises(ValueError, match="each in \\[1, S\\]"):
+            cpu_kernels.decode_attention(torch.zeros(2, 1, 8), k, k, torch.tensor(lengths), 1.0)
 
 
 @pytest.mark.parametrize("with_residual,in_place", [(True, True), (True, False), (False, False)])

@@ -41,8 +41,12 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
         raise ValueError(f"decode_attention: k and v need contiguous heads and one dtype, H a multiple of KVH by at "
                          f"most 16, d a multiple of 8 "
                          f"(k {tuple(k.shape)} {k.dtype} strides {k.stride()}, v {v.dtype} strides {v.stride()}, H={H})")
-    q = q.float().contiguous()
     lengths = lengths.to(torch.int64).contiguous()
+    if k.shape != v.shape or k.shape[0] != n or k.shape[3] != d or lengths.shape != (n,) or (
+            n and not 1 <= int(lengths.min()) <= int(lengths.max()) <= k.shape[2]):
+        raise ValueError(f"decode_attention: q [n, H, d], k and v [n, KVH, S, d], lengths [n] each in [1, S]; got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, lengths {lengths.tolist()}")
+    q = q.float().contiguous()
     out = torch.empty(n, H, d, dtype=torch.float32)
     rc = _kernel()(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(), int(k.dtype == torch.bfloat16),
                    k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), lengths.data_ptr(),

@@ -35,9 +35,12 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     """(normed, new_x) for float32 x [..., D]: new_x = x + residual (written into x when `in_place` and x is
     contiguous), normed = new_x / sqrt(mean(new_x^2) + eps) * weight, the mean accumulated in float32."""
     D = x.shape[-1]
-    if x.dtype != torch.float32 or D % 8 or weight.dtype != torch.float32 or weight.shape != (D,):
-        raise ValueError(f"add_rms_norm: float32 x [..., D] with D a multiple of 8 and a float32 weight [D]; got x "
-                         f"{tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}")
+    if (x.dtype != torch.float32 or D % 8 or weight.dtype != torch.float32 or weight.shape != (D,)
+            or (residual is not None and residual.shape != x.shape)):
+        raise ValueError(f"add_rms_norm: float32 x [..., D] with D a multiple of 8, a float32 weight [D] and a "
+                         f"residual shaped as x; got x "
+                         f"{tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}, residual "
+                         f"{None if residual is None else tuple(residual.shape)}")
     source = x.contiguous()
     new_x = source if (in_place and source is x) or residual is None else torch.empty_like(source)
     if residual is not None:
