@@ -16,8 +16,11 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 HERE = Path(__file__).resolve().parent
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-std=c11")
+I64, PTR, INT, FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float  # a kernel's C argument types
 
 
 class KernelUnavailable(RuntimeError):
@@ -69,3 +72,17 @@ def kernel_library(name: str) -> ctypes.CDLL:
     if hasattr(lib, "evo_cpu_has_avx2_fma") and not lib.evo_cpu_has_avx2_fma():
         raise KernelUnavailable("our CPU kernels need AVX2 and FMA, which this CPU lacks")
     return lib
+
+
+def kernel_function(name: str, symbol: str, restype, argtypes: tuple) -> ctypes._CFuncPtr:
+    """The C function `symbol` of `<name>.c` (`kernel_library`), its result and argument types declared (a caller
+    keeps it: looked up per call, the declaration would cost more than the kernel's small calls)."""
+    fn = getattr(kernel_library(name), symbol)
+    fn.restype, fn.argtypes = restype, list(argtypes)
+    return fn
+
+
+def require_cpu(device: torch.device | str, kernel: str) -> None:
+    """KernelUnavailable unless `device` is the CPU, where our kernels run."""
+    if torch.device(device).type != "cpu":
+        raise KernelUnavailable(f"the {kernel} kernel runs on the CPU, not {device}")

@@ -1,29 +1,24 @@
 """Grouped-query decode attention over each row's own keys: the C kernel (`decode_attention.c`) on torch tensors."""
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import torch
 
-from evo.workloads.generation_core.cpu_kernels.build import KernelUnavailable, kernel_library
-
-_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+from evo.workloads.generation_core.cpu_kernels.build import (FLOAT, I64, INT, PTR, KernelUnavailable, kernel_function,
+                                                             require_cpu)
 
 
 @functools.cache
 def _kernel():
-    fn = kernel_library("decode_attention").evo_decode_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, ctypes.c_int, _I64, _I64, _I64, _I64, _I64, _I64, _PTR,
-                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, _PTR]
-    return fn
+    return kernel_function("decode_attention", "evo_decode_attention", INT,
+                           (PTR, I64, I64, PTR, PTR, INT, I64, I64, I64, I64, I64, I64, PTR, INT, INT, INT, INT, FLOAT,
+                            PTR))
 
 
 def check_attention_supported(head_dim: int, kv_dtype: torch.dtype, device: torch.device | str) -> None:
     """Raises KernelUnavailable (what is wrong, what is allowed) unless the kernel can serve this engine; builds it."""
-    if torch.device(device).type != "cpu":
-        raise KernelUnavailable(f"the decode attention kernel runs on the CPU, not {device}")
+    require_cpu(device, "decode attention")
     if head_dim % 8:
         raise KernelUnavailable(f"the decode attention kernel needs a head dim that is a multiple of 8, got {head_dim}")
     if kv_dtype not in (torch.float32, torch.bfloat16):
@@ -39,8 +34,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths:
     KVH = k.shape[1]
     if k.stride(-1) != 1 or v.stride(-1) != 1 or k.dtype != v.dtype or H % KVH or d % 8 or H // KVH > 16:
         raise ValueError(f"decode_attention: k and v need contiguous heads and one dtype, H a multiple of KVH by at "
-                         f"most 16, d a multiple of 8 "
-                         f"(k {tuple(k.shape)} {k.dtype} strides {k.stride()}, v {v.dtype} strides {v.stride()}, H={H})")
+                         f"most 16, d a multiple of 8 (k {tuple(k.shape)} {k.dtype} strides {k.stride()}, v {v.dtype} "
+                         f"strides {v.stride()}, H={H})")
     lengths = lengths.to(torch.int64).contiguous()
     if k.shape != v.shape or k.shape[0] != n or k.shape[3] != d or lengths.shape != (n,) or (
             n and not 1 <= int(lengths.min()) <= int(lengths.max()) <= k.shape[2]):

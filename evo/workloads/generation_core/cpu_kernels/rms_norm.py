@@ -1,28 +1,22 @@
 """RMSNorm after a residual add, float32 rows: the C kernel (`rms_norm.c`) on torch tensors."""
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import torch
 
-from evo.workloads.generation_core.cpu_kernels.build import KernelUnavailable, kernel_library
-
-_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+from evo.workloads.generation_core.cpu_kernels.build import (FLOAT, I64, PTR, KernelUnavailable, kernel_function,
+                                                             require_cpu)
 
 
 @functools.cache
 def _kernel():
-    fn = kernel_library("rms_norm").evo_add_rms_norm
-    fn.restype = None
-    fn.argtypes = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float]
-    return fn
+    return kernel_function("rms_norm", "evo_add_rms_norm", None, (PTR, PTR, PTR, PTR, PTR, I64, I64, FLOAT))
 
 
 def check_norm_supported(hidden: int, dtype: torch.dtype, device: torch.device | str) -> None:
     """Raises KernelUnavailable (what is wrong, what is allowed) unless the kernel can serve this engine; builds it."""
-    if torch.device(device).type != "cpu":
-        raise KernelUnavailable(f"the RMSNorm kernel runs on the CPU, not {device}")
+    require_cpu(device, "RMSNorm")
     if hidden % 8:
         raise KernelUnavailable(f"the RMSNorm kernel needs a hidden size that is a multiple of 8, got {hidden}")
     if dtype != torch.float32:
