@@ -121,6 +121,13 @@ DESIGNS = {
     "attention_kernel_paged_blhd": {"decode_attention": "kernel", "kv_pool": "paged", "kv_layout": "BLHD"},
     "norm_kernel": {"norm_kernel": "kernel"},  # our C add + RMSNorm, the residual added in place
     "norm_kernel_apart": {"norm_kernel": "kernel", "norm_fused_residual": False, "decode_attention": "kernel"},
+    # our C decode step, the whole forward in one call: every step, over the engine's own rows (fused slices); and
+    # steps of up to 2 rows (more run eagerly on the same cache) over the checkpoint's weights loaded again
+    # (pretransposed engine) with Llama's halves, a BLHD cache, drafts verified beside it
+    "native": {"decode_step": "native", "native_max_rows": 64, "weight_layout": "native"},
+    "native_reloaded_halves_blhd": {"decode_step": "native", "native_max_rows": 2, "rotary_pairs": "halves",
+                                    "fused_qkv": False, "kv_layout": "BLHD", "speculation": "prompt_lookup",
+                                    "spec_min_ngram": 1},
     # chunks of several requests in one forward over gathered blocks, a queue behind them
     "paged_chunked_together": {"kv_pool": "paged", "kv_layout": "BLHD", "prefill": "chunked", "prefill_chunk": 16,
                                "max_running": 2, "prefill_rows": "together"},

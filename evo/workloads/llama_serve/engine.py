@@ -36,7 +36,8 @@ from evo.workloads.base import NO_SOURCES, DeviceInfo
 from evo.workloads.generation_core import Pick, Scheduler, SchedulerPolicy, pick_tokens
 from evo.workloads.generation_core import cpu_kernels
 from evo.workloads.llama import engine as _llama_engine
-from evo.workloads.llama.engine import LlamaEngine
+from evo.workloads.llama.engine import LlamaEngine, interleave_rows
+from evo.workloads.llama.model import inv_freq, layer_weights, lm_head, load_weights
 from evo.workloads.llama_serve.genes import ServePlan, gene_space, llama_genome
 from evo.workloads.llama_serve.presets import ServePreset
 
@@ -229,12 +230,51 @@ def kernel_norm(x: torch.Tensor, residual, weight: torch.Tensor, eps: float, pla
     return cpu_kernels.add_rms_norm(x, residual, weight, eps, plan.norm_fused_residual)
 
 
-def _check_kernel(gene: str, check: Callable, *args) -> None:
+def _check_kernel(gene: str, check: Callable, *args, value: str = "kernel", instead: str = "stage") -> None:
     """A clear error at build time where a kernel cannot serve (no compiler, no AVX2, a shape it cannot take)."""
     try:
         check(*args)
     except cpu_kernels.KernelUnavailable as e:
-        raise ValueError(f"{gene}='kernel': {e}; use {gene}=stage") from None
+        raise ValueError(f"{gene}={value!r}: {e}; use {gene}={instead}") from None
+
+
+def native_step(engine: LlamaEngine, pool: SlotPool) -> cpu_kernels.LlamaDecodeStep:
+    """decode_step=native: our C step over the engine's weights and the slot pool's caches. Float32 weights the
+    engine keeps as [out, in] rows (weight_layout native or native_left, linear_kernel=torch) are read where they
+    lie (a fused projection's slices are contiguous rows); otherwise (pretransposed, or linear_kernel=bf16_weights,
+    whose oneDNN layout is opaque) the checkpoint's are loaded again and kept as [out, in] rows in the step's dtype
+    (bfloat16 rounded to nearest even, as bf16_weights rounds them)."""
+    s, plan = engine.spec, engine.plan
+    dtype = torch.bfloat16 if plan.linear_kernel == "bf16_weights" else torch.float32
+    shape = cpu_kernels.StepShape(s.layers, s.hidden, s.heads, s.kv_heads, s.head_dim, s.intermediate, s.vocab,
+                                  s.rms_eps)
+    _check_kernel("decode_step", cpu_kernels.check_step_supported, shape, dtype, engine.kv_dtype, engine.device,
+                  value="native", instead="eager")
+    H, KVH, d, I = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.head_dim, s.intermediate
+    norms = [{"input_norm": layer["input_norm"], "post_norm": layer["post_norm"]} for layer in engine.layers]
+    if not (engine.packed or engine.quantised or engine.float_layout == "pretransposed"):
+        layers = []
+        for layer, norm in zip(engine.layers, norms):
+            qkv = layer.get("qkv")
+            q, k, v = (qkv[:H], qkv[H:H + KVH], qkv[H + KVH:]) if qkv is not None else (layer["q"], layer["k"],
+                                                                                          layer["v"])
+            mlp = layer["mlp"]
+            gate, up = (mlp["gate_up"][:I], mlp["gate_up"][I:]) if "gate_up" in mlp else (mlp["gate"], mlp["up"])
+            layers.append({**norm, "q": q, "k": k, "v": v, "o": layer["o"], "gate": gate, "up": up,
+                           "down": mlp["down"]})
+        head = engine.head
+    else:
+        weights = load_weights(s)
+        layers = []
+        for i, norm in enumerate(norms):
+            lw = layer_weights(weights, i)
+            if engine.interleaved:  # the rows the engine's prefill wrote the cached keys in
+                lw["q"], lw["k"] = interleave_rows(lw["q"], s.heads, d), interleave_rows(lw["k"], s.kv_heads, d)
+            layers.append({**norm, **{name: lw[name].to("cpu", dtype).contiguous()
+                                      for name in ("q", "k", "v", "o", "gate", "up", "down")}})
+        head = lm_head(weights).to("cpu", dtype).contiguous()
+    return cpu_kernels.LlamaDecodeStep(shape, layers, engine.final_norm, head, inv_freq(s, torch.float64), pool.k,
+                                       pool.v, engine.interleaved, pool.bhld)
 
 
 class TracedSteps:
@@ -278,6 +318,8 @@ class ModelRunner:
         self.visible, self.hidden = (torch.tensor(x, dtype=engine.dtype, device=device) for x in (0.0, -math.inf))
         self.compiled = (torch.compile(self._static_step, dynamic=False) if plan.decode_step == "compiled"
                          else TracedSteps(self._static_step) if plan.decode_step == "traced" else None)
+        self.native = native_step(engine, pool) if plan.decode_step == "native" else None
+        self.native_max_rows = plan.native_max_rows
 
     def prefill(self, row: int, tokens: tuple[int, ...], pos: int, pick: Pick | None) -> int | None:
         """Prompt tokens at positions [pos, pos+T) of `row`; with `pick` (they end the prompt), the next token."""
@@ -307,6 +349,9 @@ class ModelRunner:
 
     def decode(self, tokens: list[int], positions: list[int], picks: list[Pick]) -> list[int]:
         """Rows [0, n) each feed tokens[r] at positions[r]; their next tokens, each picked by its request."""
+        if self.native is not None and len(tokens) <= self.native_max_rows:
+            token = torch.tensor(tokens, device=self.engine.device)
+            return self._pick(self.native(self.engine.embed[token], torch.tensor(positions)), picks)
         if self.compiled is None and len(tokens) == 1:  # one row: a one-token chunk, no mask (~10% faster)
             return self._chunk(0, (tokens[0],), positions[0], picks)
         device = self.engine.device

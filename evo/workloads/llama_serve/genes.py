@@ -27,6 +27,7 @@ PREFILL_ROWS = ("each", "together")
 KV_BLOCKS = (16, 32, 64)
 DECODE_ATTENTION = ("stage", "kernel")
 NORM_KERNEL = ("stage", "kernel")
+NATIVE_MAX_ROWS = (1, 2, 4, 8, 16, 64)  # 64: the largest max_running, so every step
 SPEC_TOKENS = (2, 4, 8)
 SPEC_MIN_NGRAMS = (1, 2, 3)
 SPEC_MAX_ROWS = (1, 4, 16, 64)  # 64: the largest max_running, so always
@@ -78,15 +79,24 @@ def _step_genes(device: DeviceInfo) -> list[Gene]:
     # as fast as eager's one-row path. traced on the CPU: the same static step recorded by torch.jit.trace in
     # ~0.03 s, run by TorchScript without Python between its ops (5.0 M model, one thread: 1 row 1.3-1.9 ms
     # against eager's 1.8-2.0; 16 rows 3.5-4.3 against 2.9-3.4: the whole pool's keys cost more than Python)
-    steps = ("eager", "compiled") if device.kind == "cuda" else ("eager", "traced")
+    # native on the CPU: our C step (generation_core.cpu_kernels.llama_decode_step), the whole forward in one call
+    steps = ("eager", "compiled") if device.kind == "cuda" else ("eager", "traced", "native")
     return [
         Gene("decode_step", "scheduling", steps, "eager",
              "the batched decode forward as eager torch (attending to the keys up to the furthest row), or with "
              "static shapes: the batch padded to the next power of two, attention over every position of the pool "
              "under the mask, built once per batch size the first time it occurs: torch.compile'd (CUDA), or "
-             "recorded by torch.jit.trace and run by TorchScript (CPU; linear_kernel=torch only)"),
+             "recorded by torch.jit.trace and run by TorchScript (CPU; linear_kernel=torch only); or native (CPU): "
+             "our C decode step, the whole forward of every decoding row in one call with no Python or dispatch "
+             "between its ops (AVX2, FMA; each weight streamed once for all rows, each row over its own keys), "
+             "float32 weights (linear_kernel=torch) or bfloat16 ones (linear_kernel=bf16_weights) with float32 "
+             "activations, over the slot pool"),
         threads,
-    ] + ([Gene("decode_attention", "fusion", DECODE_ATTENTION, "stage",
+    ] + ([Gene("native_max_rows", "scheduling", NATIVE_MAX_ROWS, 4,
+               "decode_step=native runs a step of at most this many decoding rows in C, a larger one eagerly (the C "
+               "step streams the weights at one to a few rows as fast as the memory allows, while more rows are "
+               "bound by its AVX2 arithmetic, where oneDNN's bfloat16 tiles or MKL may be faster)"),
+          Gene("decode_attention", "fusion", DECODE_ATTENTION, "stage",
                "stage: a batched decode step's attention is the attention stage (SDPA or the matmul form over the "
                "keys up to the furthest row, under a per-row mask); kernel: our C kernel (AVX2, FMA; "
                "generation_core.cpu_kernels), each row over its own keys only, each key and value read once for the "
@@ -132,9 +142,24 @@ def _shared_memory_genes(preset: ServePreset) -> list[Gene]:
 
 def _compiled_step_needs_slots(values: Mapping[str, Scalar]) -> str | None:
     step = values.get("decode_step")
-    if step in ("compiled", "traced") and values.get("kv_pool") != "slots":
-        return (f"decode_step={step!r} runs a static-shape step over the slot pool, not over kv_pool="
+    if step in ("compiled", "traced", "native") and values.get("kv_pool") != "slots":
+        return (f"decode_step={step!r} runs its step over the slot pool, not over kv_pool="
                 f"{values.get('kv_pool')!r}; set kv_pool=slots or decode_step=eager")
+    return None
+
+
+NATIVE_KERNELS = ("torch", "bf16_weights")  # the native step's weights: float32, or bfloat16 as bf16_weights rounds
+
+
+def _native_step_needs_float_weights(values: Mapping[str, Scalar]) -> str | None:
+    if values.get("decode_step") != "native":
+        return None
+    kernel = values.get("linear_kernel", "torch")
+    if kernel not in NATIVE_KERNELS or values.get("weight_dtype") != "float32" or values.get("weight_quant") != "none":
+        return (f"decode_step='native' reads float32 weights (linear_kernel=torch) or bfloat16 ones "
+                f"(linear_kernel=bf16_weights), from weight_dtype='float32' and weight_quant='none'; got linear_kernel="
+                f"{kernel!r}, weight_dtype={values.get('weight_dtype')!r}, weight_quant={values.get('weight_quant')!r}; "
+                f"set those or decode_step=eager")
     return None
 
 
@@ -148,7 +173,7 @@ def _traced_step_needs_torch_kernel(values: Mapping[str, Scalar]) -> str | None:
 
 def _kernels_need_eager_step(values: Mapping[str, Scalar]) -> str | None:
     for gene in ("decode_attention", "norm_kernel"):
-        if values.get(gene) == "kernel" and values.get("decode_step", "eager") != "eager":
+        if values.get(gene) == "kernel" and values.get("decode_step", "eager") not in ("eager", "native"):
             return (f"{gene}='kernel' is called from Python between the step's ops, which decode_step="
                     f"{values.get('decode_step')!r} records without; set decode_step=eager or {gene}=stage")
     return None
@@ -169,7 +194,8 @@ def gene_space(preset: ServePreset, device: DeviceInfo) -> GeneSpace:
     constraints = (
         Constraint("decode_step compiled or traced needs kv_pool slots", _compiled_step_needs_slots),
         Constraint("decode_step traced needs linear_kernel torch", _traced_step_needs_torch_kernel),
-        Constraint("our CPU kernels need decode_step eager", _kernels_need_eager_step),
+        Constraint("our CPU kernels need decode_step eager or native", _kernels_need_eager_step),
+        Constraint("decode_step native needs float32 or bf16_weights weights", _native_step_needs_float_weights),
         Constraint("norm_kernel kernel needs float32 activations", _norm_kernel_needs_float32),
         Constraint("kv_dtype no wider than weight_dtype", _llama._kv_no_wider_than_weights),
         Constraint("a packed linear_kernel needs float32 weights", _llama._packed_kernel_needs_float32),
@@ -185,6 +211,9 @@ def gene_space(preset: ServePreset, device: DeviceInfo) -> GeneSpace:
         _llama.PACKED_IGNORES_LAYOUT,
         _llama.TORCH_KERNEL_HAS_ONE_WAY,
     ]
+    if device.kind == "cpu":
+        ignored.append(Ignored(("native_max_rows",), lambda v: v.get("decode_step") != "native",
+                               "only decode_step=native runs steps in C"))
     if device.kind == "cuda":
         ignored.append(Ignored(("sdpa_backend",), lambda v: v.get("attention") == "matmul",
                                "attention=matmul calls no SDPA kernel"))
@@ -222,6 +251,7 @@ class ServePlan:
     prefill_rows: str = "each"
     decode_attention: str = "stage"
     norm_kernel: str = "stage"
+    native_max_rows: int = 64
 
     @classmethod
     def from_genome(cls, genome: Genome) -> ServePlan:
@@ -233,7 +263,8 @@ class ServePlan:
                    spec_tokens=int(v["spec_tokens"]), spec_min_ngram=int(v["spec_min_ngram"]),
                    spec_max_rows=int(v["spec_max_rows"]), prefill_rows=str(v["prefill_rows"]),
                    decode_attention=str(v.get("decode_attention", "stage")),
-                   norm_kernel=str(v.get("norm_kernel", "stage")))
+                   norm_kernel=str(v.get("norm_kernel", "stage")),
+                   native_max_rows=int(v.get("native_max_rows", 64)))
 
     @property
     def drafted(self) -> int:

@@ -2,7 +2,7 @@
 
 The library lands in `$EVO_KERNEL_CACHE`, else `~/.cache/evo/kernels`, else the temporary folder (an engine's
 sandbox has only a private /tmp): its name carries a hash of the source, the flags and the compiler, so an edited
-kernel is rebuilt and two processes building at once each write their own file and rename it into place.
+kernel (or one it includes) is rebuilt and two processes building at once each write their own file and rename it into place.
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def kernel_library(name: str) -> ctypes.CDLL:
     says why not."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         raise KernelUnavailable(f"our CPU kernels are x86-64 (AVX2, FMA); this machine is {platform.machine()}")
-    source = (HERE / f"{name}.c").read_bytes()
+    source = b"".join(path.read_bytes() for path in sorted(HERE.glob("*.c")))  # a kernel may include another's
     cc = _compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(source + repr(FLAGS).encode() + version.encode()).hexdigest()[:16]

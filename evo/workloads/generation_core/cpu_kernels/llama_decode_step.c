@@ -1,0 +1,238 @@
+/* One decode step of a Llama-family decoder for n rows, whole, on one CPU thread (AVX2, FMA): no Python and no
+   dispatch between its ops (what llama.cpp's CPU backend does per token; vLLM and SGLang capture or compile the step).
+
+   Row r feeds one token (its embedding x[r], float32) at position pos[r] of pool row r, attends to its keys
+   [0, pos[r]] and gets its logits. Per layer: h = RMSNorm(x); q, k, v = h W^T; q and k rotated at the row's
+   position (pairs (i, i + d/2), or side by side with `interleaved`); k and v written into the row's cache at its
+   position; grouped-query attention over the row's own keys (`decode_attention.c`); x += attn Wo^T;
+   h = RMSNorm(x); x += (silu(h Wgate^T) * h Wup^T) Wdown^T. Then logits = RMSNorm(x) Whead^T.
+
+   Weights are [out, in] rows, float32 or bfloat16 (widened as read); activations and sums are float32. The
+   cache is float32 or bfloat16 (rounded to nearest even as written), laid out by strides. Every linear streams
+   its weight once for all n rows: 4 outputs x 2 rows a pass over a weight block that stays in L1.
+
+   dims (int64): see the DIM_ names; ptrs: per layer the P_ names, then final norm, head, inverse frequencies
+   (float64 [d/2]). Returns 0, -1 when scratch cannot be allocated, -2 for a group size the attention cannot take. */
+#include "decode_attention.c"
+#include "rms_norm.c"
+
+#include <math.h>
+#include <string.h>
+
+enum { DIM_LAYERS, DIM_D, DIM_H, DIM_KVH, DIM_HEAD, DIM_I, DIM_V, DIM_INTERLEAVED, DIM_W_BF16, DIM_KV_BF16,
+       DIM_K_ROW, DIM_K_HEAD, DIM_K_POS, DIM_V_ROW, DIM_V_HEAD, DIM_V_POS, DIM_COUNT };
+enum { P_IN_NORM, P_POST_NORM, P_Q, P_K, P_V, P_O, P_GATE, P_UP, P_DOWN, P_K_CACHE, P_V_CACHE, P_PER_LAYER };
+
+int evo_llama_step_dims(void) { return DIM_COUNT; }
+int evo_llama_step_pointers_per_layer(void) { return P_PER_LAYER; }
+
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 512 /* ahead in each weight row: 14.5 against 13.7 GB/s at one row, ~1.3x at 2-4 (measured) */
+#endif
+
+/* A block of R rows x OB outputs of out = x w^T over K (a multiple of 8), float32 weights: each weight vector loaded
+   once for the R rows, the R x OB sums in registers. */
+static inline __attribute__((always_inline)) void block_f32(const int R, const int OB, const float *x, int64_t K,
+                                                            const float *w, float *out, int64_t O) {
+    __m256 acc[4][8];
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < OB; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < K; c += 8) {
+        __m256 xv[4];
+        for (int i = 0; i < R; i++) xv[i] = _mm256_loadu_ps(x + i * K + c);
+        for (int j = 0; j < OB; j++) {
+            const __m256 wv = _mm256_loadu_ps(w + j * K + c);
+            _mm_prefetch((const char *)(w + j * K + c) + PREFETCH_BYTES, _MM_HINT_T0);
+            for (int i = 0; i < R; i++) acc[i][j] = _mm256_fmadd_ps(wv, xv[i], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < OB; j++) out[i * O + j] = hsum256(acc[i][j]);
+}
+
+/* The same over bfloat16 weights, 16 a load: a 32-bit lane holds elements 2j (low half) and 2j + 1 (high half), so a
+   shift widens the even ones and a mask the odd ones, against x split the same way (`split_even_odd`). */
+static inline __attribute__((always_inline)) void block_bf16(const int R, const int OB, const float *xs, int64_t K,
+                                                             const uint16_t *w, float *out, int64_t O) {
+    __m256 acc[2][8];
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < OB; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < K; c += 16) {
+        __m256 xe[2], xo[2];
+        for (int i = 0; i < R; i++) {
+            xe[i] = _mm256_loadu_ps(xs + i * K + c);
+            xo[i] = _mm256_loadu_ps(xs + i * K + c + 8);
+        }
+        for (int j = 0; j < OB; j++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + j * K + c));
+            _mm_prefetch((const char *)(w + j * K + c) + PREFETCH_BYTES, _MM_HINT_T0);
+            const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+            const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+            for (int i = 0; i < R; i++) acc[i][j] = _mm256_fmadd_ps(wo, xo[i], _mm256_fmadd_ps(we, xe[i], acc[i][j]));
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < OB; j++) out[i * O + j] = hsum256(acc[i][j]);
+}
+
+/* x [n, K] into xs: each 16 values as their 8 even ones, then their 8 odd ones (K a multiple of 16). */
+static void split_even_odd(const float *x, int n, int64_t K, float *xs) {
+    const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    for (int64_t at = 0; at < n * K; at += 16) {
+        const __m256 a = _mm256_permutevar8x32_ps(_mm256_loadu_ps(x + at), even);     /* a0 a2 a4 a6 a1 a3 a5 a7 */
+        const __m256 b = _mm256_permutevar8x32_ps(_mm256_loadu_ps(x + at + 8), even); /* b0 b2 b4 b6 b1 b3 b5 b7 */
+        _mm256_storeu_ps(xs + at, _mm256_permute2f128_ps(a, b, 0x20));
+        _mm256_storeu_ps(xs + at + 8, _mm256_permute2f128_ps(a, b, 0x31));
+    }
+}
+
+/* out[r, o] = x[r] . w[o] for rows [0, n), outputs [0, O); x rows of K contiguous floats, K a multiple of 8 (16 for
+   bfloat16 weights); xs: scratch of n * K floats. Outputs go in blocks of 8 weight rows, read from memory once (the
+   first row pass, which also prefetches ahead) and from cache by the others: up to 4 rows a pass over float32 weights
+   (2 over bfloat16 ones), each pass at most 8 sums in registers. */
+static void linear(const float *x, int n, int64_t K, const void *w, int bf16, int64_t O, float *out, float *xs) {
+    if (bf16) split_even_odd(x, n, K, xs);
+    int64_t o = 0;
+    for (; o + 8 <= O; o += 8)
+        for (int r = 0; r < n;) {
+            float *y = out + r * O + o;
+            if (bf16) {
+                const uint16_t *wb = (const uint16_t *)w + o * K;
+                const float *xr = xs + r * K;
+                if (n - r >= 2) {
+                    block_bf16(2, 4, xr, K, wb, y, O);
+                    block_bf16(2, 4, xr, K, wb + 4 * K, y + 4, O);
+                    r += 2;
+                } else {
+                    block_bf16(1, 8, xr, K, wb, y, O);
+                    r += 1;
+                }
+            } else {
+                const float *wf = (const float *)w + o * K, *xr = x + r * K;
+                const int R = n - r >= 4 ? 4 : n - r;
+                if (R >= 3) {
+                    for (int j = 0; j < 8; j += 2) {
+                        if (R == 4) block_f32(4, 2, xr, K, wf + j * K, y + j, O);
+                        else block_f32(3, 2, xr, K, wf + j * K, y + j, O);
+                    }
+                } else if (R == 2) {
+                    block_f32(2, 4, xr, K, wf, y, O);
+                    block_f32(2, 4, xr, K, wf + 4 * K, y + 4, O);
+                } else {
+                    block_f32(1, 8, xr, K, wf, y, O);
+                }
+                r += R;
+            }
+        }
+    for (; o < O; o++)
+        for (int r = 0; r < n; r++) {
+            if (bf16) block_bf16(1, 1, xs + r * K, K, (const uint16_t *)w + o * K, out + r * O + o, O);
+            else block_f32(1, 1, x + r * K, K, (const float *)w + o * K, out + r * O + o, O);
+        }
+}
+
+/* heads rows of d values rotated by cos / sin [d/2]: pairs (i, i + d/2), or (2i, 2i + 1) when interleaved. */
+static void rotate(float *x, int heads, int d, const float *cos_, const float *sin_, int interleaved) {
+    const int half = d / 2;
+    for (int h = 0; h < heads; h++) {
+        float *v = x + (int64_t)h * d;
+        for (int i = 0; i < half; i++) {
+            float *a = interleaved ? v + 2 * i : v + i, *b = interleaved ? v + 2 * i + 1 : v + i + half;
+            const float p = *a, q = *b;
+            *a = p * cos_[i] - q * sin_[i];
+            *b = q * cos_[i] + p * sin_[i];
+        }
+    }
+}
+
+static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch's .to(bfloat16) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* heads rows of d values of one row into its cache at one position (head stride `head`). */
+static void store_kv(const float *src, void *cache, int bf16, int64_t at, int64_t head, int heads, int d) {
+    for (int g = 0; g < heads; g++) {
+        const float *s = src + (int64_t)g * d;
+        if (bf16) {
+            uint16_t *t = (uint16_t *)cache + at + g * head;
+            for (int i = 0; i < d; i++) t[i] = to_bf16(s[i]);
+        } else {
+            memcpy((float *)cache + at + g * head, s, sizeof(float) * (size_t)d);
+        }
+    }
+}
+
+/* gate = silu(gate) * up, count a multiple of 8 (silu(g) = g / (1 + exp(-g))). */
+static void silu_mul(float *gate, const float *up, int64_t count) {
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    for (int64_t c = 0; c < count; c += 8) {
+        __m256 g = _mm256_loadu_ps(gate + c);
+        __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, g))));
+        _mm256_storeu_ps(gate + c, _mm256_mul_ps(s, _mm256_loadu_ps(up + c)));
+    }
+}
+
+int evo_llama_decode_step(const int64_t *dims, const void *const *ptrs, float eps, const float *embedded,
+                          const int64_t *pos, int n, float *logits) {
+    const int layers = (int)dims[DIM_LAYERS], H = (int)dims[DIM_H], KVH = (int)dims[DIM_KVH], d = (int)dims[DIM_HEAD];
+    const int64_t D = dims[DIM_D], I = dims[DIM_I], V = dims[DIM_V];
+    const int wb = (int)dims[DIM_W_BF16], kvb = (int)dims[DIM_KV_BF16], interleaved = (int)dims[DIM_INTERLEAVED];
+    const int64_t QD = (int64_t)H * d, KD = (int64_t)KVH * d;
+    const int half = d / 2;
+    /* scratch: x, h, o [n, D]; q, att [n, QD]; k, v [n, KD]; gate, up [n, I]; cos, sin [n, d/2]; lengths [n];
+       then a linear's inputs split even / odd [n, max(D, QD, I)] */
+    const int64_t widest = D > QD ? (D > I ? D : I) : (QD > I ? QD : I);
+    const size_t floats = (size_t)n * (size_t)(3 * D + 2 * QD + 2 * KD + 2 * I + 2 * half + widest + 2);
+    float *x = malloc(sizeof(float) * floats + sizeof(int64_t) * (size_t)n);
+    if (x == NULL) return -1;
+    float *h = x + n * D, *o = h + n * D, *q = o + n * D, *att = q + n * QD, *k = att + n * QD, *v = k + n * KD;
+    float *gate = v + n * KD, *up = gate + n * I, *cos_ = up + n * I, *sin_ = cos_ + (int64_t)n * half;
+    int64_t *lengths = (int64_t *)(sin_ + (int64_t)n * half);
+    float *xs = (float *)(lengths + n);
+    const double *inv_freq = (const double *)ptrs[layers * P_PER_LAYER + 2];
+    for (int r = 0; r < n; r++) {
+        lengths[r] = pos[r] + 1;
+        for (int i = 0; i < half; i++) {
+            const double angle = (double)pos[r] * inv_freq[i];
+            cos_[r * half + i] = (float)cos(angle);
+            sin_[r * half + i] = (float)sin(angle);
+        }
+    }
+    memcpy(x, embedded, sizeof(float) * (size_t)(n * D));
+    const float scale = 1.0f / sqrtf((float)d);
+    int rc = 0;
+    for (int l = 0; l < layers && rc == 0; l++) {
+        const void *const *p = ptrs + l * P_PER_LAYER;
+        evo_add_rms_norm(x, l ? o : NULL, x, (const float *)p[P_IN_NORM], h, n, D, eps);  /* o: the last MLP's */
+        linear(h, n, D, p[P_Q], wb, QD, q, xs);
+        linear(h, n, D, p[P_K], wb, KD, k, xs);
+        linear(h, n, D, p[P_V], wb, KD, v, xs);
+        for (int r = 0; r < n; r++) {
+            rotate(q + r * QD, H, d, cos_ + r * half, sin_ + r * half, interleaved);
+            rotate(k + r * KD, KVH, d, cos_ + r * half, sin_ + r * half, interleaved);
+            store_kv(k + r * KD, p[P_K_CACHE], kvb, r * dims[DIM_K_ROW] + pos[r] * dims[DIM_K_POS], dims[DIM_K_HEAD],
+                     KVH, d);
+            store_kv(v + r * KD, p[P_V_CACHE], kvb, r * dims[DIM_V_ROW] + pos[r] * dims[DIM_V_POS], dims[DIM_V_HEAD],
+                     KVH, d);
+        }
+        rc = evo_decode_attention(q, QD, d, p[P_K_CACHE], p[P_V_CACHE], kvb, dims[DIM_K_ROW], dims[DIM_K_HEAD],
+                                  dims[DIM_K_POS], dims[DIM_V_ROW], dims[DIM_V_HEAD], dims[DIM_V_POS], lengths, n, H,
+                                  KVH, d, scale, att);
+        linear(att, n, QD, p[P_O], wb, D, o, xs);
+        evo_add_rms_norm(x, o, x, (const float *)p[P_POST_NORM], h, n, D, eps);
+        linear(h, n, D, p[P_GATE], wb, I, gate, xs);
+        linear(h, n, D, p[P_UP], wb, I, up, xs);
+        silu_mul(gate, up, n * I);
+        linear(gate, n, I, p[P_DOWN], wb, D, o, xs);
+    }
+    if (rc == 0) {
+        evo_add_rms_norm(x, o, x, (const float *)ptrs[layers * P_PER_LAYER], h, n, D, eps);
+        linear(h, n, D, ptrs[layers * P_PER_LAYER + 1], wb, V, logits, xs);
+    }
+    free(x);
+    return rc;
+}
