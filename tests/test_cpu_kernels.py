@@ -67,3 +67,104 @@ def test_add_rms_norm_matches_float64(with_residual, in_place):
     assert torch.allclose(new_x.double(), s, atol=1e-6) and torch.allclose(normed.double(), want, atol=1e-5, rtol=1e-5)
     assert (new_x.data_ptr() == x.data_ptr()) == (in_place or not with_residual)  # written in place only if asked
     assert torch.equal(x, new_x if in_place else x0)
+
+
+def _step_reference(shape, layers, final_norm, head, freq, k, v, x, pos, interleaved):
+    """One decode step in float64 over the same weights (as stored, widened), caches k, v [rows, KVH, L, d] (the
+    rows' earlier keys, read as stored); returns the logits and each layer's new keys and values."""
+    H, KVH, d = shape.heads, shape.kv_heads, shape.head_dim
+    half = d // 2
+
+    def norm(t, w):
+        return t * (t.pow(2).mean(-1, keepdim=True) + shape.rms_eps).rsqrt() * w.double()
+
+    def rotate(t, p):  # [heads, d] at position p
+        angle = p * freq
+        c, s = angle.cos(), angle.sin()
+        a, b = (t[:, 0::2], t[:, 1::2]) if interleaved else (t[:, :half], t[:, half:])
+        out = torch.empty_like(t)
+        ra, rb = a * c - b * s, b * c + a * s
+        if interleaved:
+            out[:, 0::2], out[:, 1::2] = ra, rb
+        else:
+            out[:, :half], out[:, half:] = ra, rb
+        return out
+
+    logits, new = [], []
+    for r in range(len(x)):
+        h, p, made = x[r].double(), int(pos[r]), []
+        for i, w in enumerate(layers):
+            a = norm(h, w["input_norm"])
+            q = rotate((w["q"].double() @ a).view(H, d), p)
+            kr = rotate((w["k"].double() @ a).view(KVH, d), p)
+            vr = (w["v"].double() @ a).view(KVH, d)
+            keys = torch.cat([k[i][r, :, :p].double(), kr[:, None]], 1).repeat_interleave(H // KVH, 0)
+            values = torch.cat([v[i][r, :, :p].double(), vr[:, None]], 1).repeat_interleave(H // KVH, 0)
+            att = (((keys @ q[:, :, None])[..., 0] * d**-0.5).softmax(-1)[:, None] @ values)[:, 0]
+            h = h + w["o"].double() @ att.reshape(-1)
+            m = norm(h, w["post_norm"])
+            g, u = w["gate"].double() @ m, w["up"].double() @ m
+            h = h + w["down"].double() @ (g * torch.sigmoid(g) * u)
+            made.append((kr, vr))
+        logits.append(head.double() @ norm(h, final_norm))
+        new.append(made)
+    return torch.stack(logits), new
+
+
+@pytest.mark.parametrize("weights,cache,layout,interleaved", [
+    (torch.float32, torch.float32, "BHLD", True), (torch.bfloat16, torch.bfloat16, "BLHD", False),
+    (torch.bfloat16, torch.float32, "BHLD", False), (torch.float32, torch.bfloat16, "BLHD", True)])
+def test_the_llama_decode_step_matches_float64_and_writes_each_rows_keys(weights, cache, layout, interleaved):
+    """Rows 1, 2, 3, 5 (every blocking of the C step's linear: 4 + 1 rows at float32, 2 + 2 + 1 at bfloat16); outputs
+    not a multiple of 8 (V = 100: the one-output tail); grouped heads (6 over 2); rows at their own positions."""
+    shape = cpu_kernels.StepShape(layers=2, hidden=48, heads=6, kv_heads=2, head_dim=16, intermediate=80, vocab=100,
+                                  rms_eps=1e-5)
+    gen = torch.Generator().manual_seed(5)
+    D, I, H, KVH, d = shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, shape.head_dim
+
+    def w(out, into):
+        return (torch.randn(out, into, generator=gen) / into**0.5).to(weights)
+
+    layers = [{"input_norm": 1 + 0.1 * torch.randn(D, generator=gen), "post_norm": 1 + 0.1 * torch.randn(D, generator=gen),
+               "q": w(H * d, D), "k": w(KVH * d, D), "v": w(KVH * d, D), "o": w(D, H * d), "gate": w(I, D),
+               "up": w(I, D), "down": w(D, I)} for _ in range(shape.layers)]
+    final_norm, head = 1 + 0.1 * torch.randn(D, generator=gen), w(shape.vocab, D)
+    freq = 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    rows, L = 5, 24
+    pool_shape = (rows, KVH, L, d) if layout == "BHLD" else (rows, L, KVH, d)
+    k = [torch.randn(pool_shape, generator=gen).to(cache) for _ in range(shape.layers)]
+    v = [torch.randn(pool_shape, generator=gen).to(cache) for _ in range(shape.layers)]
+    read = (lambda t: t) if layout == "BHLD" else (lambda t: t.transpose(1, 2))  # [rows, KVH, L, d] views
+    step = cpu_kernels.LlamaDecodeStep(shape, layers, final_norm, head, freq, k, v, interleaved, layout == "BHLD")
+    for n in (1, 2, 3, 5):
+        pos = torch.tensor([0, 7, 23, 16, 3][:n])
+        x = torch.randn(n, D, generator=gen)
+        for t in k + v:
+            for r in range(n):
+                read(t)[r, :, pos[r] + 1:] = float("nan")  # keys after a row's own are never read: poison would show
+        before_k, before_v = [read(t).clone() for t in k], [read(t).clone() for t in v]
+        want, new = _step_reference(shape, layers, final_norm, head, freq, before_k, before_v, x, pos, interleaved)
+        got = step(x, pos)
+        tolerance = 1e-4 if weights == torch.float32 and cache == torch.float32 else 2e-2  # activations' rounding
+        assert got.shape == (n, shape.vocab) and torch.isfinite(got).all()
+        assert (got.double() - want).abs().max() <= tolerance * want.abs().max(), n
+        for i in range(shape.layers):
+            for r in range(n):
+                kr, vr = new[r][i]
+                assert torch.allclose(read(k[i])[r, :, pos[r]].double(), kr, rtol=1e-2, atol=1e-2)
+                assert torch.allclose(read(v[i])[r, :, pos[r]].double(), vr, rtol=1e-2, atol=1e-2)
+                assert torch.equal(read(k[i])[r, :, :pos[r]], before_k[i][r, :, :pos[r]])  # left as they were
+
+
+def test_the_llama_decode_step_refuses_what_it_cannot_run():
+    odd = cpu_kernels.StepShape(layers=1, hidden=40, heads=4, kv_heads=2, head_dim=10, intermediate=64, vocab=8,
+                                rms_eps=1e-5)
+    with pytest.raises(cpu_kernels.KernelUnavailable, match="multiples of 8.*head_dim"):
+        cpu_kernels.check_step_supported(odd, torch.float32, torch.float32, "cpu")
+    narrow = cpu_kernels.StepShape(layers=1, hidden=40, heads=5, kv_heads=5, head_dim=8, intermediate=64, vocab=8,
+                                   rms_eps=1e-5)
+    cpu_kernels.check_step_supported(narrow, torch.float32, torch.float32, "cpu")  # float32 reads 8 at a time
+    with pytest.raises(cpu_kernels.KernelUnavailable, match="16 at a time.*hidden"):
+        cpu_kernels.check_step_supported(narrow, torch.bfloat16, torch.float32, "cpu")
+    with pytest.raises(cpu_kernels.KernelUnavailable, match="not torch.float16"):
+        cpu_kernels.check_step_supported(narrow, torch.float16, torch.float32, "cpu")

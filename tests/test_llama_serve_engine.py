@@ -307,6 +307,14 @@ def test_the_default_genome_is_the_plain_engine_and_rules_name_their_genes():
     with pytest.raises(GenomeError, match="set weight_dtype=float32 or norm_kernel=stage"):
         SPACE.make({"norm_kernel": "kernel", "weight_dtype": "bfloat16", "kv_dtype": "bfloat16"})
     assert "decode_attention" not in {g.name for g in cuda.genes}  # a CPU kernel
+    with pytest.raises(GenomeError, match="kv_pool=slots or decode_step=eager"):
+        SPACE.make({"decode_step": "native", "kv_pool": "paged"})
+    for genes in ({"linear_kernel": "packed"}, {"weight_quant": "int8"},
+                  {"weight_dtype": "bfloat16", "kv_dtype": "bfloat16"}):  # weights the C step does not read
+        with pytest.raises(GenomeError, match="decode_step='native' reads float32 weights.*or decode_step=eager"):
+            SPACE.make({"decode_step": "native", **genes})
+    assert SPACE.make({"native_max_rows": 1}) == SPACE.default()  # ignored unless decode_step=native
+    assert "native" not in next(g for g in cuda.genes if g.name == "decode_step").values
 
 
 def test_the_shared_genes_reach_the_model_engine():

@@ -148,6 +148,7 @@ def test_levers_move_on_past_values_the_evidence_measured_slower():
     effects.add(space.make({**best.values(), "linear_kernel": "int8_dynamic", "max_running": 8}), "incorrect",
                 float("nan"), "the accuracy budget")
     first = LeverSweepAgent(space, seed=0).propose([Parent(best, 10.0)], 2, 1, effects=effects)
-    assert [p.move_kind for p in first] == ["decode_attention", "kv_dtype"]  # linear_kernel's others were slower
+    assert [p.move_kind for p in first] == ["decode_step", "decode_attention"]  # linear_kernel's others were slower
+    assert first[0].genome["decode_step"] == "native"  # traced cannot hold bf16_weights; native_max_rows: ignored
     plain = LeverSweepAgent(space, seed=0).propose([Parent(best, 10.0)], 2, 1)
     assert [p.move_kind for p in plain] == ["linear_kernel"] * 2  # without evidence: the lever order

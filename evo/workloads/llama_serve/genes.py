@@ -36,10 +36,10 @@ NOT_SHARED = ("kv_alloc", "prefill", "prefill_chunk", "decode_step")
 
 
 # the speed levers, most leverage first (the `levers` agent's sweep): how a step reads the weights (and their bytes),
-# how it reads the KV cache (our kernel, bfloat16 bytes), our norm kernel, how many steps an exchange runs,
-# speculation, a compiled step
-LEVERS = ("linear_kernel", "decode_attention", "kv_dtype", "norm_kernel", "steps_per_exchange", "speculation",
-          "decode_step")
+# how a step runs (our C step, and up to how many rows; traced or compiled), how it reads the KV cache (our kernel,
+# bfloat16 bytes), our norm kernel, how many steps an exchange runs, speculation
+LEVERS = ("linear_kernel", "decode_step", "native_max_rows", "decode_attention", "kv_dtype", "norm_kernel",
+          "steps_per_exchange", "speculation")
 
 
 def _batching_genes(preset: ServePreset) -> list[Gene]:
