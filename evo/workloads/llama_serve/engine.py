@@ -12,7 +12,9 @@ apart the same way):
 - the model runner (`ModelRunner`): the `llama` workload's `LlamaEngine` layers, called once per prefill
   (chunk) and once per step for every decoding request together: B rows at B positions, each rotated at
   its own position, its K/V written at its own position, attending under a per-row mask made by one
-  comparison (a single decoding row runs as a one-token chunk, with no mask). A verify step (speculation)
+  comparison (a single decoding row runs as a one-token chunk, with no mask); or, with decode_step=native, a step
+  of up to native_max_rows rows is our C step (`cpu_kernels.LlamaDecodeStep`), the whole forward in one call over
+  the same cache. A verify step (speculation)
   is the same with T tokens a row, under a per-row causal mask. Greedy, or each request's seeded sampling
   (`evo.workloads.generation_core.pick_tokens`).
 

@@ -100,7 +100,8 @@ def _step_genes(device: DeviceInfo) -> list[Gene]:
                "stage: a batched decode step's attention is the attention stage (SDPA or the matmul form over the "
                "keys up to the furthest row, under a per-row mask); kernel: our C kernel (AVX2, FMA; "
                "generation_core.cpu_kernels), each row over its own keys only, each key and value read once for the "
-               "query heads that share it, a float32 or bfloat16 cache read as stored (decode_step=eager)"),
+               "query heads that share it, a float32 or bfloat16 cache read as stored (decode_step=eager, or the steps "
+               "decode_step=native runs eagerly)"),
           Gene("norm_kernel", "fusion", NORM_KERNEL, "stage",
                "stage: every RMSNorm (and the residual add before it) is the norm stage; kernel: our C kernel (AVX2, "
                "FMA), the add and the norm in one pass over each row, float32 activations (decode_step=eager; the "

@@ -1,8 +1,9 @@
 """Compiling a kernel's C source once per machine (per user) and loading it with ctypes.
 
 The library lands in `$EVO_KERNEL_CACHE`, else `~/.cache/evo/kernels`, else the temporary folder (an engine's
-sandbox has only a private /tmp): its name carries a hash of the source, the flags and the compiler, so an edited
-kernel (or one it includes) is rebuilt and two processes building at once each write their own file and rename it into place.
+sandbox has only a private /tmp): its name carries a hash of the sources (a kernel may include another's), the flags
+and the compiler, so an edited kernel is rebuilt and two processes building at once each write their own file and
+rename it into place.
 """
 from __future__ import annotations
 
