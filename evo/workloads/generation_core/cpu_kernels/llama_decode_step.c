@@ -11,8 +11,8 @@
    cache is float32 or bfloat16 (rounded to nearest even as written), laid out by strides. Every linear streams
    its weight once for all n rows: 4 outputs x 2 rows a pass over a weight block that stays in L1.
 
-   dims (int64): see the DIM_ names; ptrs: per layer the P_ names, then final norm, head, inverse frequencies
-   (float64 [d/2]). Returns 0, -1 when scratch cannot be allocated, -2 for a group size the attention cannot take. */
+   dims (int64): see the DIM_ names; ptrs: per layer the P_ names (the caches are written: one position a row), then
+   final norm, head, inverse frequencies (float64 [d/2]). Returns 0, -1 when scratch cannot be allocated, -2 for a group size the attention cannot take. */
 #include "decode_attention.c"
 #include "rms_norm.c"
 
@@ -214,9 +214,9 @@ int evo_llama_decode_step(const int64_t *dims, const void *const *ptrs, float ep
         for (int r = 0; r < n; r++) {
             rotate(q + r * QD, H, d, cos_ + r * half, sin_ + r * half, interleaved);
             rotate(k + r * KD, KVH, d, cos_ + r * half, sin_ + r * half, interleaved);
-            store_kv(k + r * KD, p[P_K_CACHE], kvb, r * dims[DIM_K_ROW] + pos[r] * dims[DIM_K_POS], dims[DIM_K_HEAD],
+            store_kv(k + r * KD, (void *)p[P_K_CACHE], kvb, r * dims[DIM_K_ROW] + pos[r] * dims[DIM_K_POS], dims[DIM_K_HEAD],
                      KVH, d);
-            store_kv(v + r * KD, p[P_V_CACHE], kvb, r * dims[DIM_V_ROW] + pos[r] * dims[DIM_V_POS], dims[DIM_V_HEAD],
+            store_kv(v + r * KD, (void *)p[P_V_CACHE], kvb, r * dims[DIM_V_ROW] + pos[r] * dims[DIM_V_POS], dims[DIM_V_HEAD],
                      KVH, d);
         }
         rc = evo_decode_attention(q, QD, d, p[P_K_CACHE], p[P_V_CACHE], kvb, dims[DIM_K_ROW], dims[DIM_K_HEAD],
