@@ -314,6 +314,9 @@ def test_the_default_genome_is_the_plain_engine_and_rules_name_their_genes():
         with pytest.raises(GenomeError, match="decode_step='native' reads float32 weights.*or decode_step=eager"):
             SPACE.make({"decode_step": "native", **genes})
     assert SPACE.make({"native_max_rows": 1}) == SPACE.default()  # ignored unless decode_step=native
+    one_row = {"decode_step": "native", "max_running": 1}  # and at one row (a one-stream sweep wasted runs on it)
+    assert SPACE.make({**one_row, "native_max_rows": 8}) == SPACE.make(one_row)
+    assert SPACE.make({"decode_step": "native", "native_max_rows": 8}) != SPACE.make({"decode_step": "native"})
     assert "native" not in next(g for g in cuda.genes if g.name == "decode_step").values
 
 

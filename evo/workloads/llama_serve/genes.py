@@ -215,6 +215,8 @@ def gene_space(preset: ServePreset, device: DeviceInfo) -> GeneSpace:
     if device.kind == "cpu":
         ignored.append(Ignored(("native_max_rows",), lambda v: v.get("decode_step") != "native",
                                "only decode_step=native runs steps in C"))
+        ignored.append(Ignored(("native_max_rows",), lambda v: v.get("max_running") == 1,
+                               "max_running=1 steps one row, which every native_max_rows runs in C"))
     if device.kind == "cuda":
         ignored.append(Ignored(("sdpa_backend",), lambda v: v.get("attention") == "matmul",
                                "attention=matmul calls no SDPA kernel"))
