@@ -9,10 +9,11 @@
 
    Weights are [out, in] rows, float32 or bfloat16 (widened as read); activations and sums are float32. The
    cache is float32 or bfloat16 (rounded to nearest even as written), laid out by strides. Every linear streams
-   its weight once for all n rows: 4 outputs x 2 rows a pass over a weight block that stays in L1.
+   its weight from memory once for all n rows (`linear`: blocks of 8 weight rows, further row passes from cache).
 
    dims (int64): see the DIM_ names; ptrs: per layer the P_ names (the caches are written: one position a row), then
-   final norm, head, inverse frequencies (float64 [d/2]). Returns 0, -1 when scratch cannot be allocated, -2 for a group size the attention cannot take. */
+   final norm, head, inverse frequencies (float64 [d/2]). Returns 0, -1 when scratch cannot be allocated, -2 for a
+   group size the attention cannot take. */
 #include "decode_attention.c"
 #include "rms_norm.c"
 

@@ -12,14 +12,15 @@ from evo.workloads.generation_core.cpu_kernels.build import (FLOAT, INT, PTR, Ke
 
 LAYER_WEIGHTS = ("input_norm", "post_norm", "q", "k", "v", "o", "gate", "up", "down")  # the C side's P_ order
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
+STEP_DIMS = 16  # the C side's DIM_COUNT: the shape, three flags, the k and v caches' strides (`LlamaDecodeStep.dims`)
 
 
 @functools.cache
 def _kernel():
     lib = kernel_library("llama_decode_step")
     lib.evo_llama_step_dims.restype = lib.evo_llama_step_pointers_per_layer.restype = INT
-    if lib.evo_llama_step_pointers_per_layer() != len(LAYER_WEIGHTS) + 2:
-        raise KernelUnavailable("llama_decode_step.c and its wrapper disagree on a layer's pointers")
+    if lib.evo_llama_step_pointers_per_layer() != len(LAYER_WEIGHTS) + 2 or lib.evo_llama_step_dims() != STEP_DIMS:
+        raise KernelUnavailable("llama_decode_step.c and its wrapper disagree on a layer's pointers or the dims")
     return kernel_function("llama_decode_step", "evo_llama_decode_step", INT, (PTR, PTR, FLOAT, PTR, PTR, INT, PTR))
 
 
