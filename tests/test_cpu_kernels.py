@@ -156,6 +156,45 @@ def test_the_llama_decode_step_matches_float64_and_writes_each_rows_keys(weights
                 assert torch.equal(read(k[i])[r, :, :pos[r]], before_k[i][r, :, :pos[r]])  # left as they were
 
 
+def test_the_llama_decode_step_over_int8_groups_matches_float64_over_their_values():
+    """int8 weights in groups of 32 (q8_rows) against float64 over the weights they stand for: rows 1 to 5 (every
+    blocking: 1 x 4 outputs, 2 x 2, 3 and 4 x 1, 4 + 1), V = 100 (the one-output tail), inputs 80 and 88 (a last group
+    of 16 and of 24), grouped heads (4 over 2)."""
+    from evo.workloads.llama.int8 import dequantised_groups, quantise_groups
+
+    shape = cpu_kernels.StepShape(layers=2, hidden=80, heads=4, kv_heads=2, head_dim=16, intermediate=88, vocab=100,
+                                  rms_eps=1e-5)
+    gen = torch.Generator().manual_seed(6)
+    D, I, H, KVH, d = shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, shape.head_dim
+
+    def w(out, into):  # (what the step reads, the float32 values they stand for)
+        q, scale = quantise_groups(torch.randn(out, into, generator=gen) / into**0.5)
+        return cpu_kernels.q8_rows(q, scale), dequantised_groups(q, scale)
+
+    stored, values = [], []
+    for _ in range(shape.layers):
+        norms = {"input_norm": 1 + 0.1 * torch.randn(D, generator=gen), "post_norm": 1 + 0.1 * torch.randn(D, generator=gen)}
+        pairs = {name: w(*size) for name, size in (("q", (H * d, D)), ("k", (KVH * d, D)), ("v", (KVH * d, D)),
+                                                   ("o", (D, H * d)), ("gate", (I, D)), ("up", (I, D)), ("down", (D, I)))}
+        stored.append({**norms, **{name: pair[0] for name, pair in pairs.items()}})
+        values.append({**norms, **{name: pair[1] for name, pair in pairs.items()}})
+    final_norm, (head, head_values) = 1 + 0.1 * torch.randn(D, generator=gen), w(shape.vocab, D)
+    freq = 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    k = [torch.randn(5, KVH, 16, d, generator=gen) for _ in range(shape.layers)]
+    v = [torch.randn(5, KVH, 16, d, generator=gen) for _ in range(shape.layers)]
+    step = cpu_kernels.LlamaDecodeStep(shape, stored, final_norm, head, freq, k, v, False, True)
+    for n in (1, 2, 3, 4, 5):
+        pos = torch.tensor([0, 7, 15, 11, 3][:n])
+        x = torch.randn(n, D, generator=gen)
+        before_k, before_v = [t.clone() for t in k], [t.clone() for t in v]
+        want, _ = _step_reference(shape, values, final_norm, head_values, freq, before_k, before_v, x, pos, False)
+        got = step(x, pos)
+        assert (got.double() - want).abs().max() <= 1e-4 * want.abs().max(), n
+    with pytest.raises(ValueError, match="int8 as q8_rows"):  # int8 rows without their scales
+        cpu_kernels.LlamaDecodeStep(shape, [{**layer, "q": layer["q"][:, :D]} for layer in stored], final_norm, head,
+                                    freq, k, v, False, True)
+
+
 def test_the_llama_decode_step_refuses_what_it_cannot_run():
     odd = cpu_kernels.StepShape(layers=1, hidden=40, heads=4, kv_heads=2, head_dim=10, intermediate=64, vocab=8,
                                 rms_eps=1e-5)

@@ -361,3 +361,37 @@ def test_an_aborted_request_gets_no_token_and_frees_its_row(design):
     assert made[4] == [] and made[1] == alone[1][:3] and made[5] == alone[5][:1]
     assert all(made[i] == alone[i] for i in (0, 2, 3))
     assert generator.held == 0 and generator.free_rows == set(range(generator.plan.max_running))
+
+
+def test_q8_weights_decode_as_the_float64_model_of_the_values_they_hold(monkeypatch):
+    """linear_kernel=q8_weights (lossy: int8 in groups of 32; cpu_small's 64 and 176 inputs end in a group of 16): the
+    C step reads the int8 rows (steps of up to 2 rows), prefill and larger steps multiply their dequantised values;
+    the engine's own tokens and logits are the float64 model's over those values (the checkpoint's embedding, every
+    projection and the LM head quantised), within 1e-5, and not the checkpoint's."""
+    from evo.workloads.llama import reference as llama_reference
+    from evo.workloads.llama.int8 import dequantised_groups, quantise_groups
+    from evo.workloads.llama.model import lm_head, load_weights
+
+    weights = load_weights(PRESET.model)
+    held = {name: (dequantised_groups(*quantise_groups(w)) if w.dim() == 2 and "embed" not in name else w).double()
+            for name, w in weights.items()}
+    held["lm_head.weight"] = dequantised_groups(*quantise_groups(lm_head(weights))).double()
+    generator = serve_engine.build(SPACE.make({"linear_kernel": "q8_weights", "decode_step": "native",
+                                               "native_max_rows": 2}), PRESET, CPU)
+    assert isinstance(generator.runner.native, serve_engine.cpu_kernels.LlamaDecodeStep)
+    made = _record_logits(generator)
+    result = _replay(generator)
+    checkpoints = {request.id: _reference(tuple(request.prompt), tuple(tokens))
+                   for request, tokens in zip(result.requests, result.tokens)}
+    monkeypatch.setattr(llama_reference, "float64_weights", lambda spec: held)
+    errors = []
+    for request, tokens in zip(result.requests, result.tokens):
+        continuation = torch.tensor([list(tokens[:-1])], dtype=torch.long)
+        ref = generate(PRESET.model, torch.tensor([list(request.prompt)]), continuation)[0].numpy()
+        ours = _rows(made[request.id], len(tokens)).double().numpy()
+        assert np.abs(ours - ref).max() / np.abs(ref).max() < 1e-5, request.id
+        assert list(np.argmax(ref, 1)) == list(tokens), request.id  # greedy over the held model's logits
+        errors.append(np.abs(ours - checkpoints[request.id]).max())
+    assert max(errors) > 1e-3  # the checkpoint's float64 model is another model: the weights really are int8
+    with pytest.raises(GenomeError, match="q8_weights' is read as int8 only by our C step"):
+        SPACE.make({"linear_kernel": "q8_weights"})

@@ -36,7 +36,7 @@ def test_the_lossy_values_are_marked_and_an_exact_space_leaves_them_out():
     sixteen = ("bf16_weights", "fp16_weights") if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (
         "fp16_weights", "bf16_weights")
     assert lossy == {"kv_dtype": ("bfloat16",), "weight_dtype": ("bfloat16",), "weight_quant": ("int8",),
-                     "linear_kernel": (*sixteen, "int8_dynamic")}
+                     "linear_kernel": (*sixteen, "int8_dynamic", "q8_weights")}
     exact = SPACE.exact_only()
     assert exact.default() == SPACE.default()
     assert all(exact.gene(name).values == tuple(v for v in SPACE.gene(name).values if v not in values)

@@ -333,10 +333,11 @@ class LlamaEngine:
 
 
 def build(genome: Genome, preset: LlamaPreset, device: DeviceInfo, max_positions: int,
-          sources: Mapping[str, str] | None = None) -> LlamaEngine:
+          sources: Mapping[str, str] | None = None, native_step: bool = False) -> LlamaEngine:
     """Validate `genome` (GenomeError propagates), load the weights and compose its engine. `sources`
-    maps code hash -> source for the code genes the genome sets; their entry points replace the seeds."""
-    genome = gene_space(preset, device).validate(genome)
+    maps code hash -> source for the code genes the genome sets; their entry points replace the seeds.
+    `native_step`: the layers of a generation engine, whose genome may name its C step's kernels."""
+    genome = gene_space(preset, device, native_step).validate(genome)
     impl = {**HAND_WRITTEN, **open_code.implementations(genome.values(), sources or {})}
     return LlamaEngine(preset.model, Plan.from_genome(genome), device.kind,
                        max_positions, impl, genome)

@@ -17,7 +17,7 @@ from typing import Mapping
 from evo.core.genome import Constraint, Gene, GeneSpace, Genome, Ignored, Scalar
 from evo.workloads.base import DeviceInfo, Preset
 from evo.workloads.llama import open_code as _open_code
-from evo.workloads.llama.linear_kernels import LOSSY as LOSSY_KERNELS, cpu_kernel_order
+from evo.workloads.llama.linear_kernels import LOSSY as LOSSY_KERNELS, NATIVE_STEP_KERNELS, cpu_kernel_order
 
 CPU_THREADS = (1, 2, 4, 8, 16)
 PREFILL_CHUNKS = (16, 32, 64, 128)
@@ -82,10 +82,11 @@ def _memory_genes(preset: Preset) -> list[Gene]:
     ]
 
 
-def kernel_genes(device: DeviceInfo) -> list[Gene]:
+def kernel_genes(device: DeviceInfo, native_step: bool = False) -> list[Gene]:
     """How the projections and the LM head read their weights (`linear_kernels`): CPU kernels over weights
-    packed once at load; elsewhere torch's matmul only."""
-    kernels = cpu_kernel_order() if device.kind == "cpu" else ("torch",)
+    packed once at load; elsewhere torch's matmul only. `native_step`: also the kernels our C decode step reads
+    (a generation engine's, on a model whose sizes it takes)."""
+    kernels = cpu_kernel_order() + (NATIVE_STEP_KERNELS if native_step else ()) if device.kind == "cpu" else ("torch",)
     return [Gene("linear_kernel", "memory", kernels, "torch",
                  "torch: the projections and LM head by torch's matmul in weight_layout (int8 rows by weight_quant); "
                  "packed: weights reordered once for oneDNN's float32 kernel, which streams each weight once for "
@@ -93,7 +94,10 @@ def kernel_genes(device: DeviceInfo) -> list[Gene]:
                  "bf16_weights: oneDNN bfloat16 weights, each projection's rows rounded to bfloat16 (half the "
                  "bytes; on AMX or AVX-512 BF16 16 rows cost about what one does); "
                  "int8_dynamic: fbgemm int8 weights per output channel, activations quantised per call (a quarter "
-                 "of the bytes). Non-torch kernels take float32 weights (weight_dtype=float32, weight_quant=none)",
+                 "of the bytes); q8_weights (generation engines): int8 weights with a float32 scale per 32 inputs "
+                 "(llama.cpp's Q8_0 block), read as int8 by our C decode step (decode_step=native), as their "
+                 "dequantised float32 values elsewhere. Non-torch kernels take float32 weights (weight_dtype=float32, "
+                 "weight_quant=none)",
                  tuple(k for k in kernels if k in LOSSY_KERNELS)),
             Gene("one_row_weights", "memory", (False, True), False,
                  "with a packed linear_kernel, also keep every projection and the LM head as torch's [in, out] and "
@@ -138,9 +142,10 @@ INT8_IGNORES_LAYOUT = Ignored(("weight_layout",), lambda v: v.get("weight_quant"
                               "weight_quant=int8 stores and multiplies its weights one way")
 
 
-def gene_space(preset: Preset, device: DeviceInfo) -> GeneSpace:
-    """Genes legal for `preset` on `device` (names are a contract with operators and configs)."""
-    genes = _fusion_genes(device) + _scheduling_genes(device) + _memory_genes(preset) + kernel_genes(device)
+def gene_space(preset: Preset, device: DeviceInfo, native_step: bool = False) -> GeneSpace:
+    """Genes legal for `preset` on `device` (names are a contract with operators and configs); `native_step`: as
+    a generation engine's layers, with the kernels only its C decode step reads (`kernel_genes`)."""
+    genes = _fusion_genes(device) + _scheduling_genes(device) + _memory_genes(preset) + kernel_genes(device, native_step)
     constraints = (
         Constraint("decode_step compiled or cuda_graph needs kv_alloc preallocated",
                    _static_step_needs_preallocated_cache),

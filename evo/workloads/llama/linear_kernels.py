@@ -17,7 +17,12 @@ weights; 0.3 / 0.6 / 2.8 ms int8, with the weight L3-resident):
   oneDNN emulates bfloat16 and the search will find it slow;
 - `int8_dynamic`: fbgemm's int8 weights, one scale per output channel (absmax / 127), activations quantised
   to uint8 per call over the call's whole [M, in] (so a row's rounding depends on the batch's range), int32
-  accumulation (a quarter of the bytes; lossy: ~1e-2 relative error of the product).
+  accumulation (a quarter of the bytes; lossy: ~1e-2 relative error of the product);
+- `q8_weights`: int8 weights with one float32 scale per 32 inputs (`int8.quantise_groups`, llama.cpp's Q8_0 block),
+  float32 activations. Our C decode step reads them as int8 (`cpu_kernels.llama_decode_step`, 1.125 bytes a
+  weight); here, for the rest of the engine's calls (prefill, steps the C step leaves), their dequantised float32
+  values packed as `packed` (no faster than float32, the same weights). A generation engine's kernel only
+  (`NATIVE_STEP_KERNELS`: it pays off only through the C step).
 Each `PackedLinear` is called as W(x): x [..., in] float32 -> [..., out] float32. CPU only. With `one_row` it also
 keeps the weight as torch's [in, out] and multiplies a single row by `x @ W` there (the gene `one_row_weights`):
 at one row and one thread oneDNN's packed float32 read a weight streamed from memory at 13 GB/s against torch's
@@ -31,8 +36,11 @@ from typing import Callable
 
 import torch
 
+from evo.workloads.llama.int8 import dequantised_groups, quantise_groups
+
 KERNELS = ("torch", "packed", "fp16_weights", "bf16_weights", "int8_dynamic")  # torch: the weight_layout / weight_quant path
-LOSSY = ("fp16_weights", "bf16_weights", "int8_dynamic")
+LOSSY = ("fp16_weights", "bf16_weights", "int8_dynamic", "q8_weights")
+NATIVE_STEP_KERNELS = ("q8_weights",)  # kernels whose speed is our C decode step's: a generation engine's genes only
 PACK_ROWS_HINT = 16  # oneDNN reorders for a batch-size hint; any row count runs (16 beat 1 at 4-32 rows, tied at 1)
 
 
@@ -62,6 +70,10 @@ def _int8(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: torch.ops.quantized.linear_dynamic(x, packed)
 
 
+def _q8(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    return _packed(dequantised_groups(*quantise_groups(w)))
+
+
 def cpu_kernel_order() -> tuple[str, ...]:
     """KERNELS in the order this CPU favours: bf16_weights before fp16_weights where it multiplies bfloat16
     natively (AMX or AVX-512 BF16; SmolLM2-135M's projections and LM head, one thread, Intel Xeon with AMX: 32-37
@@ -74,7 +86,7 @@ def cpu_kernel_order() -> tuple[str, ...]:
     return tuple(rest)
 
 
-PACKERS = {"packed": _packed, "fp16_weights": _fp16, "bf16_weights": _bf16, "int8_dynamic": _int8}
+PACKERS = {"packed": _packed, "fp16_weights": _fp16, "bf16_weights": _bf16, "int8_dynamic": _int8, "q8_weights": _q8}
 
 
 @dataclass(frozen=True, eq=False)

@@ -39,6 +39,7 @@ from evo.workloads.generation_core import Pick, Scheduler, SchedulerPolicy, pick
 from evo.workloads.generation_core import cpu_kernels
 from evo.workloads.llama import engine as _llama_engine
 from evo.workloads.llama.engine import LlamaEngine, interleave_rows
+from evo.workloads.llama.int8 import quantise_groups
 from evo.workloads.llama.model import inv_freq, layer_weights, lm_head, load_weights
 from evo.workloads.llama_serve.genes import ServePlan, gene_space, llama_genome
 from evo.workloads.llama_serve.presets import ServePreset
@@ -243,11 +244,18 @@ def _check_kernel(gene: str, check: Callable, *args, value: str = "kernel", inst
 def native_step(engine: LlamaEngine, pool: SlotPool) -> cpu_kernels.LlamaDecodeStep:
     """decode_step=native: our C step over the engine's weights and the slot pool's caches. Float32 weights the
     engine keeps as [out, in] rows (weight_layout native or native_left, linear_kernel=torch) are read where they
-    lie (a fused projection's slices are contiguous rows); otherwise (pretransposed, or linear_kernel=bf16_weights,
-    whose oneDNN layout is opaque) the checkpoint's are loaded again and kept as [out, in] rows in the step's dtype
-    (bfloat16 rounded to nearest even, as bf16_weights rounds them)."""
+    lie (a fused projection's slices are contiguous rows); otherwise (pretransposed, or a packed linear_kernel,
+    whose oneDNN layout is opaque) the checkpoint's are loaded again and kept as [out, in] rows in the step's format:
+    bfloat16 rounded to nearest even, as bf16_weights rounds them; int8 in groups as q8_weights quantises them
+    (`cpu_kernels.q8_rows`: the same values the engine's other calls multiply dequantised)."""
     s, plan = engine.spec, engine.plan
-    dtype = torch.bfloat16 if plan.linear_kernel == "bf16_weights" else torch.float32
+    dtype = {"bf16_weights": torch.bfloat16, "q8_weights": torch.int8}.get(plan.linear_kernel, torch.float32)
+
+    def stored(w: torch.Tensor) -> torch.Tensor:  # a projection [out, in] as the step reads it in `dtype`
+        if dtype == torch.int8:
+            return cpu_kernels.q8_rows(*quantise_groups(w))
+        return w.to("cpu", dtype).contiguous()
+
     shape = cpu_kernels.StepShape(s.layers, s.hidden, s.heads, s.kv_heads, s.head_dim, s.intermediate, s.vocab,
                                   s.rms_eps)
     _check_kernel("decode_step", cpu_kernels.check_step_supported, shape, dtype, engine.kv_dtype, engine.device,
@@ -272,9 +280,8 @@ def native_step(engine: LlamaEngine, pool: SlotPool) -> cpu_kernels.LlamaDecodeS
             lw = layer_weights(weights, i)
             if engine.interleaved:  # the rows the engine's prefill wrote the cached keys in
                 lw["q"], lw["k"] = interleave_rows(lw["q"], s.heads, d), interleave_rows(lw["k"], s.kv_heads, d)
-            layers.append({**norm, **{name: lw[name].to("cpu", dtype).contiguous()
-                                      for name in ("q", "k", "v", "o", "gate", "up", "down")}})
-        head = lm_head(weights).to("cpu", dtype).contiguous()
+            layers.append({**norm, **{name: stored(lw[name]) for name in ("q", "k", "v", "o", "gate", "up", "down")}})
+        head = stored(lm_head(weights))
     return cpu_kernels.LlamaDecodeStep(shape, layers, engine.final_norm, head, inv_freq(s, torch.float64), pool.k,
                                        pool.v, engine.interleaved, pool.bhld)
 
@@ -468,5 +475,6 @@ def build(genome: Genome, preset: ServePreset, device: DeviceInfo,
     """Validate `genome` (GenomeError propagates), load the model's layers (the `llama` engine built from the
     genes the two spaces share, code genes' `sources` included) and compose the generator."""
     genome = gene_space(preset, device).validate(genome)
-    engine = _llama_engine.build(llama_genome(genome, preset, device), preset, device, preset.max_positions, sources)
+    engine = _llama_engine.build(llama_genome(genome, preset, device), preset, device, preset.max_positions, sources,
+                                 native_step=True)
     return BatchedLlamaGenerator(engine, ServePlan.from_genome(genome), preset.max_positions)

@@ -149,7 +149,8 @@ def _compiled_step_needs_slots(values: Mapping[str, Scalar]) -> str | None:
     return None
 
 
-NATIVE_KERNELS = ("torch", "bf16_weights")  # the native step's weights: float32, or bfloat16 as bf16_weights rounds
+# the native step's weights: float32, bfloat16 as bf16_weights rounds them, int8 in groups as q8_weights holds them
+NATIVE_KERNELS = ("torch", "bf16_weights", "q8_weights")
 
 
 def _native_step_needs_float_weights(values: Mapping[str, Scalar]) -> str | None:
@@ -157,10 +158,18 @@ def _native_step_needs_float_weights(values: Mapping[str, Scalar]) -> str | None
         return None
     kernel = values.get("linear_kernel", "torch")
     if kernel not in NATIVE_KERNELS or values.get("weight_dtype") != "float32" or values.get("weight_quant") != "none":
-        return (f"decode_step='native' reads float32 weights (linear_kernel=torch) or bfloat16 ones "
-                f"(linear_kernel=bf16_weights), from weight_dtype='float32' and weight_quant='none'; got linear_kernel="
-                f"{kernel!r}, weight_dtype={values.get('weight_dtype')!r}, weight_quant={values.get('weight_quant')!r}; "
-                f"set those or decode_step=eager")
+        return (f"decode_step='native' reads float32 weights (linear_kernel=torch), bfloat16 ones "
+                f"(linear_kernel=bf16_weights) or int8 ones in groups (q8_weights), from weight_dtype='float32' and "
+                f"weight_quant='none'; got linear_kernel={kernel!r}, weight_dtype={values.get('weight_dtype')!r}, "
+                f"weight_quant={values.get('weight_quant')!r}; set those or decode_step=eager")
+    return None
+
+
+def _q8_weights_need_native_step(values: Mapping[str, Scalar]) -> str | None:
+    if values.get("linear_kernel") == "q8_weights" and values.get("decode_step") != "native":
+        return (f"linear_kernel='q8_weights' is read as int8 only by our C step (decode_step=native); with "
+                f"decode_step={values.get('decode_step')!r} every product would multiply its dequantised float32 "
+                f"values (the loss without the speed); set decode_step=native or another linear_kernel")
     return None
 
 
@@ -190,13 +199,14 @@ def _norm_kernel_needs_float32(values: Mapping[str, Scalar]) -> str | None:
 def gene_space(preset: ServePreset, device: DeviceInfo) -> GeneSpace:
     """Genes legal for `preset` on `device` (names are a contract with operators, configs and the workload)."""
     genes = (_llama._fusion_genes(device) + _batching_genes(preset) + _prefill_genes() + _step_genes(device)
-             + _shared_memory_genes(preset) + _llama.kernel_genes(device) + _pool_genes() + _speculation_genes()
+             + _shared_memory_genes(preset) + _llama.kernel_genes(device, native_step=True) + _pool_genes() + _speculation_genes()
              + [exchange_gene()])
     constraints = (
         Constraint("decode_step compiled or traced needs kv_pool slots", _compiled_step_needs_slots),
         Constraint("decode_step traced needs linear_kernel torch", _traced_step_needs_torch_kernel),
         Constraint("our CPU kernels need decode_step eager or native", _kernels_need_eager_step),
-        Constraint("decode_step native needs float32 or bf16_weights weights", _native_step_needs_float_weights),
+        Constraint("decode_step native needs float32, bf16_weights or q8_weights weights", _native_step_needs_float_weights),
+        Constraint("linear_kernel q8_weights needs decode_step native", _q8_weights_need_native_step),
         Constraint("norm_kernel kernel needs float32 activations", _norm_kernel_needs_float32),
         Constraint("kv_dtype no wider than weight_dtype", _llama._kv_no_wider_than_weights),
         Constraint("a packed linear_kernel needs float32 weights", _llama._packed_kernel_needs_float32),
@@ -228,7 +238,7 @@ def gene_space(preset: ServePreset, device: DeviceInfo) -> GeneSpace:
 def llama_genome(genome: Genome, preset: ServePreset, device: DeviceInfo) -> Genome:
     """The `llama` genome whose engine supplies this genome's layers: the llama space's default with every
     gene the two spaces share (and the code genes) copied over."""
-    space = _llama.gene_space(preset, device)
+    space = _llama.gene_space(preset, device, native_step=True)
     names = {g.name for g in space.genes} | set(space.code_gene_names())
     shared = {name: value for name, value in genome.values().items() if name in names and name not in NOT_SHARED}
     return space.make({**space.default().values(), **shared})

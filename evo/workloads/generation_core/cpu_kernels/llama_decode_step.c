@@ -7,7 +7,10 @@
    position; grouped-query attention over the row's own keys (`decode_attention.c`); x += attn Wo^T;
    h = RMSNorm(x); x += (silu(h Wgate^T) * h Wup^T) Wdown^T. Then logits = RMSNorm(x) Whead^T.
 
-   Weights are [out, in] rows, float32 or bfloat16 (widened as read); activations and sums are float32. The
+   Weights are [out, in] rows, float32 or bfloat16 (widened as read), or int8 in groups of 32 inputs with a float32
+   scale each (llama.cpp's Q8_0 block, the last group shorter where `in` is not a multiple of 32: a row is its `in`
+   int8 weights, then its groups' scales; each group's sum of weight x activation scaled once); activations and sums
+   are float32. The
    cache is float32 or bfloat16 (rounded to nearest even as written), laid out by strides. Every linear streams
    its weight from memory once for all n rows (`linear`: blocks of 8 weight rows, further row passes from cache).
 
@@ -20,9 +23,12 @@
 #include <math.h>
 #include <string.h>
 
-enum { DIM_LAYERS, DIM_D, DIM_H, DIM_KVH, DIM_HEAD, DIM_I, DIM_V, DIM_INTERLEAVED, DIM_W_BF16, DIM_KV_BF16,
+enum { DIM_LAYERS, DIM_D, DIM_H, DIM_KVH, DIM_HEAD, DIM_I, DIM_V, DIM_INTERLEAVED, DIM_W_FORMAT, DIM_KV_BF16,
        DIM_K_ROW, DIM_K_HEAD, DIM_K_POS, DIM_V_ROW, DIM_V_HEAD, DIM_V_POS, DIM_COUNT };
 enum { P_IN_NORM, P_POST_NORM, P_Q, P_K, P_V, P_O, P_GATE, P_UP, P_DOWN, P_K_CACHE, P_V_CACHE, P_PER_LAYER };
+
+enum { W_F32, W_BF16, W_Q8 };  /* DIM_W_FORMAT */
+#define Q8_GROUP 32
 
 int evo_llama_step_dims(void) { return DIM_COUNT; }
 int evo_llama_step_pointers_per_layer(void) { return P_PER_LAYER; }
@@ -77,6 +83,62 @@ static inline __attribute__((always_inline)) void block_bf16(const int R, const 
         for (int j = 0; j < OB; j++) out[i * O + j] = hsum256(acc[i][j]);
 }
 
+/* The same over int8 weights in groups of Q8_GROUP inputs, the last group shorter where K is not a multiple (rows of
+   K int8, then ceil(K / Q8_GROUP) float32 scales: `stride` bytes a row): per group, R x OB partial sums of
+   int8-widened weights x activations, then each added times its row's scale. */
+static inline __attribute__((always_inline)) void group_q8(const int R, const int OB, const float *x, int64_t K,
+                                                           const int8_t *w, int64_t stride, int64_t g, int count,
+                                                           __m256 acc[4][4]) {
+    __m256 part[4][4];
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < OB; j++) part[i][j] = _mm256_setzero_ps();
+    for (int c = 0; c < count; c += 8) {
+        __m256 xv[4];
+        for (int i = 0; i < R; i++) xv[i] = _mm256_loadu_ps(x + i * K + g + c);
+        for (int j = 0; j < OB; j++) {
+            const __m128i q = _mm_loadl_epi64((const __m128i *)(w + j * stride + g + c));
+            const __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+            for (int i = 0; i < R; i++) part[i][j] = _mm256_fmadd_ps(wv, xv[i], part[i][j]);
+        }
+    }
+    for (int j = 0; j < OB; j++) {
+        const __m256 s = _mm256_broadcast_ss((const float *)(w + j * stride + K) + g / Q8_GROUP);
+        _mm_prefetch((const char *)(w + j * stride + g) + PREFETCH_BYTES, _MM_HINT_T0);
+        for (int i = 0; i < R; i++) acc[i][j] = _mm256_fmadd_ps(part[i][j], s, acc[i][j]);
+    }
+}
+
+static inline __attribute__((always_inline)) void block_q8(const int R, const int OB, const float *x, int64_t K,
+                                                           const int8_t *w, int64_t stride, float *out, int64_t O) {
+    __m256 acc[4][4];
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < OB; j++) acc[i][j] = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + Q8_GROUP <= K; g += Q8_GROUP) group_q8(R, OB, x, K, w, stride, g, Q8_GROUP, acc);
+    if (g < K) group_q8(R, OB, x, K, w, stride, g, (int)(K - g), acc);
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < OB; j++) out[i * O + j] = hsum256(acc[i][j]);
+}
+
+/* 8 outputs from int8 rows at w (`stride` bytes a row) for rows [r, r + taken): up to 4 rows, at most 8 sums of
+   each kind in registers (1 row x 4 outputs, 2 x 2, 3 or 4 x 1). Returns how many rows it took. */
+static int rows_q8(const float *x, int left, int64_t K, const int8_t *w, int64_t stride, float *y, int64_t O) {
+    if (left >= 3) {
+        for (int j = 0; j < 8; j++) {
+            if (left >= 4) block_q8(4, 1, x, K, w + j * stride, stride, y + j, O);
+            else block_q8(3, 1, x, K, w + j * stride, stride, y + j, O);
+        }
+        return left >= 4 ? 4 : 3;
+    }
+    if (left == 2) {
+        for (int j = 0; j < 8; j += 2) block_q8(2, 2, x, K, w + j * stride, stride, y + j, O);
+        return 2;
+    }
+    block_q8(1, 4, x, K, w, stride, y, O);
+    block_q8(1, 4, x, K, w + 4 * stride, stride, y + 4, O);
+    return 1;
+}
+
 /* x [n, K] into xs: each 16 values as their 8 even ones, then their 8 odd ones (K a multiple of 16). */
 static void split_even_odd(const float *x, int n, int64_t K, float *xs) {
     const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
@@ -89,16 +151,20 @@ static void split_even_odd(const float *x, int n, int64_t K, float *xs) {
 }
 
 /* out[r, o] = x[r] . w[o] for rows [0, n), outputs [0, O); x rows of K contiguous floats, K a multiple of 8 (16 for
-   bfloat16 weights); xs: scratch of n * K floats. Outputs go in blocks of 8 weight rows, read from memory once (the
-   first row pass, which also prefetches ahead) and from cache by the others: up to 4 rows a pass over float32 weights
-   (2 over bfloat16 ones), each pass at most 8 sums in registers. */
-static void linear(const float *x, int n, int64_t K, const void *w, int bf16, int64_t O, float *out, float *xs) {
+   bfloat16 weights); xs: scratch of n * K floats. Outputs go in blocks of 8 weight rows, read from
+   memory once (the first row pass, which also prefetches ahead) and from cache by the others: up to 4 rows a pass
+   over float32 or int8 weights (2 over bfloat16 ones), each pass at most 8 sums of a kind in registers. */
+static void linear(const float *x, int n, int64_t K, const void *w, int format, int64_t O, float *out, float *xs) {
+    const int bf16 = format == W_BF16;
+    const int64_t q8_stride = K + (K + Q8_GROUP - 1) / Q8_GROUP * (int64_t)sizeof(float);
     if (bf16) split_even_odd(x, n, K, xs);
     int64_t o = 0;
     for (; o + 8 <= O; o += 8)
         for (int r = 0; r < n;) {
             float *y = out + r * O + o;
-            if (bf16) {
+            if (format == W_Q8) {
+                r += rows_q8(x + r * K, n - r, K, (const int8_t *)w + o * q8_stride, q8_stride, y, O);
+            } else if (bf16) {
                 const uint16_t *wb = (const uint16_t *)w + o * K;
                 const float *xr = xs + r * K;
                 if (n - r >= 2) {
@@ -128,7 +194,8 @@ static void linear(const float *x, int n, int64_t K, const void *w, int bf16, in
         }
     for (; o < O; o++)
         for (int r = 0; r < n; r++) {
-            if (bf16) block_bf16(1, 1, xs + r * K, K, (const uint16_t *)w + o * K, out + r * O + o, O);
+            if (format == W_Q8) block_q8(1, 1, x + r * K, K, (const int8_t *)w + o * q8_stride, q8_stride, out + r * O + o, O);
+            else if (bf16) block_bf16(1, 1, xs + r * K, K, (const uint16_t *)w + o * K, out + r * O + o, O);
             else block_f32(1, 1, x + r * K, K, (const float *)w + o * K, out + r * O + o, O);
         }
 }
@@ -181,7 +248,7 @@ int evo_llama_decode_step(const int64_t *dims, const void *const *ptrs, float ep
                           const int64_t *pos, int n, float *logits) {
     const int layers = (int)dims[DIM_LAYERS], H = (int)dims[DIM_H], KVH = (int)dims[DIM_KVH], d = (int)dims[DIM_HEAD];
     const int64_t D = dims[DIM_D], I = dims[DIM_I], V = dims[DIM_V];
-    const int wb = (int)dims[DIM_W_BF16], kvb = (int)dims[DIM_KV_BF16], interleaved = (int)dims[DIM_INTERLEAVED];
+    const int wf = (int)dims[DIM_W_FORMAT], kvb = (int)dims[DIM_KV_BF16], interleaved = (int)dims[DIM_INTERLEAVED];
     const int64_t QD = (int64_t)H * d, KD = (int64_t)KVH * d;
     const int half = d / 2;
     /* scratch: x, h, o [n, D]; q, att [n, QD]; k, v [n, KD]; gate, up [n, I]; cos, sin [n, d/2]; lengths [n];
@@ -209,9 +276,9 @@ int evo_llama_decode_step(const int64_t *dims, const void *const *ptrs, float ep
     for (int l = 0; l < layers && rc == 0; l++) {
         const void *const *p = ptrs + l * P_PER_LAYER;
         evo_add_rms_norm(x, l ? o : NULL, x, (const float *)p[P_IN_NORM], h, n, D, eps);  /* o: the last MLP's */
-        linear(h, n, D, p[P_Q], wb, QD, q, xs);
-        linear(h, n, D, p[P_K], wb, KD, k, xs);
-        linear(h, n, D, p[P_V], wb, KD, v, xs);
+        linear(h, n, D, p[P_Q], wf, QD, q, xs);
+        linear(h, n, D, p[P_K], wf, KD, k, xs);
+        linear(h, n, D, p[P_V], wf, KD, v, xs);
         for (int r = 0; r < n; r++) {
             rotate(q + r * QD, H, d, cos_ + r * half, sin_ + r * half, interleaved);
             rotate(k + r * KD, KVH, d, cos_ + r * half, sin_ + r * half, interleaved);
@@ -223,16 +290,16 @@ int evo_llama_decode_step(const int64_t *dims, const void *const *ptrs, float ep
         rc = evo_decode_attention(q, QD, d, p[P_K_CACHE], p[P_V_CACHE], kvb, dims[DIM_K_ROW], dims[DIM_K_HEAD],
                                   dims[DIM_K_POS], dims[DIM_V_ROW], dims[DIM_V_HEAD], dims[DIM_V_POS], lengths, n, H,
                                   KVH, d, scale, att);
-        linear(att, n, QD, p[P_O], wb, D, o, xs);
+        linear(att, n, QD, p[P_O], wf, D, o, xs);
         evo_add_rms_norm(x, o, x, (const float *)p[P_POST_NORM], h, n, D, eps);
-        linear(h, n, D, p[P_GATE], wb, I, gate, xs);
-        linear(h, n, D, p[P_UP], wb, I, up, xs);
+        linear(h, n, D, p[P_GATE], wf, I, gate, xs);
+        linear(h, n, D, p[P_UP], wf, I, up, xs);
         silu_mul(gate, up, n * I);
-        linear(gate, n, I, p[P_DOWN], wb, D, o, xs);
+        linear(gate, n, I, p[P_DOWN], wf, D, o, xs);
     }
     if (rc == 0) {
         evo_add_rms_norm(x, o, x, (const float *)ptrs[layers * P_PER_LAYER], h, n, D, eps);
-        linear(h, n, D, ptrs[layers * P_PER_LAYER + 1], wb, V, logits, xs);
+        linear(h, n, D, ptrs[layers * P_PER_LAYER + 1], wf, V, logits, xs);
     }
     free(x);
     return rc;

@@ -11,7 +11,10 @@ from evo.workloads.generation_core.cpu_kernels.build import (FLOAT, INT, PTR, Ke
                                                              kernel_library, require_cpu)
 
 LAYER_WEIGHTS = ("input_norm", "post_norm", "q", "k", "v", "o", "gate", "up", "down")  # the C side's P_ order
-WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
+# the C side's W_ formats, by the projections' dtype: float32, bfloat16, int8 in groups (`q8_rows`)
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
+Q8_GROUP = 32  # the C side's Q8_GROUP: inputs per scale of an int8 weight
 STEP_DIMS = 16  # the C side's DIM_COUNT: the shape, three flags, the k and v caches' strides (`LlamaDecodeStep.dims`)
 
 
@@ -22,6 +25,23 @@ def _kernel():
     if lib.evo_llama_step_pointers_per_layer() != len(LAYER_WEIGHTS) + 2 or lib.evo_llama_step_dims() != STEP_DIMS:
         raise KernelUnavailable("llama_decode_step.c and its wrapper disagree on a layer's pointers or the dims")
     return kernel_function("llama_decode_step", "evo_llama_decode_step", INT, (PTR, PTR, FLOAT, PTR, PTR, INT, PTR))
+
+
+def q8_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """An int8 weight as the step reads it: q int8 [out, in] and scale float32 [out, groups] (`llama.int8.
+    quantise_groups`: a scale per Q8_GROUP inputs, the last group shorter) -> int8 [out, in + 4 x groups], each
+    row its `in` weights then its scales' bytes."""
+    out, inputs = q.shape
+    if q.dtype != torch.int8 or scale.dtype != torch.float32 or tuple(scale.shape) != (out, -(-inputs // Q8_GROUP)):
+        raise ValueError(f"q8_rows: q int8 [out, in] and scale float32 [out, ceil(in / {Q8_GROUP})]; got "
+                         f"{tuple(q.shape)} {q.dtype} and {tuple(scale.shape)} {scale.dtype}")
+    return torch.cat([q, scale.contiguous().view(torch.int8)], 1).contiguous()
+
+
+def _stored(shape: tuple[int, int], dtype: torch.dtype) -> tuple[int, int]:
+    """A projection [out, in]'s tensor shape as the step holds it in `dtype` (int8: `q8_rows`)."""
+    out, inputs = shape
+    return (out, inputs + 4 * -(-inputs // Q8_GROUP)) if dtype == torch.int8 else shape
 
 
 @dataclass(frozen=True)
@@ -54,15 +74,15 @@ def check_step_supported(shape: StepShape, weight_dtype: torch.dtype, kv_dtype: 
     if shape.heads % shape.kv_heads or shape.heads // shape.kv_heads > 16:
         raise KernelUnavailable(f"the decode step kernel needs heads a multiple of kv_heads by at most 16, got "
                                 f"{shape.heads} and {shape.kv_heads}")
-    if weight_dtype not in WEIGHT_DTYPES or kv_dtype not in WEIGHT_DTYPES:
-        raise KernelUnavailable(f"the decode step kernel reads float32 or bfloat16 weights and cache, not "
-                                f"{weight_dtype} weights and a {kv_dtype} cache")
+    if weight_dtype not in WEIGHT_DTYPES or kv_dtype not in CACHE_DTYPES:
+        raise KernelUnavailable(f"the decode step kernel reads float32, bfloat16 or int8 (grouped) weights and a "
+                                f"float32 or bfloat16 cache, not {weight_dtype} weights and a {kv_dtype} cache")
     _kernel()
 
 
 class LlamaDecodeStep:
     """The step over `layers` (per layer the LAYER_WEIGHTS: norms float32 [D], projections [out, in] contiguous in
-    one of WEIGHT_DTYPES), the final norm, the head [V, D], the rotary inverse frequencies (float64 [d/2]) and the
+    one of WEIGHT_DTYPES, int8 ones as `q8_rows`), the final norm, the head [V, D], the rotary inverse frequencies (float64 [d/2]) and the
     pool's per-layer caches k[i], v[i] ([rows, L, KVH, d] or [rows, KVH, L, d], d contiguous; written in place).
     It keeps every tensor it points at alive."""
 
@@ -78,12 +98,14 @@ class LlamaDecodeStep:
                   "gate": (s.intermediate, s.hidden), "up": (s.intermediate, s.hidden),
                   "down": (s.hidden, s.intermediate), "input_norm": (s.hidden,), "post_norm": (s.hidden,)}
         wrong = [f"layer {i} {name} {tuple(layer[name].shape)} {layer[name].dtype}" for i, layer in enumerate(layers)
-                 for name, want in expect.items() if tuple(layer[name].shape) != want or not layer[name].is_contiguous()
-                 or layer[name].dtype != (torch.float32 if "norm" in name else wdtype)]
-        if len(layers) != s.layers or wrong or tuple(head.shape) != (s.vocab, s.hidden) or wdtype not in WEIGHT_DTYPES \
+                 for name, want in expect.items()
+                 if tuple(layer[name].shape) != (want if "norm" in name else _stored(want, wdtype))
+                 or not layer[name].is_contiguous() or layer[name].dtype != (torch.float32 if "norm" in name else wdtype)]
+        if len(layers) != s.layers or wrong or tuple(head.shape) != _stored((s.vocab, s.hidden), wdtype) \
+                or wdtype not in WEIGHT_DTYPES \
                 or any(not t.is_contiguous() for t in projections + norms) or final_norm.dtype != torch.float32:
             raise ValueError(f"LlamaDecodeStep: {s.layers} layers of {expect} (projections contiguous, one of "
-                             f"{WEIGHT_DTYPES}, norms float32) and a head {(s.vocab, s.hidden)}; wrong: "
+                             f"{WEIGHT_DTYPES}, int8 as q8_rows, norms float32) and a head {(s.vocab, s.hidden)}; wrong: "
                              f"{wrong[:4] or [f'head {tuple(head.shape)} {wdtype}']}")
         caches = k + v
         kv_dtype = k[0].dtype
@@ -94,7 +116,7 @@ class LlamaDecodeStep:
         self.shape, self.rows, self.max_positions = s, k[0].shape[0], k[0].shape[2 if bhld else 1]
         self.inv_freq = inv_freq.to("cpu", torch.float64).contiguous()
         self.dims = torch.tensor([s.layers, s.hidden, s.heads, s.kv_heads, s.head_dim, s.intermediate, s.vocab,
-                                  int(interleaved), int(wdtype == torch.bfloat16), int(kv_dtype == torch.bfloat16),
+                                  int(interleaved), WEIGHT_DTYPES.index(wdtype), int(kv_dtype == torch.bfloat16),
                                   row, head_stride, pos_stride, row, head_stride, pos_stride], dtype=torch.int64)
         pointers = [t.data_ptr() for i in range(s.layers) for t in
                     [layers[i][name] for name in LAYER_WEIGHTS] + [k[i], v[i]]]
@@ -123,4 +145,4 @@ class LlamaDecodeStep:
         return logits
 
 
-__all__ = ["LAYER_WEIGHTS", "LlamaDecodeStep", "StepShape", "check_step_supported"]
+__all__ = ["LAYER_WEIGHTS", "LlamaDecodeStep", "StepShape", "check_step_supported", "q8_rows"]
