@@ -367,7 +367,8 @@ def test_q8_weights_decode_as_the_float64_model_of_the_values_they_hold(monkeypa
     """linear_kernel=q8_weights (lossy: int8 in groups of 32; cpu_small's 64 and 176 inputs end in a group of 16): the
     C step reads the int8 rows (steps of up to 2 rows), prefill and larger steps multiply their dequantised values;
     the engine's own tokens and logits are the float64 model's over those values (the checkpoint's embedding, every
-    projection and the LM head quantised), within 1e-5, and not the checkpoint's."""
+    projection and the LM head quantised), within 1e-4 (the C step's products read the activations as int16, a
+    scale per 32), and not the checkpoint's."""
     from evo.workloads.llama import reference as llama_reference
     from evo.workloads.llama.int8 import dequantised_groups, quantise_groups
     from evo.workloads.llama.model import lm_head, load_weights
@@ -389,7 +390,7 @@ def test_q8_weights_decode_as_the_float64_model_of_the_values_they_hold(monkeypa
         continuation = torch.tensor([list(tokens[:-1])], dtype=torch.long)
         ref = generate(PRESET.model, torch.tensor([list(request.prompt)]), continuation)[0].numpy()
         ours = _rows(made[request.id], len(tokens)).double().numpy()
-        assert np.abs(ours - ref).max() / np.abs(ref).max() < 1e-5, request.id
+        assert np.abs(ours - ref).max() / np.abs(ref).max() < 1e-4, request.id
         assert list(np.argmax(ref, 1)) == list(tokens), request.id  # greedy over the held model's logits
         errors.append(np.abs(ours - checkpoints[request.id]).max())
     assert max(errors) > 1e-3  # the checkpoint's float64 model is another model: the weights really are int8

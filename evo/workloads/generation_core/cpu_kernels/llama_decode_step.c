@@ -83,59 +83,95 @@ static inline __attribute__((always_inline)) void block_bf16(const int R, const 
         for (int j = 0; j < OB; j++) out[i * O + j] = hsum256(acc[i][j]);
 }
 
-/* The same over int8 weights in groups of Q8_GROUP inputs, the last group shorter where K is not a multiple (rows of
-   K int8, then ceil(K / Q8_GROUP) float32 scales: `stride` bytes a row): per group, R x OB partial sums of
-   int8-widened weights x activations, then each added times its row's scale. */
-static inline __attribute__((always_inline)) void group_q8(const int R, const int OB, const float *x, int64_t K,
-                                                           const int8_t *w, int64_t stride, int64_t g, int count,
-                                                           __m256 acc[4][4]) {
-    __m256 part[4][4];
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < OB; j++) part[i][j] = _mm256_setzero_ps();
-    for (int c = 0; c < count; c += 8) {
-        __m256 xv[4];
-        for (int i = 0; i < R; i++) xv[i] = _mm256_loadu_ps(x + i * K + g + c);
-        for (int j = 0; j < OB; j++) {
-            const __m128i q = _mm_loadl_epi64((const __m128i *)(w + j * stride + g + c));
-            const __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
-            for (int i = 0; i < R; i++) part[i][j] = _mm256_fmadd_ps(wv, xv[i], part[i][j]);
-        }
-    }
-    for (int j = 0; j < OB; j++) {
-        const __m256 s = _mm256_broadcast_ss((const float *)(w + j * stride + K) + g / Q8_GROUP);
-        _mm_prefetch((const char *)(w + j * stride + g) + PREFETCH_BYTES, _MM_HINT_T0);
-        for (int i = 0; i < R; i++) acc[i][j] = _mm256_fmadd_ps(part[i][j], s, acc[i][j]);
-    }
-}
-
-static inline __attribute__((always_inline)) void block_q8(const int R, const int OB, const float *x, int64_t K,
-                                                           const int8_t *w, int64_t stride, float *out, int64_t O) {
+/* The same over int8 weights in groups of Q8_GROUP inputs (the last one shorter where K is not a multiple), a float32
+   scale each, against activations held as int16 with a float32 scale per group of theirs (`quantise_int16`): per
+   group and pair (row, output), int8 x int16 products summed in int32 (vpmaddwd: 16 a pair of instructions), then
+   widened once and added times the two scales. A weight row is K int8, zeros up to Kp (K rounded up to 16), then
+   its groups' scales: `stride` bytes. x16 rows: Kp int16 (zeros past K); xsc rows: the groups' scales. */
+static inline __attribute__((always_inline)) void block_q8(const int R, const int OB, const int16_t *x16,
+                                                           const float *xsc, int64_t K, int64_t Kp, const int8_t *w,
+                                                           int64_t stride, float *out, int64_t O) {
+    const int64_t G = (K + Q8_GROUP - 1) / Q8_GROUP;
     __m256 acc[4][4];
     for (int i = 0; i < R; i++)
         for (int j = 0; j < OB; j++) acc[i][j] = _mm256_setzero_ps();
-    int64_t g = 0;
-    for (; g + Q8_GROUP <= K; g += Q8_GROUP) group_q8(R, OB, x, K, w, stride, g, Q8_GROUP, acc);
-    if (g < K) group_q8(R, OB, x, K, w, stride, g, (int)(K - g), acc);
+    for (int64_t g = 0, group = 0; g < Kp; g += Q8_GROUP, group++) {
+        const int two = g + 16 < Kp;  /* a last group of at most 16 (padded) inputs is one load */
+        __m256i sums[4][4];
+        for (int j = 0; j < OB; j++) {
+            const int8_t *wr = w + j * stride + g;
+            const __m256i wa = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)wr));
+            const __m256i wb = two ? _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + 16))) : wa;
+            _mm_prefetch((const char *)wr + PREFETCH_BYTES, _MM_HINT_T0);
+            for (int i = 0; i < R; i++) {
+                const int16_t *xr = x16 + i * Kp + g;
+                sums[i][j] = _mm256_madd_epi16(wa, _mm256_loadu_si256((const __m256i *)xr));
+                if (two) sums[i][j] = _mm256_add_epi32(sums[i][j],
+                                                       _mm256_madd_epi16(wb, _mm256_loadu_si256((const __m256i *)(xr + 16))));
+            }
+        }
+        for (int j = 0; j < OB; j++) {
+            const __m256 ws = _mm256_broadcast_ss((const float *)(w + j * stride + Kp) + group);
+            for (int i = 0; i < R; i++) {
+                const __m256 s = _mm256_mul_ps(ws, _mm256_broadcast_ss(xsc + i * G + group));
+                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i][j]), s, acc[i][j]);
+            }
+        }
+    }
     for (int i = 0; i < R; i++)
         for (int j = 0; j < OB; j++) out[i * O + j] = hsum256(acc[i][j]);
 }
 
-/* 8 outputs from int8 rows at w (`stride` bytes a row) for rows [r, r + taken): up to 4 rows, at most 8 sums of
-   each kind in registers (1 row x 4 outputs, 2 x 2, 3 or 4 x 1). Returns how many rows it took. */
-static int rows_q8(const float *x, int left, int64_t K, const int8_t *w, int64_t stride, float *y, int64_t O) {
+static inline float hmax256(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+/* x [n, K] float32 as int16 rows x16 [n, Kp] (zeros past K) and scales xsc [n, ceil(K / Q8_GROUP)]: per group of
+   Q8_GROUP, absmax / 32767, rounded to nearest (a relative error of ~1e-5 of the group's largest, far below the
+   weights' int8 rounding). K a multiple of 8. */
+static void quantise_int16(const float *x, int n, int64_t K, int64_t Kp, int16_t *x16, float *xsc) {
+    const int64_t G = (K + Q8_GROUP - 1) / Q8_GROUP;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int r = 0; r < n; r++) {
+        const float *xr = x + r * K;
+        int16_t *qr = x16 + r * Kp;
+        for (int64_t group = 0; group < G; group++) {
+            const int64_t g = group * Q8_GROUP, end = g + Q8_GROUP < K ? g + Q8_GROUP : K;
+            __m256 m = _mm256_setzero_ps();
+            for (int64_t c = g; c < end; c += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xr + c)));
+            const float largest = hmax256(m);
+            xsc[r * G + group] = largest / 32767.0f;
+            const __m256 inv = _mm256_set1_ps(largest > 0.0f ? 32767.0f / largest : 0.0f);
+            for (int64_t c = g; c < end; c += 8) {
+                const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xr + c), inv));
+                const __m128i packed = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+                _mm_storeu_si128((__m128i *)(qr + c), packed);
+            }
+        }
+        for (int64_t c = K; c < Kp; c++) qr[c] = 0;
+    }
+}
+
+/* 8 outputs from int8 rows at w (`stride` bytes a row) for rows [r, r + taken): up to 4 rows, at most 8 int32 sums
+   and 8 float32 ones in registers (1 row x 8 outputs, 2 x 4, 3 or 4 x 2). Returns how many rows it took. */
+static int rows_q8(const int16_t *x16, const float *xsc, int left, int64_t K, int64_t Kp, const int8_t *w,
+                   int64_t stride, float *y, int64_t O) {
     if (left >= 3) {
-        for (int j = 0; j < 8; j++) {
-            if (left >= 4) block_q8(4, 1, x, K, w + j * stride, stride, y + j, O);
-            else block_q8(3, 1, x, K, w + j * stride, stride, y + j, O);
+        for (int j = 0; j < 8; j += 2) {
+            if (left >= 4) block_q8(4, 2, x16, xsc, K, Kp, w + j * stride, stride, y + j, O);
+            else block_q8(3, 2, x16, xsc, K, Kp, w + j * stride, stride, y + j, O);
         }
         return left >= 4 ? 4 : 3;
     }
     if (left == 2) {
-        for (int j = 0; j < 8; j += 2) block_q8(2, 2, x, K, w + j * stride, stride, y + j, O);
+        block_q8(2, 4, x16, xsc, K, Kp, w, stride, y, O);
+        block_q8(2, 4, x16, xsc, K, Kp, w + 4 * stride, stride, y + 4, O);
         return 2;
     }
-    block_q8(1, 4, x, K, w, stride, y, O);
-    block_q8(1, 4, x, K, w + 4 * stride, stride, y + 4, O);
+    block_q8(1, 4, x16, xsc, K, Kp, w, stride, y, O);
+    block_q8(1, 4, x16, xsc, K, Kp, w + 4 * stride, stride, y + 4, O);
     return 1;
 }
 
@@ -156,14 +192,19 @@ static void split_even_odd(const float *x, int n, int64_t K, float *xs) {
    over float32 or int8 weights (2 over bfloat16 ones), each pass at most 8 sums of a kind in registers. */
 static void linear(const float *x, int n, int64_t K, const void *w, int format, int64_t O, float *out, float *xs) {
     const int bf16 = format == W_BF16;
-    const int64_t q8_stride = K + (K + Q8_GROUP - 1) / Q8_GROUP * (int64_t)sizeof(float);
+    const int64_t Kp = (K + 15) / 16 * 16, G = (K + Q8_GROUP - 1) / Q8_GROUP;
+    const int64_t q8_stride = Kp + G * (int64_t)sizeof(float);
+    int16_t *x16 = (int16_t *)xs;
+    float *xsc = (float *)(x16 + n * Kp);
     if (bf16) split_even_odd(x, n, K, xs);
+    if (format == W_Q8) quantise_int16(x, n, K, Kp, x16, xsc);
     int64_t o = 0;
     for (; o + 8 <= O; o += 8)
         for (int r = 0; r < n;) {
             float *y = out + r * O + o;
             if (format == W_Q8) {
-                r += rows_q8(x + r * K, n - r, K, (const int8_t *)w + o * q8_stride, q8_stride, y, O);
+                r += rows_q8(x16 + r * Kp, xsc + r * G, n - r, K, Kp, (const int8_t *)w + o * q8_stride, q8_stride, y,
+                             O);
             } else if (bf16) {
                 const uint16_t *wb = (const uint16_t *)w + o * K;
                 const float *xr = xs + r * K;
@@ -194,7 +235,9 @@ static void linear(const float *x, int n, int64_t K, const void *w, int format, 
         }
     for (; o < O; o++)
         for (int r = 0; r < n; r++) {
-            if (format == W_Q8) block_q8(1, 1, x + r * K, K, (const int8_t *)w + o * q8_stride, q8_stride, out + r * O + o, O);
+            if (format == W_Q8)
+                block_q8(1, 1, x16 + r * Kp, xsc + r * G, K, Kp, (const int8_t *)w + o * q8_stride, q8_stride,
+                         out + r * O + o, O);
             else if (bf16) block_bf16(1, 1, xs + r * K, K, (const uint16_t *)w + o * K, out + r * O + o, O);
             else block_f32(1, 1, x + r * K, K, (const float *)w + o * K, out + r * O + o, O);
         }
@@ -252,9 +295,9 @@ int evo_llama_decode_step(const int64_t *dims, const void *const *ptrs, float ep
     const int64_t QD = (int64_t)H * d, KD = (int64_t)KVH * d;
     const int half = d / 2;
     /* scratch: x, h, o [n, D]; q, att [n, QD]; k, v [n, KD]; gate, up [n, I]; cos, sin [n, d/2]; lengths [n];
-       then a linear's inputs split even / odd [n, max(D, QD, I)] */
+       then a linear's inputs split even / odd, or as int16 and their scales [n, max(D, QD, I) + 16] */
     const int64_t widest = D > QD ? (D > I ? D : I) : (QD > I ? QD : I);
-    const size_t floats = (size_t)n * (size_t)(3 * D + 2 * QD + 2 * KD + 2 * I + 2 * half + widest + 2);
+    const size_t floats = (size_t)n * (size_t)(3 * D + 2 * QD + 2 * KD + 2 * I + 2 * half + widest + 16 + 2);
     float *x = malloc(sizeof(float) * floats + sizeof(int64_t) * (size_t)n);
     if (x == NULL) return -1;
     float *h = x + n * D, *o = h + n * D, *q = o + n * D, *att = q + n * QD, *k = att + n * QD, *v = k + n * KD;

@@ -29,19 +29,20 @@ def _kernel():
 
 def q8_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """An int8 weight as the step reads it: q int8 [out, in] and scale float32 [out, groups] (`llama.int8.
-    quantise_groups`: a scale per Q8_GROUP inputs, the last group shorter) -> int8 [out, in + 4 x groups], each
-    row its `in` weights then its scales' bytes."""
+    quantise_groups`: a scale per Q8_GROUP inputs, the last group shorter) -> int8 [out, in16 + 4 x groups], each row
+    its `in` weights, zeros up to in16 (`in` rounded up to 16: the step reads 16 a load), then its scales' bytes."""
     out, inputs = q.shape
     if q.dtype != torch.int8 or scale.dtype != torch.float32 or tuple(scale.shape) != (out, -(-inputs // Q8_GROUP)):
         raise ValueError(f"q8_rows: q int8 [out, in] and scale float32 [out, ceil(in / {Q8_GROUP})]; got "
                          f"{tuple(q.shape)} {q.dtype} and {tuple(scale.shape)} {scale.dtype}")
-    return torch.cat([q, scale.contiguous().view(torch.int8)], 1).contiguous()
+    padding = torch.zeros(out, -inputs % 16, dtype=torch.int8)
+    return torch.cat([q, padding, scale.contiguous().view(torch.int8)], 1).contiguous()
 
 
 def _stored(shape: tuple[int, int], dtype: torch.dtype) -> tuple[int, int]:
     """A projection [out, in]'s tensor shape as the step holds it in `dtype` (int8: `q8_rows`)."""
     out, inputs = shape
-    return (out, inputs + 4 * -(-inputs // Q8_GROUP)) if dtype == torch.int8 else shape
+    return (out, -(-inputs // 16) * 16 + 4 * -(-inputs // Q8_GROUP)) if dtype == torch.int8 else shape
 
 
 @dataclass(frozen=True)
