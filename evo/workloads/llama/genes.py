@@ -95,8 +95,9 @@ def kernel_genes(device: DeviceInfo, native_step: bool = False) -> list[Gene]:
                  "bytes; on AMX or AVX-512 BF16 16 rows cost about what one does); "
                  "int8_dynamic: fbgemm int8 weights per output channel, activations quantised per call (a quarter "
                  "of the bytes); q8_weights (generation engines): int8 weights with a float32 scale per 32 inputs "
-                 "(llama.cpp's Q8_0 block), read as int8 by our C decode step (decode_step=native), as their "
-                 "dequantised float32 values elsewhere. Non-torch kernels take float32 weights (weight_dtype=float32, "
+                 "(llama.cpp's Q8_0 block), read as int8 by our C decode step (decode_step=native), their "
+                 "dequantised values elsewhere (prefill) as bf16_weights reads weights where bfloat16 is native, "
+                 "else as packed. Non-torch kernels take float32 weights (weight_dtype=float32, "
                  "weight_quant=none)",
                  tuple(k for k in kernels if k in LOSSY_KERNELS)),
             Gene("one_row_weights", "memory", (False, True), False,

@@ -18,11 +18,12 @@ weights; 0.3 / 0.6 / 2.8 ms int8, with the weight L3-resident):
 - `int8_dynamic`: fbgemm's int8 weights, one scale per output channel (absmax / 127), activations quantised
   to uint8 per call over the call's whole [M, in] (so a row's rounding depends on the batch's range), int32
   accumulation (a quarter of the bytes; lossy: ~1e-2 relative error of the product);
-- `q8_weights`: int8 weights with one float32 scale per 32 inputs (`int8.quantise_groups`, llama.cpp's Q8_0 block),
-  float32 activations. Our C decode step reads them as int8 (`cpu_kernels.llama_decode_step`, 1.125 bytes a
-  weight); here, for the rest of the engine's calls (prefill, steps the C step leaves), their dequantised float32
-  values packed as `packed` (no faster than float32, the same weights). A generation engine's kernel only
-  (`NATIVE_STEP_KERNELS`: it pays off only through the C step).
+- `q8_weights`: int8 weights with one float32 scale per 32 inputs (`int8.quantise_groups`, llama.cpp's Q8_0 block).
+  Our C decode step reads them as int8 (`cpu_kernels.llama_decode_step`, ~1.1 bytes a weight); here, for the rest of
+  the engine's calls (prefill, steps the C step leaves), their dequantised values as `bf16_weights` multiplies
+  weights where the CPU multiplies bfloat16 natively (rounded to bfloat16 once more, the rows too: a prefill is
+  bound by arithmetic, where AMX's tiles are several times float32's speed), else as `packed`. A generation
+  engine's kernel only (`NATIVE_STEP_KERNELS`: it pays off only through the C step).
 Each `PackedLinear` is called as W(x): x [..., in] float32 -> [..., out] float32. CPU only. With `one_row` it also
 keeps the weight as torch's [in, out] and multiplies a single row by `x @ W` there (the gene `one_row_weights`):
 at one row and one thread oneDNN's packed float32 read a weight streamed from memory at 13 GB/s against torch's
@@ -71,7 +72,8 @@ def _int8(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def _q8(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    return _packed(dequantised_groups(*quantise_groups(w)))
+    held = dequantised_groups(*quantise_groups(w))
+    return _bf16(held) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else _packed(held)
 
 
 def cpu_kernel_order() -> tuple[str, ...]:

@@ -168,8 +168,8 @@ def _native_step_needs_float_weights(values: Mapping[str, Scalar]) -> str | None
 def _q8_weights_need_native_step(values: Mapping[str, Scalar]) -> str | None:
     if values.get("linear_kernel") == "q8_weights" and values.get("decode_step") != "native":
         return (f"linear_kernel='q8_weights' is read as int8 only by our C step (decode_step=native); with "
-                f"decode_step={values.get('decode_step')!r} every product would multiply its dequantised float32 "
-                f"values (the loss without the speed); set decode_step=native or another linear_kernel")
+                f"decode_step={values.get('decode_step')!r} every product would multiply its dequantised values as "
+                f"bf16_weights does (the loss of both); set decode_step=native or another linear_kernel")
     return None
 
 
