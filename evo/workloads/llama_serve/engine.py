@@ -247,7 +247,7 @@ def native_step(engine: LlamaEngine, pool: SlotPool) -> cpu_kernels.LlamaDecodeS
     lie (a fused projection's slices are contiguous rows); otherwise (pretransposed, or a packed linear_kernel,
     whose oneDNN layout is opaque) the checkpoint's are loaded again and kept as [out, in] rows in the step's format:
     bfloat16 rounded to nearest even, as bf16_weights rounds them; int8 in groups as q8_weights quantises them
-    (`cpu_kernels.q8_rows`: the same values the engine's other calls multiply dequantised)."""
+    (`cpu_kernels.q8_rows`: the values whose dequantised form the engine's other calls multiply)."""
     s, plan = engine.spec, engine.plan
     dtype = {"bf16_weights": torch.bfloat16, "q8_weights": torch.int8}.get(plan.linear_kernel, torch.float32)
 
