@@ -106,8 +106,10 @@ static inline __attribute__((always_inline)) void block_q8(const int R, const in
             for (int i = 0; i < R; i++) {
                 const int16_t *xr = x16 + i * Kp + g;
                 sums[i][j] = _mm256_madd_epi16(wa, _mm256_loadu_si256((const __m256i *)xr));
-                if (two) sums[i][j] = _mm256_add_epi32(sums[i][j],
-                                                       _mm256_madd_epi16(wb, _mm256_loadu_si256((const __m256i *)(xr + 16))));
+                if (two) {
+                    const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xr + 16));
+                    sums[i][j] = _mm256_add_epi32(sums[i][j], _mm256_madd_epi16(wb, x1));
+                }
             }
         }
         for (int j = 0; j < OB; j++) {

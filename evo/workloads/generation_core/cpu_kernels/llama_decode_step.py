@@ -83,9 +83,9 @@ def check_step_supported(shape: StepShape, weight_dtype: torch.dtype, kv_dtype: 
 
 class LlamaDecodeStep:
     """The step over `layers` (per layer the LAYER_WEIGHTS: norms float32 [D], projections [out, in] contiguous in
-    one of WEIGHT_DTYPES, int8 ones as `q8_rows`), the final norm, the head [V, D], the rotary inverse frequencies (float64 [d/2]) and the
-    pool's per-layer caches k[i], v[i] ([rows, L, KVH, d] or [rows, KVH, L, d], d contiguous; written in place).
-    It keeps every tensor it points at alive."""
+    one of WEIGHT_DTYPES, int8 ones as `q8_rows`), the final norm, the head [V, D], the rotary inverse frequencies
+    (float64 [d/2]) and the pool's per-layer caches k[i], v[i] ([rows, L, KVH, d] or [rows, KVH, L, d], d
+    contiguous; written in place). It keeps every tensor it points at alive."""
 
     def __init__(self, shape: StepShape, layers: list[dict[str, torch.Tensor]], final_norm: torch.Tensor,
                  head: torch.Tensor, inv_freq: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor],
