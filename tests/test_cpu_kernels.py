@@ -158,7 +158,7 @@ def test_the_llama_decode_step_matches_float64_and_writes_each_rows_keys(weights
 
 def test_the_llama_decode_step_over_int8_groups_matches_float64_over_their_values():
     """int8 weights in groups of 32 (q8_rows) against float64 over the weights they stand for: rows 1 to 5 (every
-    blocking: 1 x 4 outputs, 2 x 2, 3 and 4 x 1, 4 + 1), V = 100 (the one-output tail), inputs 80 and 88 (a last group
+    blocking: 1 x 4 outputs, 2 x 4, 3 and 4 x 2, 4 + 1), V = 100 (the one-output tail), inputs 80 and 88 (a last group
     of 16 and of 24), grouped heads (4 over 2)."""
     from evo.workloads.llama.int8 import dequantised_groups, quantise_groups
 

@@ -84,9 +84,12 @@ def _memory_genes(preset: Preset) -> list[Gene]:
 
 def kernel_genes(device: DeviceInfo, native_step: bool = False) -> list[Gene]:
     """How the projections and the LM head read their weights (`linear_kernels`): CPU kernels over weights
-    packed once at load; elsewhere torch's matmul only. `native_step`: also the kernels our C decode step reads
-    (a generation engine's, on a model whose sizes it takes)."""
-    kernels = cpu_kernel_order() + (NATIVE_STEP_KERNELS if native_step else ()) if device.kind == "cpu" else ("torch",)
+    packed once at load; elsewhere torch's matmul only. `native_step`: also the kernels only our C decode step
+    reads fast (a generation engine's)."""
+    if device.kind == "cpu":
+        kernels = cpu_kernel_order() + (NATIVE_STEP_KERNELS if native_step else ())
+    else:
+        kernels = ("torch",)
     return [Gene("linear_kernel", "memory", kernels, "torch",
                  "torch: the projections and LM head by torch's matmul in weight_layout (int8 rows by weight_quant); "
                  "packed: weights reordered once for oneDNN's float32 kernel, which streams each weight once for "

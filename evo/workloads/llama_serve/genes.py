@@ -199,13 +199,14 @@ def _norm_kernel_needs_float32(values: Mapping[str, Scalar]) -> str | None:
 def gene_space(preset: ServePreset, device: DeviceInfo) -> GeneSpace:
     """Genes legal for `preset` on `device` (names are a contract with operators, configs and the workload)."""
     genes = (_llama._fusion_genes(device) + _batching_genes(preset) + _prefill_genes() + _step_genes(device)
-             + _shared_memory_genes(preset) + _llama.kernel_genes(device, native_step=True) + _pool_genes() + _speculation_genes()
-             + [exchange_gene()])
+             + _shared_memory_genes(preset) + _llama.kernel_genes(device, native_step=True) + _pool_genes()
+             + _speculation_genes() + [exchange_gene()])
     constraints = (
         Constraint("decode_step compiled or traced needs kv_pool slots", _compiled_step_needs_slots),
         Constraint("decode_step traced needs linear_kernel torch", _traced_step_needs_torch_kernel),
         Constraint("our CPU kernels need decode_step eager or native", _kernels_need_eager_step),
-        Constraint("decode_step native needs float32, bf16_weights or q8_weights weights", _native_step_needs_float_weights),
+        Constraint("decode_step native needs float32, bf16_weights or q8_weights weights",
+                   _native_step_needs_float_weights),
         Constraint("linear_kernel q8_weights needs decode_step native", _q8_weights_need_native_step),
         Constraint("norm_kernel kernel needs float32 activations", _norm_kernel_needs_float32),
         Constraint("kv_dtype no wider than weight_dtype", _llama._kv_no_wider_than_weights),

@@ -9,8 +9,8 @@
 
    Weights are [out, in] rows, float32 or bfloat16 (widened as read), or int8 in groups of 32 inputs with a float32
    scale each (llama.cpp's Q8_0 block, the last group shorter where `in` is not a multiple of 32: a row is its `in`
-   int8 weights, then its groups' scales; each group's sum of weight x activation scaled once); activations and sums
-   are float32. The
+   int8 weights, zeros up to a multiple of 16, then its groups' scales; each group's sum of weight x activation,
+   against activations read as int16, scaled once); activations and sums are float32. The
    cache is float32 or bfloat16 (rounded to nearest even as written), laid out by strides. Every linear streams
    its weight from memory once for all n rows (`linear`: blocks of 8 weight rows, further row passes from cache).
 
@@ -157,7 +157,8 @@ static void quantise_int16(const float *x, int n, int64_t K, int64_t Kp, int16_t
 }
 
 /* 8 outputs from int8 rows at w (`stride` bytes a row) for rows [r, r + taken): up to 4 rows, at most 8 int32 sums
-   and 8 float32 ones in registers (1 row x 8 outputs, 2 x 4, 3 or 4 x 2). Returns how many rows it took. */
+   and 8 float32 ones in registers (1 row x 4 outputs twice, 2 x 4 twice, 3 or 4 x 2 four times). Returns how many
+   rows it took. */
 static int rows_q8(const int16_t *x16, const float *xsc, int left, int64_t K, int64_t Kp, const int8_t *w,
                    int64_t stride, float *y, int64_t O) {
     if (left >= 3) {
@@ -189,7 +190,7 @@ static void split_even_odd(const float *x, int n, int64_t K, float *xs) {
 }
 
 /* out[r, o] = x[r] . w[o] for rows [0, n), outputs [0, O); x rows of K contiguous floats, K a multiple of 8 (16 for
-   bfloat16 weights); xs: scratch of n * K floats. Outputs go in blocks of 8 weight rows, read from
+   bfloat16 weights); xs: scratch of n * (K + 16) floats. Outputs go in blocks of 8 weight rows, read from
    memory once (the first row pass, which also prefetches ahead) and from cache by the others: up to 4 rows a pass
    over float32 or int8 weights (2 over bfloat16 ones), each pass at most 8 sums of a kind in registers. */
 static void linear(const float *x, int n, int64_t K, const void *w, int format, int64_t O, float *out, float *xs) {
