@@ -34,11 +34,9 @@ ALIGN = 64  # bytes: the CPU allocator's alignment, enough for the kernels' alig
 
 
 def quantise_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """W [out, in] -> (q int8 [out, in], scale float32 [out]) with W ~ q * scale[:, None]."""
-    w = w.float()
-    scale = w.abs().amax(1).clamp(min=torch.finfo(torch.float32).tiny) / 127  # a zero row: q = 0, any scale
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q.contiguous(), scale
+    """W [out, in] -> (q int8 [out, in], scale float32 [out]) with W ~ q * scale[:, None]: one group a row."""
+    q, scale = quantise_groups(w, w.shape[1])
+    return q, scale[:, 0]
 
 
 GROUP = 32  # inputs per scale in `quantise_groups` (llama.cpp's QK8_0)

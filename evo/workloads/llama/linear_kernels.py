@@ -37,7 +37,7 @@ from typing import Callable
 
 import torch
 
-from evo.workloads.llama.int8 import dequantised_groups, quantise_groups
+from evo.workloads.llama.int8 import dequantised_groups, quantise_groups, quantise_rows
 
 KERNELS = ("torch", "packed", "fp16_weights", "bf16_weights", "int8_dynamic")  # torch: the weight_layout / weight_quant path
 LOSSY = ("fp16_weights", "bf16_weights", "int8_dynamic", "q8_weights")
@@ -62,8 +62,7 @@ def _fp16(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def _int8(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    scale = w.abs().amax(1).clamp(min=torch.finfo(torch.float32).tiny) / 127  # a zero row: q = 0, any scale
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    q, scale = quantise_rows(w)
     with warnings.catch_warnings():  # torch 2.13 warns that quantized tensors are deprecated; fbgemm takes one
         warnings.simplefilter("ignore")
         qw = torch._make_per_channel_quantized_tensor(q, scale.double(), torch.zeros(len(q), dtype=torch.long), 0)
