@@ -69,11 +69,13 @@ def test_add_rms_norm_matches_float64(with_residual, in_place):
     assert torch.equal(x, new_x if in_place else x0)
 
 
-def _step_reference(shape, layers, final_norm, head, freq, k, v, x, pos, interleaved):
+def _step_reference(shape, layers, final_norm, head, freq, k, v, x, pos, interleaved, linear_input=None):
     """One decode step in float64 over the same weights (as stored, widened), caches k, v [rows, KVH, L, d] (the
-    rows' earlier keys, read as stored); returns the logits and each layer's new keys and values."""
+    rows' earlier keys, read as stored), each product's input through `linear_input` (e.g. rounded as the step rounds
+    it); returns the logits and each layer's new keys and values."""
     H, KVH, d = shape.heads, shape.kv_heads, shape.head_dim
     half = d // 2
+    li = linear_input or (lambda t: t)
 
     def norm(t, w):
         return t * (t.pow(2).mean(-1, keepdim=True) + shape.rms_eps).rsqrt() * w.double()
@@ -94,19 +96,19 @@ def _step_reference(shape, layers, final_norm, head, freq, k, v, x, pos, interle
     for r in range(len(x)):
         h, p, made = x[r].double(), int(pos[r]), []
         for i, w in enumerate(layers):
-            a = norm(h, w["input_norm"])
+            a = li(norm(h, w["input_norm"]))
             q = rotate((w["q"].double() @ a).view(H, d), p)
             kr = rotate((w["k"].double() @ a).view(KVH, d), p)
             vr = (w["v"].double() @ a).view(KVH, d)
             keys = torch.cat([k[i][r, :, :p].double(), kr[:, None]], 1).repeat_interleave(H // KVH, 0)
             values = torch.cat([v[i][r, :, :p].double(), vr[:, None]], 1).repeat_interleave(H // KVH, 0)
             att = (((keys @ q[:, :, None])[..., 0] * d**-0.5).softmax(-1)[:, None] @ values)[:, 0]
-            h = h + w["o"].double() @ att.reshape(-1)
-            m = norm(h, w["post_norm"])
+            h = h + w["o"].double() @ li(att.reshape(-1))
+            m = li(norm(h, w["post_norm"]))
             g, u = w["gate"].double() @ m, w["up"].double() @ m
-            h = h + w["down"].double() @ (g * torch.sigmoid(g) * u)
+            h = h + w["down"].double() @ li(g * torch.sigmoid(g) * u)
             made.append((kr, vr))
-        logits.append(head.double() @ norm(h, final_norm))
+        logits.append(head.double() @ li(norm(h, final_norm)))
         new.append(made)
     return torch.stack(logits), new
 
@@ -195,6 +197,44 @@ def test_the_llama_decode_step_over_int8_groups_matches_float64_over_their_value
                                     freq, k, v, False, True)
 
 
+@pytest.mark.skipif(not cpu_kernels.amx_bf16_available(), reason="this CPU has no AMX-BF16 tiles")
+def test_the_llama_decode_step_on_amx_tiles_matches_float64_over_bfloat16_rows():
+    """bfloat16 weights as AMX tiles against float64 over the same weights with each product's input rounded to
+    bfloat16 as the step rounds it: rows 1, 3, 16 and 17 (a second 16-row pass), outputs in groups of 4, 3, 2 and 1
+    tiles (vocab 112, hidden 48, heads 96, kv 32, intermediate 80), inputs padded to 32 (48 and 80)."""
+    shape = cpu_kernels.StepShape(layers=2, hidden=48, heads=6, kv_heads=2, head_dim=16, intermediate=80, vocab=112,
+                                  rms_eps=1e-5)
+    gen = torch.Generator().manual_seed(7)
+    D, I, H, KVH, d = shape.hidden, shape.intermediate, shape.heads, shape.kv_heads, shape.head_dim
+
+    def w(out, into):
+        return (torch.randn(out, into, generator=gen) / into**0.5).to(torch.bfloat16)
+
+    layers = [{"input_norm": 1 + 0.1 * torch.randn(D, generator=gen), "post_norm": 1 + 0.1 * torch.randn(D, generator=gen),
+               "q": w(H * d, D), "k": w(KVH * d, D), "v": w(KVH * d, D), "o": w(D, H * d), "gate": w(I, D),
+               "up": w(I, D), "down": w(D, I)} for _ in range(shape.layers)]
+    final_norm, head = 1 + 0.1 * torch.randn(D, generator=gen), w(shape.vocab, D)
+    tiled = [{name: cpu_kernels.amx_tiles(t) if t.dtype == torch.bfloat16 else t for name, t in layer.items()}
+             for layer in layers]
+    freq = 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    k = [torch.randn(17, KVH, 24, d, generator=gen) for _ in range(shape.layers)]
+    v = [torch.randn(17, KVH, 24, d, generator=gen) for _ in range(shape.layers)]
+    step = cpu_kernels.LlamaDecodeStep(shape, tiled, final_norm, cpu_kernels.amx_tiles(head), freq, k, v, False, True,
+                                       tiles=True)
+    rounded = lambda t: t.to(torch.bfloat16).double()  # noqa: E731
+    for n in (1, 3, 16, 17):
+        pos = torch.randint(0, 24, (n,), generator=gen)
+        x = torch.randn(n, D, generator=gen)
+        before_k, before_v = [t.clone() for t in k], [t.clone() for t in v]
+        want, _ = _step_reference(shape, layers, final_norm, head, freq, before_k, before_v, x, pos, False, rounded)
+        got = step(x, pos)
+        assert (got.double() - want).abs().max() <= 1e-3 * want.abs().max(), n
+    with pytest.raises(ValueError, match="tiles bfloat16 as amx_tiles"):  # untiled rows
+        cpu_kernels.LlamaDecodeStep(shape, layers, final_norm, head, freq, k, v, False, True, tiles=True)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cpu_kernels.amx_tiles(w(40, 32))
+
+
 def test_the_llama_decode_step_refuses_what_it_cannot_run():
     odd = cpu_kernels.StepShape(layers=1, hidden=40, heads=4, kv_heads=2, head_dim=10, intermediate=64, vocab=8,
                                 rms_eps=1e-5)
@@ -207,3 +247,5 @@ def test_the_llama_decode_step_refuses_what_it_cannot_run():
         cpu_kernels.check_step_supported(narrow, torch.bfloat16, torch.float32, "cpu")
     with pytest.raises(cpu_kernels.KernelUnavailable, match="not torch.float16"):
         cpu_kernels.check_step_supported(narrow, torch.float16, torch.float32, "cpu")
+    with pytest.raises(cpu_kernels.KernelUnavailable, match="AMX tiles take bfloat16 weights.*vocab"):
+        cpu_kernels.check_step_supported(narrow, torch.bfloat16, torch.float32, "cpu", tiles=True)

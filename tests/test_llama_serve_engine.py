@@ -403,3 +403,32 @@ def test_q8_weights_decode_as_the_float64_model_of_the_values_they_hold(monkeypa
             assert max(wrong) > 1e-3, max(wrong)
     with pytest.raises(GenomeError, match="q8_weights' is read as int8 only by our C step"):
         SPACE.make({"linear_kernel": "q8_weights"})
+
+
+@pytest.mark.skipif(not serve_engine.cpu_kernels.amx_bf16_available(), reason="this CPU has no AMX-BF16 tiles")
+def test_amx_products_decode_as_the_float64_model_of_bfloat16_weights():
+    """native_products=amx (lossy: bfloat16 weights as AMX tiles, each product's rows rounded to bfloat16): every step
+    in C (native_max_rows 16); the engine's own tokens are the greedy picks of the float64 model over the bfloat16
+    weights, its logits that model's within the rounding of bfloat16 activations."""
+    from evo.workloads.llama import reference as llama_reference
+    from evo.workloads.llama.model import lm_head, load_weights
+
+    weights = load_weights(PRESET.model)
+    held = {name: (w.to(torch.bfloat16) if w.dim() == 2 and "embed" not in name else w).double()
+            for name, w in weights.items()}
+    held["lm_head.weight"] = lm_head(weights).to(torch.bfloat16).double()
+    generator = serve_engine.build(SPACE.make({"linear_kernel": "bf16_weights", "decode_step": "native",
+                                               "native_max_rows": 16, "native_products": "amx"}), PRESET, CPU)
+    assert int(generator.runner.native.dims[8]) == serve_engine.cpu_kernels.llama_decode_step.AMX_FORMAT
+    made = _record_logits(generator)
+    result = _replay(generator)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(llama_reference, "float64_weights", lambda spec: held)
+        for request, tokens in zip(result.requests, result.tokens):
+            continuation = torch.tensor([list(tokens[:-1])], dtype=torch.long)
+            ref = generate(PRESET.model, torch.tensor([list(request.prompt)]), continuation)[0].numpy()
+            ours = _rows(made[request.id], len(tokens)).double().numpy()
+            assert np.abs(ours - ref).max() < 2e-2 * np.abs(ref).max(), request.id
+            assert list(np.argmax(ref, 1)) == list(tokens), request.id
+    with pytest.raises(GenomeError, match="native_products='amx' multiplies bfloat16 weights in our C step"):
+        SPACE.make({"linear_kernel": "bf16_weights", "native_products": "amx"})

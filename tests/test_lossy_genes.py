@@ -8,6 +8,7 @@ import torch
 
 from evo.core.genome import GenomeError
 from evo.workloads.base import DeviceInfo
+from evo.workloads.generation_core import cpu_kernels
 from evo.workloads.generation import GenerationRequest
 from evo.workloads.llama import genes as llama_genes
 from evo.workloads.llama.int8 import Int8Weight, dequantised, int8pack, quantise_rows
@@ -35,8 +36,9 @@ def test_the_lossy_values_are_marked_and_an_exact_space_leaves_them_out():
     # the 16-bit kernels in the order this CPU favours (linear_kernels.cpu_kernel_order)
     sixteen = ("bf16_weights", "fp16_weights") if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (
         "fp16_weights", "bf16_weights")
+    amx = {"native_products": ("amx",)} if cpu_kernels.amx_bf16_available() else {}  # offered where AMX runs
     assert lossy == {"kv_dtype": ("bfloat16",), "weight_dtype": ("bfloat16",), "weight_quant": ("int8",),
-                     "linear_kernel": (*sixteen, "int8_dynamic", "q8_weights")}
+                     "linear_kernel": (*sixteen, "int8_dynamic", "q8_weights"), **amx}
     exact = SPACE.exact_only()
     assert exact.default() == SPACE.default()
     assert all(exact.gene(name).values == tuple(v for v in SPACE.gene(name).values if v not in values)

@@ -241,25 +241,26 @@ def _check_kernel(gene: str, check: Callable, *args, value: str = "kernel", inst
         raise ValueError(f"{gene}={value!r}: {e}; use {gene}={instead}") from None
 
 
-def native_step(engine: LlamaEngine, pool: SlotPool) -> cpu_kernels.LlamaDecodeStep:
+def native_step(engine: LlamaEngine, pool: SlotPool, tiles: bool = False) -> cpu_kernels.LlamaDecodeStep:
     """decode_step=native: our C step over the engine's weights and the slot pool's caches. Float32 weights the
     engine keeps as [out, in] rows (weight_layout native or native_left, linear_kernel=torch) are read where they
     lie (a fused projection's slices are contiguous rows); otherwise (pretransposed, or a packed linear_kernel,
     whose oneDNN layout is opaque) the checkpoint's are loaded again and kept as [out, in] rows in the step's format:
     bfloat16 rounded to nearest even, as bf16_weights rounds them; int8 in groups as q8_weights quantises them
-    (`cpu_kernels.q8_rows`: the values whose dequantised form the engine's other calls multiply)."""
+    (`cpu_kernels.q8_rows`: the values whose dequantised form the engine's other calls multiply). `tiles`
+    (native_products=amx): bfloat16 weights as AMX tiles (`cpu_kernels.amx_tiles`)."""
     s, plan = engine.spec, engine.plan
     dtype = {"bf16_weights": torch.bfloat16, "q8_weights": torch.int8}.get(plan.linear_kernel, torch.float32)
 
     def stored(w: torch.Tensor) -> torch.Tensor:  # a projection [out, in] as the step reads it in `dtype`
         if dtype == torch.int8:
             return cpu_kernels.q8_rows(*quantise_groups(w))
-        return w.to("cpu", dtype).contiguous()
+        return cpu_kernels.amx_tiles(w) if tiles else w.to("cpu", dtype).contiguous()
 
     shape = cpu_kernels.StepShape(s.layers, s.hidden, s.heads, s.kv_heads, s.head_dim, s.intermediate, s.vocab,
                                   s.rms_eps)
     _check_kernel("decode_step", cpu_kernels.check_step_supported, shape, dtype, engine.kv_dtype, engine.device,
-                  value="native", instead="eager")
+                  tiles, value="native", instead="eager")
     H, KVH, d, I = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.head_dim, s.intermediate
     norms = [{"input_norm": layer["input_norm"], "post_norm": layer["post_norm"]} for layer in engine.layers]
     if not (engine.packed or engine.quantised or engine.float_layout == "pretransposed"):
@@ -283,7 +284,7 @@ def native_step(engine: LlamaEngine, pool: SlotPool) -> cpu_kernels.LlamaDecodeS
             layers.append({**norm, **{name: stored(lw[name]) for name in ("q", "k", "v", "o", "gate", "up", "down")}})
         head = stored(lm_head(weights))
     return cpu_kernels.LlamaDecodeStep(shape, layers, engine.final_norm, head, inv_freq(s, torch.float64), pool.k,
-                                       pool.v, engine.interleaved, pool.bhld)
+                                       pool.v, engine.interleaved, pool.bhld, tiles)
 
 
 class TracedSteps:
@@ -327,7 +328,8 @@ class ModelRunner:
         self.visible, self.hidden = (torch.tensor(x, dtype=engine.dtype, device=device) for x in (0.0, -math.inf))
         self.compiled = (torch.compile(self._static_step, dynamic=False) if plan.decode_step == "compiled"
                          else TracedSteps(self._static_step) if plan.decode_step == "traced" else None)
-        self.native = native_step(engine, pool) if plan.decode_step == "native" else None
+        self.native = (native_step(engine, pool, plan.native_products == "amx") if plan.decode_step == "native"
+                       else None)
         self.native_max_rows = plan.native_max_rows
 
     def prefill(self, row: int, tokens: tuple[int, ...], pos: int, pick: Pick | None) -> int | None:

@@ -15,6 +15,7 @@ from typing import Mapping
 
 from evo.core.genome import Constraint, Gene, GeneSpace, Genome, Ignored, Scalar
 from evo.workloads.base import DeviceInfo
+from evo.workloads.generation_core import cpu_kernels
 from evo.workloads.generation_core.exchange import exchange_gene
 from evo.workloads.llama import genes as _llama
 from evo.workloads.llama import open_code as _open_code
@@ -27,6 +28,7 @@ PREFILL_ROWS = ("each", "together")
 KV_BLOCKS = (16, 32, 64)
 DECODE_ATTENTION = ("stage", "kernel")
 NORM_KERNEL = ("stage", "kernel")
+NATIVE_PRODUCTS = ("vectors", "amx")  # amx: offered where this process can run AMX-BF16 tiles
 NATIVE_MAX_ROWS = (1, 2, 4, 8, 16, 64)  # 64: the largest max_running, so every step
 SPEC_TOKENS = (2, 4, 8)
 SPEC_MIN_NGRAMS = (1, 2, 3)
@@ -38,7 +40,7 @@ NOT_SHARED = ("kv_alloc", "prefill", "prefill_chunk", "decode_step")
 # the speed levers, most leverage first (the `levers` agent's sweep): how a step reads the weights (and their bytes),
 # how a step runs (our C step, and up to how many rows; traced or compiled), how it reads the KV cache (our kernel,
 # bfloat16 bytes), our norm kernel, how many steps an exchange runs, speculation
-LEVERS = ("linear_kernel", "decode_step", "native_max_rows", "decode_attention", "kv_dtype", "norm_kernel",
+LEVERS = ("linear_kernel", "decode_step", "native_max_rows", "native_products", "decode_attention", "kv_dtype", "norm_kernel",
           "steps_per_exchange", "speculation")
 
 
@@ -72,6 +74,10 @@ def _prefill_genes() -> list[Gene]:
     ]
 
 
+def _native_products() -> tuple[str, ...]:
+    return NATIVE_PRODUCTS if cpu_kernels.amx_bf16_available() else NATIVE_PRODUCTS[:1]
+
+
 def _step_genes(device: DeviceInfo) -> list[Gene]:
     threads = next(g for g in _llama._scheduling_genes(device) if g.name == "threads")  # the llama gene, as it is
     # compiled on CUDA only: on the 2-core CPU host (torch 2.13, inductor) a build took 10-30 s per batch size
@@ -96,6 +102,12 @@ def _step_genes(device: DeviceInfo) -> list[Gene]:
                "decode_step=native runs a step of at most this many decoding rows in C, a larger one eagerly (the C "
                "step streams the weights at one to a few rows as fast as the memory allows, while more rows are "
                "bound by its AVX2 arithmetic, where oneDNN's bfloat16 tiles or MKL may be faster)"),
+          Gene("native_products", "memory", _native_products(), "vectors",
+               "how decode_step=native multiplies bfloat16 weights (linear_kernel=bf16_weights): vectors: AVX2 FMA "
+               "over float32 rows, each weight widened as read; amx (where the CPU has AMX-BF16): the weights stored "
+               "as AMX tiles, each product's rows rounded to bfloat16 (as bf16_weights' eager calls round them) and "
+               "multiplied 16 rows a pass on the tile unit, float32 sums (SmolLM2-135M's products, one thread: "
+               "~the same time at 1 and at 16 rows)", lossy=("amx",)),
           Gene("decode_attention", "fusion", DECODE_ATTENTION, "stage",
                "stage: a batched decode step's attention is the attention stage (SDPA or the matmul form over the "
                "keys up to the furthest row, under a per-row mask); kernel: our C kernel (AVX2, FMA; "
@@ -173,6 +185,15 @@ def _q8_weights_need_native_step(values: Mapping[str, Scalar]) -> str | None:
     return None
 
 
+def _amx_needs_native_bf16(values: Mapping[str, Scalar]) -> str | None:
+    if values.get("native_products") == "amx" and (values.get("decode_step") != "native"
+                                                   or values.get("linear_kernel") != "bf16_weights"):
+        return (f"native_products='amx' multiplies bfloat16 weights in our C step: it needs decode_step='native' and "
+                f"linear_kernel='bf16_weights' (got {values.get('decode_step')!r}, {values.get('linear_kernel')!r}); "
+                f"set those or native_products=vectors")
+    return None
+
+
 def _traced_step_needs_torch_kernel(values: Mapping[str, Scalar]) -> str | None:
     if values.get("decode_step") == "traced" and values.get("linear_kernel", "torch") != "torch":
         return (f"decode_step='traced' records the step with torch.jit.trace, which cannot hold linear_kernel="
@@ -208,6 +229,7 @@ def gene_space(preset: ServePreset, device: DeviceInfo) -> GeneSpace:
         Constraint("decode_step native needs float32, bf16_weights or q8_weights weights",
                    _native_step_needs_float_weights),
         Constraint("linear_kernel q8_weights needs decode_step native", _q8_weights_need_native_step),
+        Constraint("native_products amx needs decode_step native and bf16_weights", _amx_needs_native_bf16),
         Constraint("norm_kernel kernel needs float32 activations", _norm_kernel_needs_float32),
         Constraint("kv_dtype no wider than weight_dtype", _llama._kv_no_wider_than_weights),
         Constraint("a packed linear_kernel needs float32 weights", _llama._packed_kernel_needs_float32),
@@ -266,6 +288,7 @@ class ServePlan:
     decode_attention: str = "stage"
     norm_kernel: str = "stage"
     native_max_rows: int = 64
+    native_products: str = "vectors"
 
     @classmethod
     def from_genome(cls, genome: Genome) -> ServePlan:
@@ -278,7 +301,8 @@ class ServePlan:
                    spec_max_rows=int(v["spec_max_rows"]), prefill_rows=str(v["prefill_rows"]),
                    decode_attention=str(v.get("decode_attention", "stage")),
                    norm_kernel=str(v.get("norm_kernel", "stage")),
-                   native_max_rows=int(v.get("native_max_rows", 64)))
+                   native_max_rows=int(v.get("native_max_rows", 64)),
+                   native_products=str(v.get("native_products", "vectors")))
 
     @property
     def drafted(self) -> int:

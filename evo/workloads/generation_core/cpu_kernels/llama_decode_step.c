@@ -14,20 +14,26 @@
    cache is float32 or bfloat16 (rounded to nearest even as written), laid out by strides. Every linear streams
    its weight from memory once for all n rows (`linear`: blocks of 8 weight rows, further row passes from cache).
 
+   With AMX (W_AMX, where the CPU has AMX-BF16): bfloat16 weights stored as AMX tiles (`amx_tiles`), each linear's
+   rows rounded to bfloat16 (nearest even) and multiplied 16 rows at a time on the tile unit (float32 sums).
+
    dims (int64): see the DIM_ names; ptrs: per layer the P_ names (the caches are written: one position a row), then
    final norm, head, inverse frequencies (float64 [d/2]). Returns 0, -1 when scratch cannot be allocated, -2 for a
-   group size the attention cannot take. */
+   group size the attention cannot take, -3 for AMX tiles where this compiler cannot build them. */
+#define _GNU_SOURCE /* syscall() */
 #include "decode_attention.c"
 #include "rms_norm.c"
 
 #include <math.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 enum { DIM_LAYERS, DIM_D, DIM_H, DIM_KVH, DIM_HEAD, DIM_I, DIM_V, DIM_INTERLEAVED, DIM_W_FORMAT, DIM_KV_BF16,
        DIM_K_ROW, DIM_K_HEAD, DIM_K_POS, DIM_V_ROW, DIM_V_HEAD, DIM_V_POS, DIM_COUNT };
 enum { P_IN_NORM, P_POST_NORM, P_Q, P_K, P_V, P_O, P_GATE, P_UP, P_DOWN, P_K_CACHE, P_V_CACHE, P_PER_LAYER };
 
-enum { W_F32, W_BF16, W_Q8 };  /* DIM_W_FORMAT */
+enum { W_F32, W_BF16, W_Q8, W_AMX };  /* DIM_W_FORMAT */
 #define Q8_GROUP 32
 
 int evo_llama_step_dims(void) { return DIM_COUNT; }
@@ -178,6 +184,122 @@ static int rows_q8(const int16_t *x16, const float *xsc, int left, int64_t K, in
     return 1;
 }
 
+/* ---- AMX: bfloat16 tiles (Intel AMX-BF16; compilers from gcc 11 and clang 12 build it, the CPU is asked at run time) */
+#if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 12) || \
+                            (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define EVO_AMX 1
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
+#include <cpuid.h>
+#else
+#define EVO_AMX 0
+#endif
+#define AMX_TILE 512      /* bfloat16 values in a weight tile: 16 pairs of inputs x 16 outputs */
+#define AMX_PREFETCH 4    /* tile groups ahead (a group: the up to 4 tiles of one 32-input slice) */
+
+/* 1 where this process may run AMX-BF16 tiles: the CPU has them, the OS keeps their state (XCR0 bits 17-18) and
+   grants this process their data (Linux's arch_prctl ARCH_REQ_XCOMP_PERM, asked here; once is enough). */
+int evo_amx_bf16_ready(void) {
+#if EVO_AMX
+    unsigned a, b, c, d;
+    if (__get_cpuid_max(0, NULL) < 7) return 0;
+    __cpuid(1, a, b, c, d);
+    if (!((c >> 27) & 1)) return 0; /* OSXSAVE */
+    __cpuid_count(7, 0, a, b, c, d);
+    if (!((d >> 22) & 1) || !((d >> 24) & 1)) return 0; /* AMX-BF16, AMX-TILE */
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if (((lo >> 17) & 3) != 3) return 0;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+#else
+    return 0;
+#endif
+}
+
+/* x [n, K] float32 (K a multiple of 8) -> xb [n, Kp] bfloat16 rounded to nearest even (NaN kept), zeros after K. */
+static void rows_to_bf16(const float *x, int n, int64_t K, int64_t Kp, uint16_t *xb) {
+    const __m256i bias = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1), abs_mask = _mm256_set1_epi32(0x7fffffff);
+    const __m256i inf = _mm256_set1_epi32(0x7f800000), quiet = _mm256_set1_epi32(0x400000);
+    for (int r = 0; r < n; r++) {
+        const float *src = x + r * K;
+        uint16_t *dst = xb + r * Kp;
+        for (int64_t c = 0; c < K; c += 8) {
+            const __m256i u = _mm256_castps_si256(_mm256_loadu_ps(src + c));
+            const __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(u, bias),
+                                                     _mm256_and_si256(_mm256_srli_epi32(u, 16), one));
+            const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs_mask), inf);
+            const __m256i v = _mm256_srli_epi32(_mm256_blendv_epi8(rounded, _mm256_or_si256(u, quiet), nan), 16);
+            const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(v, v), 0x08);
+            _mm_storeu_si128((__m128i *)(dst + c), _mm256_castsi256_si128(packed));
+        }
+        memset(dst + K, 0, sizeof(uint16_t) * (size_t)(Kp - K));
+    }
+}
+
+#if EVO_AMX
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+/* tiles 0-3: sums [M, 16] float32; 4: rows [M, 32] bfloat16; 5-7: weights, 16 input pairs x 16 outputs */
+static AMX_TARGET void amx_configure(int M) {
+    amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = t < 5 ? (uint8_t)M : 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* out[r, o] = xb[r] . w[o] for rows [0, M) (M <= 16), outputs [o0, o0 + 16 tiles) of one group: w its tiles, per
+   32-input slice `tiles` consecutive tiles (the group's outputs in 16s). */
+static AMX_TARGET void amx_group(const uint16_t *xb, int64_t Kp, const uint16_t *w, int tiles, float *out, int64_t O) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const int64_t slice = (int64_t)tiles * AMX_TILE, lines = (int64_t)tiles * AMX_TILE * 2 / 64;
+    for (int64_t kb = 0; kb < Kp / 32; kb++) {
+        const uint16_t *t = w + kb * slice;
+        const char *ahead = (const char *)(t + AMX_PREFETCH * slice);
+        for (int64_t l = 0; l < lines; l++) _mm_prefetch(ahead + l * 64, _MM_HINT_T0);
+        _tile_loadd(4, xb + kb * 32, Kp * 2);
+        _tile_loadd(5, t, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (tiles > 1) {
+            _tile_loadd(6, t + AMX_TILE, 64);
+            _tile_dpbf16ps(1, 4, 6);
+        }
+        if (tiles > 2) {
+            _tile_loadd(7, t + 2 * AMX_TILE, 64);
+            _tile_dpbf16ps(2, 4, 7);
+        }
+        if (tiles > 3) {
+            _tile_loadd(5, t + 3 * AMX_TILE, 64);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+    }
+    _tile_stored(0, out, O * 4);
+    if (tiles > 1) _tile_stored(1, out + 16, O * 4);
+    if (tiles > 2) _tile_stored(2, out + 32, O * 4);
+    if (tiles > 3) _tile_stored(3, out + 48, O * 4);
+}
+
+/* out [n, O] = xb [n, Kp] . w^T, w as `amx_tiles` stores it (O a multiple of 16): 16 rows a pass, each pass
+   streaming the weight once. */
+static AMX_TARGET void linear_amx(const uint16_t *xb, int n, int64_t Kp, const uint16_t *w, int64_t O, float *out) {
+    for (int r = 0; r < n; r += 16) {
+        amx_configure(n - r < 16 ? n - r : 16);
+        for (int64_t o = 0; o < O; o += 64)
+            amx_group(xb + r * Kp, Kp, w + o * Kp, O - o >= 64 ? 4 : (int)((O - o) / 16), out + r * O + o, O);
+        _tile_release();
+    }
+}
+#endif
+
 /* x [n, K] into xs: each 16 values as their 8 even ones, then their 8 odd ones (K a multiple of 16). */
 static void split_even_odd(const float *x, int n, int64_t K, float *xs) {
     const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
@@ -190,10 +312,18 @@ static void split_even_odd(const float *x, int n, int64_t K, float *xs) {
 }
 
 /* out[r, o] = x[r] . w[o] for rows [0, n), outputs [0, O); x rows of K contiguous floats, K a multiple of 8 (16 for
-   bfloat16 weights); xs: scratch of n * (K + 16) floats. Outputs go in blocks of 8 weight rows, read from
+   bfloat16 weights); xs: scratch of n * (K + 16) floats. AMX tiles: the rows as bfloat16 in xs, then `linear_amx`. Outputs go in blocks of 8 weight rows, read from
    memory once (the first row pass, which also prefetches ahead) and from cache by the others: up to 4 rows a pass
    over float32 or int8 weights (2 over bfloat16 ones), each pass at most 8 sums of a kind in registers. */
 static void linear(const float *x, int n, int64_t K, const void *w, int format, int64_t O, float *out, float *xs) {
+    if (format == W_AMX) {
+#if EVO_AMX
+        const int64_t Kp = (K + 31) / 32 * 32;
+        rows_to_bf16(x, n, K, Kp, (uint16_t *)xs);
+        linear_amx((const uint16_t *)xs, n, Kp, (const uint16_t *)w, O, out);
+#endif
+        return;
+    }
     const int bf16 = format == W_BF16;
     const int64_t Kp = (K + 15) / 16 * 16, G = (K + Q8_GROUP - 1) / Q8_GROUP;
     const int64_t q8_stride = Kp + G * (int64_t)sizeof(float);
@@ -297,6 +427,7 @@ int evo_llama_decode_step(const int64_t *dims, const void *const *ptrs, float ep
     const int wf = (int)dims[DIM_W_FORMAT], kvb = (int)dims[DIM_KV_BF16], interleaved = (int)dims[DIM_INTERLEAVED];
     const int64_t QD = (int64_t)H * d, KD = (int64_t)KVH * d;
     const int half = d / 2;
+    if (wf == W_AMX && !EVO_AMX) return -3;
     /* scratch: x, h, o [n, D]; q, att [n, QD]; k, v [n, KD]; gate, up [n, I]; cos, sin [n, d/2]; lengths [n];
        then a linear's inputs split even / odd, or as int16 and their scales [n, max(D, QD, I) + 16] */
     const int64_t widest = D > QD ? (D > I ? D : I) : (QD > I ? QD : I);
