@@ -38,10 +38,10 @@ NOT_SHARED = ("kv_alloc", "prefill", "prefill_chunk", "decode_step")
 
 
 # the speed levers, most leverage first (the `levers` agent's sweep): how a step reads the weights (and their bytes),
-# how a step runs (our C step, and up to how many rows; traced or compiled), how it reads the KV cache (our kernel,
-# bfloat16 bytes), our norm kernel, how many steps an exchange runs, speculation
-LEVERS = ("linear_kernel", "decode_step", "native_max_rows", "native_products", "decode_attention", "kv_dtype", "norm_kernel",
-          "steps_per_exchange", "speculation")
+# how a step runs (our C step, up to how many rows, on which units; traced or compiled), how it reads the KV cache
+# (our kernel, bfloat16 bytes), our norm kernel, how many steps an exchange runs, speculation
+LEVERS = ("linear_kernel", "decode_step", "native_max_rows", "native_products", "decode_attention", "kv_dtype",
+          "norm_kernel", "steps_per_exchange", "speculation")
 
 
 def _batching_genes(preset: ServePreset) -> list[Gene]:

@@ -184,7 +184,7 @@ static int rows_q8(const int16_t *x16, const float *xsc, int left, int64_t K, in
     return 1;
 }
 
-/* ---- AMX: bfloat16 tiles (Intel AMX-BF16; compilers from gcc 11 and clang 12 build it, the CPU is asked at run time) */
+/* ---- AMX: bfloat16 tiles (Intel AMX-BF16; built by gcc >= 11 and clang >= 12, the CPU is asked at run time) */
 #if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 12) || \
                             (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
 #define EVO_AMX 1
@@ -217,7 +217,8 @@ int evo_amx_bf16_ready(void) {
 
 /* x [n, K] float32 (K a multiple of 8) -> xb [n, Kp] bfloat16 rounded to nearest even (NaN kept), zeros after K. */
 static void rows_to_bf16(const float *x, int n, int64_t K, int64_t Kp, uint16_t *xb) {
-    const __m256i bias = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1), abs_mask = _mm256_set1_epi32(0x7fffffff);
+    const __m256i bias = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1);
+    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
     const __m256i inf = _mm256_set1_epi32(0x7f800000), quiet = _mm256_set1_epi32(0x400000);
     for (int r = 0; r < n; r++) {
         const float *src = x + r * K;
@@ -312,7 +313,8 @@ static void split_even_odd(const float *x, int n, int64_t K, float *xs) {
 }
 
 /* out[r, o] = x[r] . w[o] for rows [0, n), outputs [0, O); x rows of K contiguous floats, K a multiple of 8 (16 for
-   bfloat16 weights); xs: scratch of n * (K + 16) floats. AMX tiles: the rows as bfloat16 in xs, then `linear_amx`. Outputs go in blocks of 8 weight rows, read from
+   bfloat16 weights); xs: scratch of n * (K + 16) floats (AMX tiles: the rows as bfloat16 there, then `linear_amx`).
+   Outputs go in blocks of 8 weight rows, read from
    memory once (the first row pass, which also prefetches ahead) and from cache by the others: up to 4 rows a pass
    over float32 or int8 weights (2 over bfloat16 ones), each pass at most 8 sums of a kind in registers. */
 static void linear(const float *x, int n, int64_t K, const void *w, int format, int64_t O, float *out, float *xs) {

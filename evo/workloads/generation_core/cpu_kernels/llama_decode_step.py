@@ -127,9 +127,9 @@ def check_step_supported(shape: StepShape, weight_dtype: torch.dtype, kv_dtype: 
 
 class LlamaDecodeStep:
     """The step over `layers` (per layer the LAYER_WEIGHTS: norms float32 [D], projections [out, in] contiguous in
-    one of WEIGHT_DTYPES, int8 ones as `q8_rows`, with `tiles` bfloat16 ones as `amx_tiles`), the final norm, the head [V, D], the rotary inverse frequencies
-    (float64 [d/2]) and the pool's per-layer caches k[i], v[i] ([rows, L, KVH, d] or [rows, KVH, L, d], d
-    contiguous; written in place). It keeps every tensor it points at alive."""
+    one of WEIGHT_DTYPES, int8 ones as `q8_rows`, with `tiles` bfloat16 ones as `amx_tiles`), the final norm, the
+    head [V, D], the rotary inverse frequencies (float64 [d/2]) and the pool's per-layer caches k[i], v[i] ([rows, L,
+    KVH, d] or [rows, KVH, L, d], d contiguous; written in place). It keeps every tensor it points at alive."""
 
     def __init__(self, shape: StepShape, layers: list[dict[str, torch.Tensor]], final_norm: torch.Tensor,
                  head: torch.Tensor, inv_freq: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor],
@@ -150,7 +150,8 @@ class LlamaDecodeStep:
                 or wdtype not in WEIGHT_DTYPES or (tiles and wdtype != torch.bfloat16) \
                 or any(not t.is_contiguous() for t in projections + norms) or final_norm.dtype != torch.float32:
             raise ValueError(f"LlamaDecodeStep: {s.layers} layers of {expect} (projections contiguous, one of "
-                             f"{WEIGHT_DTYPES}, int8 as q8_rows, tiles bfloat16 as amx_tiles, norms float32) and a head {(s.vocab, s.hidden)}; wrong: "
+                             f"{WEIGHT_DTYPES}, int8 as q8_rows, tiles as amx_tiles, norms float32) and a head "
+                             f"{(s.vocab, s.hidden)}; wrong: "
                              f"{wrong[:4] or [f'head {tuple(head.shape)} {wdtype}']}")
         caches = k + v
         kv_dtype = k[0].dtype
@@ -160,8 +161,9 @@ class LlamaDecodeStep:
         head_stride, pos_stride = (a, b) if bhld else (b, a)
         self.shape, self.rows, self.max_positions = s, k[0].shape[0], k[0].shape[2 if bhld else 1]
         self.inv_freq = inv_freq.to("cpu", torch.float64).contiguous()
+        weight_format = AMX_FORMAT if tiles else WEIGHT_DTYPES.index(wdtype)
         self.dims = torch.tensor([s.layers, s.hidden, s.heads, s.kv_heads, s.head_dim, s.intermediate, s.vocab,
-                                  int(interleaved), AMX_FORMAT if tiles else WEIGHT_DTYPES.index(wdtype), int(kv_dtype == torch.bfloat16),
+                                  int(interleaved), weight_format, int(kv_dtype == torch.bfloat16),
                                   row, head_stride, pos_stride, row, head_stride, pos_stride], dtype=torch.int64)
         pointers = [t.data_ptr() for i in range(s.layers) for t in
                     [layers[i][name] for name in LAYER_WEIGHTS] + [k[i], v[i]]]
