@@ -50,6 +50,9 @@ class DelegatingWorkload(Workload):
     def reference_for(self, preset: Preset, inputs: dict) -> dict:  # llama: the oracle needs the preset's weights
         return self.base.reference_for(preset, inputs)
 
+    def reference_and_scales(self, preset: Preset, inputs: dict) -> tuple[dict, dict]:
+        return self.base.reference_and_scales(preset, inputs)
+
     def timing_case(self, preset: Preset) -> CheckCase:
         return self.base.timing_case(preset)
 

@@ -108,3 +108,28 @@ def test_unmeasured_failures_report_nan_error():
     assert math.isnan(run_check("inplace").max_rel_error)
     assert math.isnan(run_check("wrong_shape").max_rel_error)
     assert run_check("zeros").max_rel_error == 1.0
+
+
+def test_an_output_cancelled_below_its_terms_is_measured_against_them():
+    """A sum of terms far larger than its result: a float32 error at the terms' rounding is correct
+    there (the condition-aware bound), a larger one is not, and terms smaller than the output change nothing."""
+    ref = torch.full((8,), 1e-4, dtype=torch.float64)  # cancelled: the terms are ~1 each
+    terms = torch.ones(8, dtype=torch.float64)
+    rounded = (ref + 3e-7).float()  # 3e-3 of the output, 3e-7 of its terms
+    problem, _ = compare_outputs({"o": rounded}, {"o": ref}, {"o": "float32"}, 1e-5, 10.0)
+    assert "norm-wise relative error" in problem and "terms" not in problem
+    problem, rel = compare_outputs({"o": rounded}, {"o": ref}, {"o": "float32"}, 1e-5, 10.0, {"o": terms})
+    assert problem == "" and 2e-7 < rel < 4e-7
+    wrong = (ref + 1e-4).float()
+    problem, _ = compare_outputs({"o": wrong}, {"o": ref}, {"o": "float32"}, 1e-5, 10.0, {"o": terms})
+    assert "against the size of its terms" in problem
+    many, many_terms = torch.full((10_000,), 1e-4, dtype=torch.float64), torch.ones(10_000, dtype=torch.float64)
+    spike = many.float()
+    spike[17] += 5e-4  # norm-wise 5e-6 of the terms' norm passes; 5e-4 > 10 x 1e-5 x the largest term does not
+    problem, _ = compare_outputs({"o": spike}, {"o": many}, {"o": "float32"}, 1e-5, 10.0, {"o": many_terms})
+    assert "max abs error" in problem and "of its terms" in problem
+    small = torch.full((8,), 1e-6, dtype=torch.float64)  # terms below the output: the output's own size
+    problem, _ = compare_outputs({"o": rounded}, {"o": ref}, {"o": "float32"}, 1e-5, 10.0, {"o": small})
+    assert "norm-wise relative error" in problem and "terms" not in problem
+    with pytest.raises(ValueError, match="terms must be finite and shaped"):
+        compare_outputs({"o": rounded}, {"o": ref}, {"o": "float32"}, 1e-5, 10.0, {"o": torch.ones(3)})

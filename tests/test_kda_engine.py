@@ -139,3 +139,27 @@ def test_one_tiny_compiled_genome(tmp_path, monkeypatch) -> None:
     shape = {"B": 1, "T": 40, "H": 1, "K": 8, "V": 8}
     e_o, e_s = errors(genes, "strong_decay", shape, seed=1)
     assert e_o < TOL and e_s < TOL
+
+
+def test_an_honest_engine_passes_where_q_and_k_are_nearly_orthogonal() -> None:
+    """One token from a zero state with |cos(q, k)| = 1e-4: o = beta (q.k) v cancels ~1e4-fold below its
+    terms, so a float32 dot product is ~1e-3 off o relatively (judged incorrect by a bound on o alone,
+    about 1 honest evaluation in 700 did so); measured against the size of o's terms it passes, and an
+    engine 1e-3 off those terms still fails."""
+    from evaluators.judge.check import compare_outputs, expected_dtypes
+
+    gen = torch.Generator().manual_seed(7)
+    x = W.make_inputs(CheckCase("c", {"B": 1, "T": 1, "H": 1, "K": 32, "V": 32}, "standard", False), "float32",
+                      "cpu", 7)
+    q, k = x["q"].double(), torch.randn(x["k"].shape, generator=gen, dtype=torch.float64)
+    unit = q / q.norm()
+    k = k - (k * unit).sum() * unit + 1e-4 * k.norm() * unit  # cos(q, k) = 1e-4
+    x = {**x, "k": k.float()}
+    engine = W.build(SPACE.make({}), CPU, DEVICE)
+    out, dtypes = engine(**x), expected_dtypes(W, CPU)
+    reference_only, scales = W.reference(x), W.reference_and_scales(CPU, x)[1]
+    assert "norm-wise relative error" in compare_outputs(out, reference_only, dtypes, TOL, 10.0)[0]
+    problem, rel = compare_outputs(out, reference_only, dtypes, TOL, 10.0, scales)
+    assert problem == "" and rel < 1e-6
+    off = {**out, "o": (reference_only["o"] + 1e-3 * scales["o"]).float()}
+    assert "of its terms" in compare_outputs(off, reference_only, dtypes, TOL, 10.0, scales)[0]

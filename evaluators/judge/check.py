@@ -13,7 +13,11 @@ draws fresh inputs, snapshots them, runs the engine and verifies, in order:
    past return, e.g. a background thread still writing);
 3. every declared output is present, a tensor, with the reference's shape and the expected dtype;
 4. every output is finite (NaN/inf never pass) and not all zeros (unless the reference is);
-5. norm-wise relative error <= tol and max abs error <= factor * tol * max|ref| (see settings.py).
+5. norm-wise relative error <= tol and max abs error <= factor * tol * max|ref| (see settings.py). Where
+   the workload gives the size of the terms an output is summed from (`Workload.reference_and_scales`:
+   their root-sum-square) and the output's norm has cancelled below theirs, the terms' norm and largest
+   element stand in for the reference's: a condition-aware bound, as a float32 sum's rounding follows
+   its terms, not their cancelled result (for random-signed terms the two sizes are about equal).
 
 Seeds come from a `SeedStream` (a per-evaluator counter mixed with a base seed and a secret salt), so
 no seed repeats within one evaluator and an engine can never be tuned to, or predict, its inputs; each
@@ -115,14 +119,14 @@ def check_engine(
             changed = _changed_inputs(inputs, snapshot)
             if changed:
                 return CheckReport(False, worst, f"{where}: engine modified its inputs in place: {changed}", run)
-            reference = workload.reference_for(preset, snapshot)
+            reference, scales = workload.reference_and_scales(preset, snapshot)
             time.sleep(settle_s)
             sync(device)
             late = _changed_outputs(outputs, first)
             if late:
                 return CheckReport(False, worst, f"{where}: outputs {late} changed after the engine returned"
                                    f" (work deferred past return, e.g. a background thread still writing)", run)
-            problem, rel = compare_outputs(first, reference, dtypes, tolerance, elementwise_factor)
+            problem, rel = compare_outputs(first, reference, dtypes, tolerance, elementwise_factor, scales)
             worst = worse(worst, rel)
             if problem:
                 if previous is not None and not _changed_outputs(first, previous):
@@ -146,8 +150,10 @@ def compare_outputs(
     dtypes: Mapping[str, str],
     tolerance: float,
     elementwise_factor: float,
+    scales: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[str, float]:
-    """(problem or "", worst norm-wise relative error) of engine outputs against the reference."""
+    """(problem or "", worst norm-wise relative error) of engine outputs against the reference. An output
+    named in `scales` (the size of its terms) is measured against them where its norm is below theirs."""
     if not isinstance(outputs, Mapping):
         return f"engine must return a dict of outputs {sorted(dtypes)}, got {type(outputs).__name__}", math.nan
     worst = math.nan  # nan until an output has been measured
@@ -172,18 +178,34 @@ def compare_outputs(
         if ref_norm > 0 and not out64.any():
             return f"output {name!r} is all zeros (reference norm {ref_norm:.3e})", 1.0
         err = out64 - ref64
-        rel = float(torch.linalg.vector_norm(err)) / max(ref_norm, torch.finfo(torch.float64).tiny)
+        norm, largest, of = _magnitude(ref64, (scales or {}).get(name))
+        rel = float(torch.linalg.vector_norm(err)) / max(norm, torch.finfo(torch.float64).tiny)
         worst = worse(worst, rel)
         if rel > tolerance:
-            return f"output {name!r} norm-wise relative error {rel:.3e} > tolerance {tolerance:.1e}", worst
+            return f"output {name!r} norm-wise relative error{of} {rel:.3e} > tolerance {tolerance:.1e}", worst
         max_err = float(err.abs().max()) if err.numel() else 0.0
-        bound = elementwise_factor * tolerance * (float(ref64.abs().max()) if ref64.numel() else 0.0)
+        bound = elementwise_factor * tolerance * largest
         if max_err > bound:
             return (
                 f"output {name!r} max abs error {max_err:.3e} > {elementwise_factor:g} x tol {tolerance:.1e}"
-                f" x max|ref| = {bound:.3e} (norm-wise {rel:.3e} passed)"
+                f" x max|ref|{of} = {bound:.3e} (norm-wise {rel:.3e} passed)"
             ), worst
     return "", worst
+
+
+def _magnitude(ref64: torch.Tensor, terms: torch.Tensor | None) -> tuple[float, float, str]:
+    """The norm and the largest element an output's error is measured against, and how a message names
+    them: the reference's, or the terms' where the workload gives them and the output cancelled below."""
+    norm, largest = float(torch.linalg.vector_norm(ref64)), float(ref64.abs().max()) if ref64.numel() else 0.0
+    if terms is None:
+        return norm, largest, ""
+    terms64 = terms.detach().to(device=ref64.device, dtype=torch.float64)
+    if tuple(terms64.shape) != tuple(ref64.shape) or not torch.isfinite(terms64).all():
+        raise ValueError("the workload's size of an output's terms must be finite and shaped as the output")
+    terms_norm = float(torch.linalg.vector_norm(terms64))
+    if terms_norm <= norm:
+        return norm, largest, ""
+    return terms_norm, max(largest, float(terms64.abs().max())), " (against the size of its terms)"
 
 
 def worse(a: float, b: float) -> float:

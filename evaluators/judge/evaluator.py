@@ -499,9 +499,9 @@ class Evaluator:
 
     def _compare(self, call: _Call, inputs: dict, result: CallResult) -> _Verdict:
         """The call's outputs against the float64 reference of its inputs."""
-        reference = self.workload.reference_for(self.preset, inputs)
+        reference, scales = self.workload.reference_and_scales(self.preset, inputs)
         problem, rel = compare_outputs(result.outputs, reference, self._dtypes, self._tolerance,
-                                       self.settings.elementwise_factor)
+                                       self.settings.elementwise_factor, scales)
         fingerprint = _fingerprint(result.outputs)
         if problem:
             if fingerprint in self._seen:
@@ -780,8 +780,9 @@ class Evaluator:
                 ) -> tuple[str, float]:
         """A served call's outputs against the float64 reference of its inputs: (the problem or "", the
         norm-wise relative error)."""
-        reference = self.workload.reference_for(self.preset, self._complete(inputs))
-        return compare_outputs(dict(outputs), reference, self._dtypes, self._tolerance, self.settings.elementwise_factor)
+        reference, scales = self.workload.reference_and_scales(self.preset, self._complete(inputs))
+        return compare_outputs(dict(outputs), reference, self._dtypes, self._tolerance,
+                               self.settings.elementwise_factor, scales)
 
     @property
     def defer_checks(self) -> bool:

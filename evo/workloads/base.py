@@ -228,6 +228,15 @@ class Workload:
         this one."""
         return self.reference(inputs)
 
+    def reference_and_scales(self, preset: Preset, inputs: dict) -> tuple[dict, dict]:
+        """The oracle's outputs and, per output that can cancel far below the terms it is summed from,
+        the size of those terms (elementwise, float64: their root-sum-square, which is about the output
+        where the terms' signs are random): where an output's norm is below its terms', the judge
+        measures the error against the terms', as a finite-precision sum's rounding follows them (a
+        condition-aware bound, evaluators/judge/check.py). Default: `reference_for`'s outputs and no
+        scales (each output's error measured against itself)."""
+        return self.reference_for(preset, inputs), {}
+
     def free_axes(self, preset: Preset) -> dict[str, tuple[int, ...]]:
         """The shape axes callers may vary (batch, sequence length, ...), each with every value the
         fixed cascade verifies an engine at (`domain` spans them, and draws the values between).

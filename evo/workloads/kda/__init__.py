@@ -69,10 +69,16 @@ class KdaWorkload(Workload):
     def reference(self, inputs: dict) -> dict:
         return _reference.reference(inputs)
 
+    def reference_and_scales(self, preset: Preset, inputs: dict) -> tuple[dict, dict]:
+        """o's error is measured against the root-sum-square of its terms where o has cancelled below
+        it (q_t nearly orthogonal to what the state holds; evo/workloads/kda/reference.py)."""
+        return _reference.reference_and_scales(inputs)
+
     def forbidden_callables(self) -> list[tuple[object, str]]:
         """What an engine must not call (the evaluator guards these while engines build and run):
         the float64 oracle and every baseline, whose answers would pass the check for free."""
         return [(_reference, "reference"), (_reference, "recurrent_kda"), (_reference, "chunked_kda"),
+                (_reference, "reference_and_scales"),
                 *((_baselines, name) for name in ("chunk_pairwise", "_pairwise_intra", "_chunk_step",
                                                   "_compiled_chunk_pairwise", "_eager_recurrent",
                                                   "_fla_naive_chunk", "recurrent_kda", "baselines"))]

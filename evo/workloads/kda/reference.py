@@ -4,6 +4,12 @@ by chunks (exact, not an approximation), which the judge uses where it is faster
 Per batch b and head h, with state S [K, V]:
     q_t <- l2norm(q_t) * K**-0.5 ;  k_t <- l2norm(k_t)
     S <- diag(exp g_t) S ;  S <- S + beta_t k_t (v_t - S^T k_t)^T ;  o_t = S^T q_t
+
+`reference_and_scales` also gives, for o, the size of the terms each output is summed from: their
+root-sum-square sqrt((q_t^2)^T S_t^2), which is about |o_t| where the terms' signs are random and far
+above it where q_t is nearly orthogonal to what the state holds; there o_t cancels and no float32
+engine can be within a relative 1e-5 of it, as its rounding error follows the terms (the judge's
+condition-aware bound, evaluators/judge/check.py).
 """
 from __future__ import annotations
 
@@ -22,8 +28,9 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
 
 
-def recurrent_kda(inputs: dict, dtype: torch.dtype) -> dict:
-    """Token recurrence in `dtype` (float64 for the oracle, float32 for the eager baseline)."""
+def recurrent_kda(inputs: dict, dtype: torch.dtype, scales: bool = False) -> dict:
+    """Token recurrence in `dtype` (float64 for the oracle, float32 for the eager baseline); with
+    `scales`, also "o_scale" = sqrt((q_t^2)^T S_t^2) per token (see the module's docstring)."""
     q, k, v, g, beta = (inputs[n].to(dtype) for n in ("q", "k", "v", "g", "beta"))
     B, T, H, K = q.shape  # q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]
     V = v.shape[-1]
@@ -33,13 +40,16 @@ def recurrent_kda(inputs: dict, dtype: torch.dtype) -> dict:
     h0 = inputs.get("initial_state")
     S = h0.to(dtype).clone() if h0 is not None else q.new_zeros(B, H, K, V)  # [B, H, K, V]
     o = v.new_empty(B, T, H, V)
+    o_scale = v.new_empty(B, T, H, V) if scales else None
     for t in range(T):
         k_t = k[:, t]  # [B, H, K]
         S = S * decay[:, t, :, :, None]
         residual = v[:, t] - torch.einsum("bhk,bhkv->bhv", k_t, S)  # v_t - S^T k_t
         S = S + torch.einsum("bhk,bhv->bhkv", beta[:, t, :, None] * k_t, residual)
         o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], S)
-    return {"o": o, "final_state": S}
+        if o_scale is not None:
+            o_scale[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t] ** 2, S**2).sqrt()
+    return {"o": o, "final_state": S, **({"o_scale": o_scale} if scales else {})}
 
 
 def chunk_for(g: torch.Tensor, chunk: int = CHUNK) -> int:
@@ -51,13 +61,14 @@ def chunk_for(g: torch.Tensor, chunk: int = CHUNK) -> int:
     return chunk
 
 
-def chunked_kda(inputs: dict, dtype: torch.dtype = torch.float64, chunk: int = CHUNK) -> dict:
+def chunked_kda(inputs: dict, dtype: torch.dtype = torch.float64, chunk: int = CHUNK, scales: bool = False) -> dict:
     """The token recurrence computed by chunks (the WY form), vectorised over batch, heads and chunks
     except for one step per chunk. Exact math: with G_i the cumulative log decay inside a chunk,
     Kg = k exp(G), Kinv = k exp(-G) (factored exponents, finite in float64 for |G| <= MAX_EXPONENT),
         (I + diag(beta) strict_lower(Kg Kinv^T)) U = diag(beta) (V - Kg S0)      (U: the deltas)
         o = Qg S0 + lower(Qg Kinv^T) U ;  S_C = exp(G_C) S0 + (k exp(G_C - G))^T U.
-    Tokens past T are padded with zeros and g = 0, beta = 0, which leave the state as it is."""
+    Tokens past T are padded with zeros and g = 0, beta = 0, which leave the state as it is. With
+    `scales`, also "o_scale" = sqrt(Qg^2 S0^2 + lower(Qg^2 (Kinv^2)^T) U^2): the root-sum-square of o's terms."""
     q, k, v, g, beta = (inputs[n].to(dtype) for n in ("q", "k", "v", "g", "beta"))
     B, T, H, K = q.shape
     V, C = v.shape[-1], chunk
@@ -83,18 +94,34 @@ def chunked_kda(inputs: dict, dtype: torch.dtype = torch.float64, chunk: int = C
     h0 = inputs.get("initial_state")
     S = h0.to(dtype).clone() if h0 is not None else q.new_zeros(B, H, K, V)  # [B, H, K, V]
     o = v.new_empty(v.shape)
+    o_scale = v.new_empty(v.shape) if scales else None
+    P_sq = torch.where(ones.tril(), Qg**2 @ (Kinv**2).transpose(-1, -2), zero) if scales else None
     for n in range(v.shape[2]):
         U = U0[:, :, n] - W[:, :, n] @ S  # [B, H, C, V]
         o[:, :, n] = Qg[:, :, n] @ S + P[:, :, n] @ U
+        if o_scale is not None:
+            o_scale[:, :, n] = (Qg[:, :, n] ** 2 @ S**2 + P_sq[:, :, n] @ U**2).sqrt()
         S = gC[:, :, n, :, None].exp() * S + Kd[:, :, n].transpose(-1, -2) @ U
-    return {"o": o.flatten(2, 3).transpose(1, 2)[:, :T], "final_state": S}
+
+    def tokens(x: torch.Tensor) -> torch.Tensor:  # [B, H, N, C, V] -> [B, T, H, V]
+        return x.flatten(2, 3).transpose(1, 2)[:, :T]
+    return {"o": tokens(o), "final_state": S, **({"o_scale": tokens(o_scale)} if scales else {})}
 
 
 def reference(inputs: dict) -> dict:
     """Float64 outputs: o [B, T, H, V] and final_state [B, H, K, V]. By chunks on CUDA and for longer
     sequences (the same math, ~1e-14 apart), else the token loop."""
+    outputs, _ = reference_and_scales(inputs, scales=False)
+    return outputs
+
+
+def reference_and_scales(inputs: dict, scales: bool = True) -> tuple[dict, dict]:
+    """`reference`'s outputs and, with `scales`, {"o": the root-sum-square of o's terms} from the same pass."""
     T, cuda = inputs["q"].shape[1], inputs["q"].device.type == "cuda"
     chunk = min(chunk_for(inputs["g"]), max(16, 1 << max(T - 1, 0).bit_length()))  # no more padding than needed
     if chunk >= 8 and (cuda or T >= CHUNKED_MIN_T):
-        return chunked_kda(inputs, torch.float64, chunk)
-    return recurrent_kda(inputs, torch.float64)
+        outputs = chunked_kda(inputs, torch.float64, chunk, scales)
+    else:
+        outputs = recurrent_kda(inputs, torch.float64, scales)
+    o_scale = outputs.pop("o_scale", None)
+    return outputs, ({"o": o_scale} if o_scale is not None else {})
