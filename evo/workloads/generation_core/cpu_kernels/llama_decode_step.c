@@ -40,7 +40,11 @@ int evo_llama_step_dims(void) { return DIM_COUNT; }
 int evo_llama_step_pointers_per_layer(void) { return P_PER_LAYER; }
 
 #ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 512 /* ahead in each weight row: 14.5 against 13.7 GB/s at one row, ~1.3x at 2-4 (measured) */
+/* How far ahead of each weight read to prefetch. A product's weight rows lie one after another, so this reaches into
+   the rows of the blocks that come next: on this Xeon (2 cores, one thread; `linear` over SmolLM2-135M's 211
+   products, interleaved, best of 10) 8 KB against 512 B took one row over int8 weights from 21-24 to 13-16 ms,
+   over bfloat16 from 22-35 to 19-28 ms, two rows over int8 from 23 to 13 ms; 8-16 KB is a plateau. */
+#define PREFETCH_BYTES 8192
 #endif
 
 /* A block of R rows x OB outputs of out = x w^T over K (a multiple of 8), float32 weights: each weight vector loaded
