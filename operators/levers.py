@@ -7,10 +7,15 @@ the sweep moves on by itself and starts again from a new best. Lossy values come
 them (budget mode): such a value is in the space only because it trades precision for speed. The mutation
 agents' random walk over every gene finds a lever's best value too, but at one gene in a dozen per child the
 few evaluations an expensive model allows rarely reach it; the sweep reaches each value of every lever within
-a few generations and leaves the rest of the genome to the other agents. Given the search's evidence (per-gene
-effects), values already measured slower than the parent's, or seen only failing, come last, so the sweep moves on to the next lever.
+a few generations and leaves the rest of the genome to the other agents. A value the parent's other genes make
+illegal (a kernel that needs another lever's value first, e.g. AMX products that need the C step over bfloat16
+weights) comes with the fewest other levers moved from their defaults that make it legal (one, else two; the
+levers' order), not three moves later; a lever the parent already moved is not undone for it. Given the search's evidence (per-gene effects), values already measured slower than the
+parent's, or seen only failing, come last, so the sweep moves on to the next lever.
 """
 from __future__ import annotations
+
+from itertools import combinations
 
 from evo.core.effects import GeneEffects
 from evo.core.genome import Genome, GenomeError
@@ -32,15 +37,15 @@ class LeverSweepAgent(Agent):
         proposals: list[Proposal] = []
         seen = {p.genome.hash for p in parents} | set(exclude)
         for parent in sorted(parents, key=lambda p: p.fitness):  # best first; the next only once it is swept
-            for gene, current, value, child in self._ordered(parent.genome, effects):
+            for gene, current, value, child, prerequisites in self._ordered(parent.genome, effects):
                 if len(proposals) >= n:
                     return proposals
                 if child.hash in seen:
                     continue
                 seen.add(child.hash)
                 proposals.append(Proposal(genome=child, parents=(parent.genome.hash,), agent=self.name,
-                                          move=f"lever {gene}: {current} -> {value}", move_kind=gene,
-                                          generation=generation))
+                                          move=f"lever {gene}: {current} -> {value}{prerequisites}",
+                                          move_kind=gene, generation=generation))
         return proposals
 
     def _ordered(self, parent: Genome, effects: GeneEffects | None) -> list:
@@ -52,7 +57,7 @@ class LeverSweepAgent(Agent):
             return sweep
 
         def measured_worse(move) -> bool:
-            gene, current, value, _ = move
+            gene, current, value = move[:3]
             effect, ok = effects.effect(gene, value)
             if ok == 0:  # failed every time it was tried (e.g. outside the accuracy budget), or never tried
                 evidence = effects.evidence(gene, value)
@@ -62,15 +67,37 @@ class LeverSweepAgent(Agent):
         return sorted(sweep, key=measured_worse)  # stable: the lever order otherwise
 
     def _sweep(self, parent: Genome):
-        """(gene, its current value, another value, child) for every lever's other legal values, levers in order,
-        lossy values first."""
+        """(gene, its current value, another value, child, the other levers changed as the move's text says them)
+        for every lever's other values, levers in order, lossy values first; a value illegal with the parent's
+        other genes comes with the fewest levers that make it legal."""
         canonical, values = self.gene_space.canonical(parent).hash, parent.values()
         for name in self.move_kinds(parent):
             gene, current = self.gene_space.gene(name), values[name]
             for value in sorted((v for v in gene.values if v != current), key=lambda v: v not in gene.lossy):
+                child, changes = self._legal(parent, name, value)
+                if child is not None and child.hash not in (parent.hash, canonical):
+                    said = ", ".join(f"{lever}: {values[lever]} -> {v}" for lever, v in changes)
+                    yield name, current, value, child, f" (with {said})" if said else ""
+
+    def _legal(self, parent: Genome, name: str, value) -> tuple[Genome | None, tuple]:
+        """`parent` with `name` set to `value`, or where that is illegal with the parent's other genes, also with one
+        (else two) other levers moved from their defaults, the first such child in the levers' order, and those
+        changes; None where none makes it legal (a lever the parent already moved is never undone for it: from the
+        C step, float16 weights, which need the eager step, are not proposed)."""
+        try:
+            return self.gene_space.validate(parent.with_genes(**{name: value})), ()
+        except GenomeError:
+            pass
+        values, default = parent.values(), self.gene_space.default().values()
+        others = [(lever, v) for lever in self.move_kinds(parent)  # never undoing a lever the parent moved
+                  if lever != name and values[lever] == default[lever]
+                  for v in self.gene_space.gene(lever).values if v != values[lever]]
+        for count in (1, 2):
+            for changes in combinations(others, count):
+                if len({lever for lever, _ in changes}) < count:
+                    continue  # one lever set twice
                 try:
-                    child = self.gene_space.validate(parent.with_genes(**{name: value}))
+                    return self.gene_space.validate(parent.with_genes(**{name: value}, **dict(changes))), changes
                 except GenomeError:
-                    continue  # illegal with the parent's other genes (e.g. a packed kernel over bfloat16 weights)
-                if child.hash not in (parent.hash, canonical):
-                    yield name, current, value, child
+                    continue
+        return None, ()

@@ -103,12 +103,24 @@ def test_levers_sweep_the_named_genes_one_value_at_a_time_lossy_first_from_the_b
     agent = LeverSweepAgent(budget, seed=0)
     proposals = agent.propose([Parent(worse, 9.0), Parent(default, 1.0)], 4, generation=1)
     assert [p.parents for p in proposals] == [(default.hash,)] * 4  # from the best parent
-    for p in proposals:  # one lever changed, nothing else
+    for p in proposals:  # one lever changed, or with the levers its value needs, which the move says
         changed = {k for k, v in p.genome.values().items() if v != default.values()[k]}
-        assert changed == {p.move_kind} and p.move_kind in budget.levers and budget.is_legal(p.genome)
+        extra = changed - {p.move_kind}
+        assert p.move_kind in changed and changed <= set(budget.levers) and budget.is_legal(p.genome)
+        assert ("(with " in p.move) == bool(extra), p.move
+        assert all(f"{k}: {default.values()[k]} -> {p.genome.values()[k]}" in p.move for k in extra), p.move
     kernel = budget.gene("linear_kernel")
-    lossy = [k for k in kernel.lossy if k != "q8_weights"]  # q8_weights needs decode_step=native: not from here
-    assert [p.genome.values()["linear_kernel"] for p in proposals[:len(lossy)]] == lossy
+    assert [p.genome.values()["linear_kernel"] for p in proposals] == list(kernel.lossy)
+    assert proposals[-1].genome.values()["decode_step"] == "native"  # q8_weights needs the C step: set with it
+    everything = LeverSweepAgent(budget, seed=0).propose([Parent(default, 1.0)], 100, generation=1)
+    amx = [p for p in everything if p.genome.values()["native_products"] == "amx"]
+    if "amx" in budget.gene("native_products").values:  # a CPU with AMX: reached in one move, with both it needs
+        assert len(amx) == 1 and amx[0].move_kind == "native_products"
+        assert {k: amx[0].genome.values()[k] for k in ("decode_step", "linear_kernel")} == {
+            "decode_step": "native", "linear_kernel": "bf16_weights"}
+    else:
+        assert not amx
+    assert all(budget.is_legal(p.genome) for p in everything)
     native = budget.make({"decode_step": "native"})
     swept = LeverSweepAgent(budget, seed=0).propose([Parent(native, 1.0)], 2, generation=1)
     assert [p.genome.values()["linear_kernel"] for p in swept] == ["bf16_weights", "q8_weights"]  # the C step's
@@ -152,7 +164,9 @@ def test_levers_move_on_past_values_the_evidence_measured_slower():
     effects.add(space.make({**best.values(), "linear_kernel": "int8_dynamic", "max_running": 8}), "incorrect",
                 float("nan"), "the accuracy budget")
     first = LeverSweepAgent(space, seed=0).propose([Parent(best, 10.0)], 2, 1, effects=effects)
-    assert [p.move_kind for p in first] == ["decode_step", "decode_attention"]  # linear_kernel's others were slower
-    assert first[0].genome["decode_step"] == "native"  # traced cannot hold bf16_weights; native_max_rows: ignored
+    # linear_kernel's others were slower or failed, but for q8_weights (with the C step it needs), never tried
+    assert [p.move_kind for p in first] == ["linear_kernel", "decode_step"]
+    assert first[0].genome["linear_kernel"] == "q8_weights" and first[0].genome["decode_step"] == "native"
+    assert first[1].genome["decode_step"] == "native"  # traced cannot hold bf16_weights; native_max_rows: ignored
     plain = LeverSweepAgent(space, seed=0).propose([Parent(best, 10.0)], 2, 1)
     assert [p.move_kind for p in plain] == ["linear_kernel"] * 2  # without evidence: the lever order
