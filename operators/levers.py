@@ -10,8 +10,9 @@ few evaluations an expensive model allows rarely reach it; the sweep reaches eac
 a few generations and leaves the rest of the genome to the other agents. A value the parent's other genes make
 illegal (a kernel that needs another lever's value first, e.g. AMX products that need the C step over bfloat16
 weights) comes with the fewest other levers moved from their defaults that make it legal (one, else two; the
-levers' order), not three moves later; a lever the parent already moved is not undone for it. Given the search's evidence (per-gene effects), values already measured slower than the
-parent's, or seen only failing, come last, so the sweep moves on to the next lever.
+levers' order), not three moves later; a lever the parent already moved is not undone for it. Given the search's
+evidence (per-gene effects), values already measured slower than the parent's, or seen only failing, come last,
+so the sweep moves on to the next lever.
 """
 from __future__ import annotations
 

@@ -105,6 +105,7 @@ def chunked_kda(inputs: dict, dtype: torch.dtype = torch.float64, chunk: int = C
 
     def tokens(x: torch.Tensor) -> torch.Tensor:  # [B, H, N, C, V] -> [B, T, H, V]
         return x.flatten(2, 3).transpose(1, 2)[:, :T]
+
     return {"o": tokens(o), "final_state": S, **({"o_scale": tokens(o_scale)} if scales else {})}
 
 
