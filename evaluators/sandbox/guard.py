@@ -108,13 +108,13 @@ def _guard_callable(label: str, report: Callable[[str], None]) -> Callable:
 
 def forbidden_targets(workload: Workload, load: bool = True) -> list[tuple[object, str]]:
     """(owner, attribute) pairs an engine must not call: the workload's `reference`, `reference_for` and
-    `reference_and_scales` methods, plus whatever the workload declares through `forbidden_callables()` (by default nothing more),
-    with `lazy` owners resolved and dotted attributes walked down to their last owner. With `load` False
+    `reference_and_scales` methods, plus whatever the workload declares through `forbidden_callables()` (by
+    default nothing more), with `lazy` owners resolved and dotted attributes walked down to their last owner. With `load` False
     (in an engine's process) a lazy module that is not loaded is left out: nothing there can reach it."""
     from evo.workloads.lazy import lazy
 
-    targets: list[tuple[object, str]] = [(workload, "reference"), (workload, "reference_for"),
-                                             (workload, "reference_and_scales")]
+    targets: list[tuple[object, str]] = [(workload, name) for name in
+                                         ("reference", "reference_for", "reference_and_scales")]
     for owner, attr in workload.forbidden_callables():
         if isinstance(owner, lazy):
             owner = owner.load() if load else owner.loaded()

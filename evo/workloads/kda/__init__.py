@@ -78,7 +78,7 @@ class KdaWorkload(Workload):
         """What an engine must not call (the evaluator guards these while engines build and run):
         the float64 oracle and every baseline, whose answers would pass the check for free."""
         return [(_reference, "reference"), (_reference, "recurrent_kda"), (_reference, "chunked_kda"),
-                (_reference, "reference_and_scales"),
+                (_reference, "reference_and_scales"), (_reference, "_oracle"),
                 *((_baselines, name) for name in ("chunk_pairwise", "_pairwise_intra", "_chunk_step",
                                                   "_compiled_chunk_pairwise", "_eager_recurrent",
                                                   "_fla_naive_chunk", "recurrent_kda", "baselines"))]

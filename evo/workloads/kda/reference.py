@@ -112,17 +112,19 @@ def chunked_kda(inputs: dict, dtype: torch.dtype = torch.float64, chunk: int = C
 def reference(inputs: dict) -> dict:
     """Float64 outputs: o [B, T, H, V] and final_state [B, H, K, V]. By chunks on CUDA and for longer
     sequences (the same math, ~1e-14 apart), else the token loop."""
-    outputs, _ = reference_and_scales(inputs, scales=False)
-    return outputs
+    return _oracle(inputs, scales=False)
 
 
-def reference_and_scales(inputs: dict, scales: bool = True) -> tuple[dict, dict]:
-    """`reference`'s outputs and, with `scales`, {"o": the root-sum-square of o's terms} from the same pass."""
+def reference_and_scales(inputs: dict) -> tuple[dict, dict]:
+    """`reference`'s outputs and {"o": the root-sum-square of o's terms}, from the same pass."""
+    outputs = _oracle(inputs, scales=True)
+    return outputs, {"o": outputs.pop("o_scale")}
+
+
+def _oracle(inputs: dict, scales: bool) -> dict:
+    """`reference`'s outputs, by chunks or the token loop (see there), with "o_scale" too where `scales`."""
     T, cuda = inputs["q"].shape[1], inputs["q"].device.type == "cuda"
     chunk = min(chunk_for(inputs["g"]), max(16, 1 << max(T - 1, 0).bit_length()))  # no more padding than needed
     if chunk >= 8 and (cuda or T >= CHUNKED_MIN_T):
-        outputs = chunked_kda(inputs, torch.float64, chunk, scales)
-    else:
-        outputs = recurrent_kda(inputs, torch.float64, scales)
-    o_scale = outputs.pop("o_scale", None)
-    return outputs, ({"o": o_scale} if o_scale is not None else {})
+        return chunked_kda(inputs, torch.float64, chunk, scales)
+    return recurrent_kda(inputs, torch.float64, scales)
