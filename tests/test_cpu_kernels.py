@@ -250,3 +250,52 @@ def test_the_llama_decode_step_refuses_what_it_cannot_run():
         cpu_kernels.check_step_supported(narrow, torch.float16, torch.float32, "cpu")
     with pytest.raises(cpu_kernels.KernelUnavailable, match="AMX tiles take bfloat16 weights.*vocab"):
         cpu_kernels.check_step_supported(narrow, torch.bfloat16, torch.float32, "cpu", tiles=True)
+
+
+def _delta_rule(state, q, k, v, decay, beta, lengths):
+    """The KDA recurrence in float64, sequence b over its first lengths[b] tokens: o [B, T, H, V] (zero past a
+    length), the final states."""
+    S, o = state.double().clone(), torch.zeros(*v.shape, dtype=torch.float64)
+    for b, length in enumerate(lengths):
+        for t in range(length):
+            S[b] = S[b] * decay[b, t, :, :, None].double()
+            residual = v[b, t].double() - torch.einsum("hk,hkv->hv", k[b, t].double(), S[b])
+            S[b] = S[b] + beta[b, t, :, None, None].double() * k[b, t].double()[..., None] * residual[:, None]
+            o[b, t] = torch.einsum("hk,hkv->hv", q[b, t].double(), S[b])
+    return o, S
+
+
+def test_the_kda_recurrence_matches_float64_over_each_sequences_own_tokens():
+    """Sequences of their own lengths (all of T, a few, none) from nonzero states, K != V: each token's output and
+    the final states as the float64 delta rule's; a sequence's tokens past its length are not read (NaN there)."""
+    gen = torch.Generator().manual_seed(11)
+    B, T, H, K, V = 3, 17, 2, 12, 24
+    q, k = (torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1) for _ in range(2))
+    v = torch.randn(B, T, H, V, generator=gen)
+    decay, beta = torch.rand(B, T, H, K, generator=gen) * 0.5 + 0.5, torch.rand(B, T, H, generator=gen)
+    state = torch.randn(B, H, K, V, generator=gen)
+    lengths = [17, 5, 0]
+    for t in (q, k, v, decay):
+        t[1, 5:] = float("nan")
+        t[2] = float("nan")
+    want_o, want_S = _delta_rule(state, q, k, v, decay, beta, lengths)
+    got_S = state.clone()
+    got_o = cpu_kernels.kda_recurrence(got_S, q, k, v, decay, beta, torch.tensor(lengths))
+    assert torch.allclose(got_S.double(), want_S, atol=1e-5, rtol=1e-5) and torch.equal(got_S[2], state[2])
+    for b, length in enumerate(lengths):
+        assert torch.allclose(got_o[b, :length].double(), want_o[b, :length], atol=1e-5, rtol=1e-5), b
+    one = state[:1].clone()  # a decode step: one token, no lengths
+    step = cpu_kernels.kda_recurrence(one, q[:1, :1], k[:1, :1], v[:1, :1], decay[:1, :1], beta[:1, :1])
+    assert torch.allclose(step[0, 0].double(), want_o[0, 0], atol=1e-5, rtol=1e-5)
+
+
+def test_the_kda_recurrence_refuses_what_it_cannot_run():
+    with pytest.raises(cpu_kernels.KernelUnavailable, match="multiple of 8"):
+        cpu_kernels.check_recurrence_supported(64, 12, "cpu")
+    q = torch.zeros(1, 2, 1, 8)
+    with pytest.raises(ValueError, match="state \\[B, H, K, V\\]"):
+        cpu_kernels.kda_recurrence(torch.zeros(1, 1, 8, 16), q, q, q, q, torch.zeros(1, 2, 1))
+    with pytest.raises(ValueError, match="in place: float32 and contiguous"):
+        cpu_kernels.kda_recurrence(torch.zeros(1, 1, 8, 8).mT, q, q, q, q, torch.zeros(1, 2, 1))
+    with pytest.raises(ValueError, match="lengths must lie in"):
+        cpu_kernels.kda_recurrence(torch.zeros(1, 1, 8, 8), q, q, q, q, torch.zeros(1, 2, 1), torch.tensor([3]))

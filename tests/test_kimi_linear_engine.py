@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from evaluators.judge.replay import replay, request_problems, score
+from evo.core.genome import GenomeError
 from evo.core.trace import TraceRequest
 from evo.workloads import get_workload
 from evo.workloads.base import DeviceInfo
@@ -110,6 +111,10 @@ DESIGNS = {
                   "fused_projections": True, "conv_window": "ring", "state_layout": "vk", "shared_expert": "fused",
                   "prefill_rows": "together"},
     "eight_running": {"max_running": 8},
+    "native": {"kda_kernel": "native"},
+    "native_together_ring_grouped": {"kda_kernel": "native", "prefill_rows": "together", "conv_window": "ring",
+                                     "mla_cache": "compressed", "moe_dispatch": "grouped"},
+    "native_together": {"kda_kernel": "native", "prefill_rows": "together"},
 }
 
 
@@ -149,6 +154,7 @@ def test_the_chunked_prefill_is_exact_under_the_models_strong_decay():
 BF16_DESIGNS = {
     "bf16_state_compressed": {"state_dtype": "bfloat16", "mla_cache": "compressed"},
     "f32_cache_compressed": {"mla_cache": "compressed", "mla_cache_dtype": "float32"},
+    "bf16_state_native": {"state_dtype": "bfloat16", "kda_kernel": "native", "prefill_rows": "together"},
     "f32_cache_expanded_vk_ring_fused": {"state_dtype": "bfloat16", "mla_cache_dtype": "float32",
                                          "state_layout": "vk", "conv_window": "ring", "shared_expert": "fused"},
 }
@@ -180,6 +186,13 @@ def test_bfloat16_presets_offer_a_bfloat16_state_and_a_float32_cache_and_run_wit
             ours = generator.model.prefill(0, tuple(prompt))[0].double().numpy()
         ref = reference.continuation_logits(preset, prompt, [0])[0]
         assert np.abs(ours - ref).max() / np.abs(ref).max() < 5e-2
+
+
+def test_the_native_kda_kernel_needs_kv_states_and_the_cpu():
+    with pytest.raises(GenomeError, match="kda_kernel='native' updates KDA states kept as \\[K, V\\]"):
+        SPACE.make({"kda_kernel": "native", "state_layout": "vk"})
+    assert "kda_kernel" not in {g.name for g in gene_space(PRESET, DeviceInfo("cuda", "H200", 1)).genes}
+    assert SPACE.levers[0] == "kda_kernel"
 
 
 def test_the_new_layouts_serve_a_model_with_two_shared_experts_and_a_three_tap_convolution(logits_seen):

@@ -9,7 +9,7 @@ Three parts, each blind to the others' insides (as llama_serve's engine, and vLL
   Running requests hold the first rows, so a decode step reads views; a row's memory depends only on its
   request (the ring's slot order on its position), so a request that moves rows takes it along by copy;
 - the model (`KimiModel`): a prompt of one row (its state from zero), and one decode step of rows [0, n)
-  together: the KDA recurrence batched over the rows' states, MLA attending over each row's own positions
+  together: the KDA recurrence batched over the rows' states (as torch ops, or our C kernel by `kda_kernel`), MLA attending over each row's own positions
   under a per-row mask, the MoE dispatched by the `moe_dispatch` gene (the shared experts among the routed
   ones, or apart, by `shared_expert`);
 - the scheduler, shared with every generation engine here (`evo.workloads.generation_core.Scheduler`, over
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from evo.core.genome import Genome
 from evo.workloads.base import NO_SOURCES, DeviceInfo, Preset
-from evo.workloads.generation_core import Pick, Ragged, Scheduler, SchedulerPolicy, pick_tokens
+from evo.workloads.generation_core import Pick, Ragged, Scheduler, SchedulerPolicy, cpu_kernels, pick_tokens
 from evo.workloads.kda.definition import L2NORM_EPS
 from evo.workloads.kimi_linear.genes import KimiPlan, gene_space
 from evo.workloads.kimi_linear.model import DENSE, FP32_TENSORS, KDA, LATENT_NORM_EPS, KimiSpec, load_weights
@@ -187,6 +187,7 @@ class KdaLayer:
         self.conv_t = w[p + "conv1d.weight"][:, 0].T.contiguous()  # [taps, C] of the [C, 1, taps] kernel
         self.o_norm, self.o = w[p + "o_norm.weight"], w[p + "o_proj.weight"].T.contiguous()
         self.chunked = chunked  # the KDA workload's engine (kda_prefill=chunked), or None
+        self.native = plan.kda_kernel == "native"  # our C recurrence (prefill and decode; [K, V] states)
 
     def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [n, D] -> g [n, H, K] (float32 log decay), beta [n, H] (float32), output gate [n, H, K]."""
@@ -253,6 +254,11 @@ class KdaLayer:
             q, k, v = F.silu(mixed).float().view(n, T, 3, self.H, self.K).unbind(2)
             out = self.chunked(q, k, v, g, beta)
             o, S = batch.packed(out["o"]), out["final_state"]  # [N, H, V], [n, H, K, V]
+        elif self.native:  # our C recurrence, each prompt to its own length (its pads not read)
+            q, k, v = (t.view(n, T, self.H, self.K) for t in self._qkv(mixed.flatten(0, 1)))
+            S = torch.zeros(n, self.H, self.K, v.shape[-1], device=x.device)
+            o = cpu_kernels.kda_recurrence(S, q, k, v, g.exp(), beta, torch.tensor(batch.lengths))
+            o = batch.packed(o)
         else:  # the one-prompt recurrence over n*H heads: [n, T, H, ...] -> [T, n H, ...]
             heads = lambda t: t.transpose(0, 1).flatten(1, 2)  # noqa: E731
             q, k, v = (heads(t.view(n, T, self.H, self.K)) for t in self._qkv(mixed.flatten(0, 1)))
@@ -269,7 +275,10 @@ class KdaLayer:
         q, k, v = self._qkv(self._ring(new, rows, pos) if self.ring else self._shift(new))
         g, beta, gate = self._gates(x)
         S = self.state[:n] if self.state_f32 else self.state[:n].float()  # [n, H, K, V] or [n, H, V, K]
-        o = self.step(S, q, k, v, g.exp(), beta)  # [n, H, V]
+        if self.native:  # one token per row: sequences of length one
+            o = cpu_kernels.kda_recurrence(S, q[:, None], k[:, None], v[:, None], g.exp()[:, None], beta[:, None])[:, 0]
+        else:
+            o = self.step(S, q, k, v, g.exp(), beta)  # [n, H, V]
         if not self.state_f32:
             self.state[:n] = S
         return self._out(o, gate, x.dtype)
@@ -566,6 +575,11 @@ def build(genome: Genome, preset: KimiPreset, device: DeviceInfo,
     plan = KimiPlan.from_genome(genome)
     torch_device = torch.device("cuda" if device.kind == "cuda" else "cpu")
     dtype = getattr(torch, preset.dtype)
+    if plan.kda_kernel == "native":
+        try:
+            cpu_kernels.check_recurrence_supported(preset.model.kda_head_dim, preset.model.kda_head_dim, torch_device)
+        except cpu_kernels.KernelUnavailable as e:
+            raise ValueError(f"kda_kernel='native': {e}; use kda_kernel=torch") from None
     pool = StatePool(preset.model, plan, preset.max_positions, dtype, torch_device)
     chunked = (_chunked_kda(preset, device, chunk_size=plan.chunk_size, intra_algorithm=plan.intra_algorithm)
                if plan.kda_prefill == "chunked" else None)

@@ -13,7 +13,9 @@ The default genome is the plainest correct engine: recurrent prefill, expanded c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from evo.core.genome import Gene, GeneSpace, Genome, Ignored
+from typing import Mapping
+
+from evo.core.genome import Constraint, Gene, GeneSpace, Genome, Ignored, Scalar
 from evo.workloads.base import DeviceInfo
 from evo.workloads.generation_core.exchange import exchange_gene
 from evo.workloads.kda import genes as _kda
@@ -79,8 +81,14 @@ def _memory_genes(preset: KimiPreset) -> list[Gene]:
     ]
 
 
-def _fusion_genes() -> list[Gene]:
-    return [
+def _fusion_genes(device: DeviceInfo) -> list[Gene]:
+    native = [Gene("kda_kernel", "fusion", ("torch", "native"), "torch",
+                   "how the KDA recurrence runs: torch (the prefill loop under TorchScript, four ops a token; a decode "
+                   "step's decay, products and rank-one update as batched ops), or native: our C kernel (AVX2, FMA; "
+                   "generation_core.cpu_kernels.kda_recurrence), each head's state decayed, multiplied and updated in "
+                   "one pass over it a token, for a recurrent prefill (each prompt to its own length) and every decode "
+                   "step; needs state_layout=kv")] if device.kind == "cpu" else []
+    return native + [
         Gene("moe_dispatch", "fusion", ("loop", "grouped", "dense"), "loop",
              "loop: per expert, find its routed tokens and run them; grouped: (token, expert) pairs sorted by "
              "expert once, each expert's contiguous run of rows in one product; dense: every expert on every "
@@ -96,22 +104,32 @@ def _fusion_genes() -> list[Gene]:
     ]
 
 
-# the speed levers, most leverage first (the `levers` agent's sweep): how prompts are prefilled (together, and through
-# the recurrence or chunks), how many steps an
+# the speed levers, most leverage first (the `levers` agent's sweep): the KDA recurrence in C, how prompts are prefilled
+# (together, and through the recurrence or chunks), how many steps an
 # exchange runs, how the experts are dispatched, the projections fused, the MLA cache held
-LEVERS = ("prefill_rows", "kda_prefill", "steps_per_exchange", "moe_dispatch", "fused_projections", "mla_cache")
+LEVERS = ("kda_kernel", "prefill_rows", "kda_prefill", "steps_per_exchange", "moe_dispatch", "fused_projections", "mla_cache")
 
 
 def gene_space(preset: KimiPreset, device: DeviceInfo) -> GeneSpace:
     """Genes legal for `preset` on `device` (names are a contract with operators, configs and the workload)."""
-    genes = _scheduling_genes(preset, device) + [exchange_gene()] + _memory_genes(preset) + _fusion_genes()
-    # no cross-gene rule: every combination is a correct engine (a bfloat16 state exists only where the
-    # preset is bfloat16, a float32 cache beside the model's dtype only where that is narrower, by their genes'
-    # values, as the llama workload offers weight_dtype; the shared experts always split exactly, their width
-    # being shared_experts x moe_intermediate by the spec's shapes, which a checkpoint is checked against)
+    genes = _scheduling_genes(preset, device) + [exchange_gene()] + _memory_genes(preset) + _fusion_genes(device)
+    # one cross-gene rule (the C recurrence keeps [K, V] states); otherwise every combination is a correct engine (a
+    # bfloat16 state exists only where the preset is bfloat16, a float32 cache beside the model's dtype only where
+    # that is narrower, by their genes' values, as the llama workload offers weight_dtype; the shared experts always
+    # split exactly, their width being shared_experts x moe_intermediate by the spec's shapes, which a checkpoint is
+    # checked against)
     chunked_only = Ignored(KDA_GENES, lambda v: v.get("kda_prefill") != "chunked",
                            "the KDA workload's genes are read by the chunked prefill only")
-    return GeneSpace("kimi_linear", tuple(genes), ignored=(chunked_only,), levers=LEVERS)
+    names = {g.name for g in genes}
+    return GeneSpace("kimi_linear", tuple(genes), ignored=(chunked_only,), levers=tuple(n for n in LEVERS if n in names),
+                     constraints=(Constraint("kda_kernel native needs state_layout kv", _native_kernel_needs_kv),))
+
+
+def _native_kernel_needs_kv(values: Mapping[str, Scalar]) -> str | None:
+    if values.get("kda_kernel") == "native" and values.get("state_layout") != "kv":
+        return (f"kda_kernel='native' updates KDA states kept as [K, V] per head; got state_layout="
+                f"{values.get('state_layout')!r}; set state_layout=kv or kda_kernel=torch")
+    return None
 
 
 @dataclass(frozen=True)
@@ -130,6 +148,7 @@ class KimiPlan:
     shared_expert: str
     fused_projections: bool
     prefill_rows: str = "each"
+    kda_kernel: str = "torch"
     chunk_size: int = 16  # the chunked prefill's KDA genes (read when kda_prefill is chunked)
     intra_algorithm: str = "blocked_inverse"
 
@@ -142,4 +161,4 @@ class KimiPlan:
                    conv_window=str(v["conv_window"]), moe_dispatch=str(v["moe_dispatch"]),
                    shared_expert=str(v["shared_expert"]), fused_projections=bool(v["fused_projections"]),
                    chunk_size=int(v["chunk_size"]), intra_algorithm=str(v["intra_algorithm"]),
-                   prefill_rows=str(v["prefill_rows"]))
+                   prefill_rows=str(v["prefill_rows"]), kda_kernel=str(v.get("kda_kernel", "torch")))

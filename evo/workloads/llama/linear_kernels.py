@@ -14,9 +14,10 @@ weights; 0.3 / 0.6 / 2.8 ms int8, with the weight L3-resident):
   relative error of the product, measured on Gaussian rows and weights). Where the CPU has AMX or AVX-512 BF16 (oneDNN's `_is_mkldnn_bf16_supported`)
   its tiles make 16 rows cost what one does: SmolLM2-135M's projections and LM head at 1 / 16 / 32 rows, one
   thread, 28.5 / 31.1 / 37.0 ms against packed float32's 46.6 / 73.5 / 99.2 (Intel Xeon with AMX); without them
-  oneDNN emulates bfloat16 and the search will find it slow;
+  (AVX2 only: torch 2.13's oneDNN refuses a bfloat16 weight there) the same rounding runs on the packed float32
+  kernel, and the search will find it no faster;
 - `int8_dynamic`: fbgemm's int8 weights, one scale per output channel (absmax / 127), activations quantised
-  to uint8 per call over the call's whole [M, in] (so a row's rounding depends on the batch's range), int32
+  to 7 bits (`reduce_range`) per call over the call's whole [M, in] (so a row's rounding depends on the batch's range), int32
   accumulation (a quarter of the bytes; lossy: ~1e-2 relative error of the product);
 - `q8_weights`: int8 weights with one float32 scale per 32 inputs (`int8.quantise_groups`, llama.cpp's Q8_0 block).
   Our C decode step reads them as int8 (`cpu_kernels.llama_decode_step`, ~1.1 bytes a weight); here, for the rest of
@@ -51,9 +52,20 @@ def _packed(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def _bf16(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    packed = torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16), PACK_ROWS_HINT)
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16), PACK_ROWS_HINT)
+    except RuntimeError:  # "bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq"
+        return _bf16_emulated(w)
     return lambda x: torch.ops.mkldnn._linear_pointwise(
         x.to(torch.bfloat16), packed, None, "none", [], "").to(torch.float32)
+
+
+def _bf16_emulated(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`_bf16`'s rounding where oneDNN cannot multiply bfloat16 (torch 2.13 refuses to reorder a bfloat16 weight
+    without AVX-512 or AVX-NE-CONVERT): the weight and the rows rounded to bfloat16, multiplied by the packed
+    float32 kernel (float32 sums, as oneDNN's), the product rounded to bfloat16. The same loss, no speed."""
+    run = _packed(w.to(torch.bfloat16).to(torch.float32))
+    return lambda x: run(x.to(torch.bfloat16).to(torch.float32)).to(torch.bfloat16).to(torch.float32)
 
 
 def _fp16(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -67,7 +79,10 @@ def _int8(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         warnings.simplefilter("ignore")
         qw = torch._make_per_channel_quantized_tensor(q, scale.double(), torch.zeros(len(q), dtype=torch.long), 0)
     packed = torch.ops.quantized.linear_prepack(qw, None)
-    return lambda x: torch.ops.quantized.linear_dynamic(x, packed)
+    # reduce_range: activations on 7 bits, as torch's x86 default; at 8 bits fbgemm's AVX2 path (vpmaddubsw, no VNNI)
+    # saturates its int16 pair sums (measured on an AMD EPYC: 8.4e-2 relative error of a one-row product against
+    # 1.4e-2 with it)
+    return lambda x: torch.ops.quantized.linear_dynamic(x, packed, True)
 
 
 def _q8(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -107,7 +107,7 @@ def _step_genes(device: DeviceInfo) -> list[Gene]:
                "over float32 rows, each weight widened as read; amx (where the CPU has AMX-BF16): the weights stored "
                "as AMX tiles, each product's rows rounded to bfloat16 (as bf16_weights' eager calls round them) and "
                "multiplied 16 rows a pass on the tile unit, float32 sums (SmolLM2-135M's products, one thread: "
-               "~the same time at 1 and at 16 rows)", lossy=("amx",)),
+               "~the same time at 1 and at 16 rows)", lossy=tuple(v for v in _native_products() if v == "amx")),
           Gene("decode_attention", "fusion", DECODE_ATTENTION, "stage",
                "stage: a batched decode step's attention is the attention stage (SDPA or the matmul form over the "
                "keys up to the furthest row, under a per-row mask); kernel: our C kernel (AVX2, FMA; "

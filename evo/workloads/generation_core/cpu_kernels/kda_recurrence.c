@@ -1,0 +1,71 @@
+/* The KDA (gated delta rule) recurrence on one CPU thread (AVX2, FMA), float32, for B sequences of up to T tokens,
+   each head's state S [K, V] (row-major, V a multiple of 8) updated in place. Per token t of a sequence and head:
+       S' = diag(decay_t) S;  r_t = v_t - S'^T k_t;  S = S' + beta_t k_t r_t^T;  o_t = S^T q_t = S'^T q_t + (beta_t k_t . q_t) r_t
+   One pass over S a token: the rank-one update of token t is applied in the pass that decays S for token t + 1 and
+   forms its two products (S'^T k, S'^T q), so S is read and written once a token (a head's 64 x 64 state is 16 KB,
+   in L1); the last token's update gets a pass of its own.
+   Layouts (contiguous): q, k, decay [B, T, H, K]; v, o [B, T, H, V]; beta [B, T, H]; S [B, H, K, V].
+   lengths: NULL (every sequence T tokens) or B counts; a sequence's tokens from its length on are not read and
+   their o rows are not written. */
+#include <immintrin.h>
+#include <stdint.h>
+
+#define MAX_V 512
+
+/* S [K, V] += bk r^T (bk NULL: no update), then (decay non-NULL) S = diag(decay) S with u = S^T k and w = S^T q
+   formed from the new S. Columns in blocks of 8, rows inner: a block's u, w and r stay in registers. */
+static void pass(float *S, const float *bk, const float *r, const float *decay, const float *k, const float *q,
+                 float *u, float *w, int64_t K, int64_t V) {
+    for (int64_t c = 0; c < V; c += 8) {
+        const __m256 rc = bk ? _mm256_loadu_ps(r + c) : _mm256_setzero_ps();
+        __m256 uc = _mm256_setzero_ps(), wc = _mm256_setzero_ps();
+        float *col = S + c;
+        for (int64_t i = 0; i < K; i++) {
+            __m256 s = _mm256_loadu_ps(col + i * V);
+            if (bk) s = _mm256_fmadd_ps(_mm256_broadcast_ss(bk + i), rc, s);
+            if (decay) {
+                s = _mm256_mul_ps(s, _mm256_broadcast_ss(decay + i));
+                uc = _mm256_fmadd_ps(_mm256_broadcast_ss(k + i), s, uc);
+                wc = _mm256_fmadd_ps(_mm256_broadcast_ss(q + i), s, wc);
+            }
+            _mm256_storeu_ps(col + i * V, s);
+        }
+        if (decay) {
+            _mm256_storeu_ps(u + c, uc);
+            _mm256_storeu_ps(w + c, wc);
+        }
+    }
+}
+
+static void head(float *S, const float *q, const float *k, const float *v, const float *decay, const float *beta,
+                 float *o, int64_t T, int64_t H, int64_t K, int64_t V) {
+    float u[MAX_V], w[MAX_V], r[MAX_V], bk[MAX_V];  /* K <= MAX_V too (checked by the caller) */
+    for (int64_t t = 0; t < T; t++) {
+        const float *qt = q + t * H * K, *kt = k + t * H * K, *vt = v + t * H * V;
+        pass(S, t ? bk : 0, r, decay + t * H * K, kt, qt, u, w, K, V);
+        const float b = beta[t * H];
+        float kq = 0.0f;
+        for (int64_t i = 0; i < K; i++) {
+            bk[i] = b * kt[i];
+            kq += bk[i] * qt[i];
+        }
+        float *ot = o + t * H * V;
+        for (int64_t c = 0; c < V; c++) {
+            r[c] = vt[c] - u[c];
+            ot[c] = w[c] + kq * r[c];
+        }
+    }
+    if (T) pass(S, bk, r, 0, 0, 0, 0, 0, K, V);
+}
+
+void evo_kda_recurrence(float *S, const float *q, const float *k, const float *v, const float *decay,
+                        const float *beta, float *o, const int64_t *lengths, int64_t B, int64_t T, int64_t H,
+                        int64_t K, int64_t V) {
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t n = lengths ? lengths[b] : T;
+        for (int64_t h = 0; h < H; h++) {
+            const int64_t x = (b * T * H + h) * K, y = (b * T * H + h) * V;
+            head(S + (b * H + h) * K * V, q + x, k + x, v + y, decay + x, beta + b * T * H + h, o + y, n, H, K, V);
+        }
+    }
+}
