@@ -283,7 +283,7 @@ def test_the_workload_hooks():
     assert {g.name for g in SPACE.genes} == {"max_running", "prefill_rows", "kda_prefill", "threads", "mla_cache",
                                              "mla_cache_dtype", "state_dtype", "state_layout", "conv_window",
                                              "moe_dispatch", "shared_expert", "fused_projections", "chunk_size",
-                                             "intra_algorithm", "steps_per_exchange"}
+                                             "intra_algorithm", "steps_per_exchange", "kda_kernel"}
     assert WORKLOAD.exchange_steps(SPACE.make({"steps_per_exchange": 4})) == 4
     with pytest.raises(TypeError, match="build_generator"):
         WORKLOAD.build(SPACE.default(), PRESET, CPU)
