@@ -112,7 +112,8 @@ def test_a_node_leaving_loses_no_candidate_and_a_node_joining_adds_evaluators(cl
 
         joined = add_spare_node(cluster)
         more = {p.hash: r for p, r in pool.run(proposals(["cumsum", "loop"]) + proposals(["slow"], threads=(1, 2)))}
-        assert len(more) == 16 and all(r.status == OK for r in more.values())
+        assert len(more) == 16 and all(r.status == OK for r in more.values()), \
+            {h: (r.status, r.message[:300]) for h, r in more.items() if r.status != OK}
         on_new_node = [i["name"] for i in pool.describe() if i["node_id"] == joined.node_id]
         assert len(pool.describe()) == 4 and len(on_new_node) == 1, (joined.node_id, pool.describe(), events)
         # it may be admitted while that batch finishes without it: more work until it takes some (2 s builds
