@@ -9,9 +9,9 @@ Three parts, each blind to the others' insides (as llama_serve's engine, and vLL
   Running requests hold the first rows, so a decode step reads views; a row's memory depends only on its
   request (the ring's slot order on its position), so a request that moves rows takes it along by copy;
 - the model (`KimiModel`): a prompt of one row (its state from zero), and one decode step of rows [0, n)
-  together: the KDA recurrence batched over the rows' states (as torch ops, or our C kernel by `kda_kernel`), MLA attending over each row's own positions
-  under a per-row mask, the MoE dispatched by the `moe_dispatch` gene (the shared experts among the routed
-  ones, or apart, by `shared_expert`);
+  together: the KDA recurrence batched over the rows' states (as torch ops, or our C kernel by `kda_kernel`), MLA
+  attending over each row's own positions under a per-row mask, the MoE dispatched by the `moe_dispatch` gene (the
+  shared experts among the routed ones, or apart, by `shared_expert`);
 - the scheduler, shared with every generation engine here (`evo.workloads.generation_core.Scheduler`, over
   the pool and `KimiRunner`, the model as its runner): continuous batching up to `max_running`: decode every
   running request by one token, then admit waiting requests and prefill each whole (its first token comes
@@ -254,16 +254,15 @@ class KdaLayer:
             q, k, v = F.silu(mixed).float().view(n, T, 3, self.H, self.K).unbind(2)
             out = self.chunked(q, k, v, g, beta)
             o, S = batch.packed(out["o"]), out["final_state"]  # [N, H, V], [n, H, K, V]
-        elif self.native:  # our C recurrence, each prompt to its own length (its pads not read)
-            q, k, v = (t.view(n, T, self.H, self.K) for t in self._qkv(mixed.flatten(0, 1)))
-            S = torch.zeros(n, self.H, self.K, v.shape[-1], device=x.device)
-            o = cpu_kernels.kda_recurrence(S, q, k, v, g.exp(), beta, torch.tensor(batch.lengths))
-            o = batch.packed(o)
-        else:  # the one-prompt recurrence over n*H heads: [n, T, H, ...] -> [T, n H, ...]
-            heads = lambda t: t.transpose(0, 1).flatten(1, 2)  # noqa: E731
-            q, k, v = (heads(t.view(n, T, self.H, self.K)) for t in self._qkv(mixed.flatten(0, 1)))
-            o, S = _recurrent_prefill(q, k, v, heads(g.exp()), heads(beta))
-            o, S = batch.packed(o.view(T, n, self.H, -1).transpose(0, 1)), S.view(n, self.H, self.K, -1)
+        else:
+            q, k, v = (t.view(n, T, self.H, self.K) for t in self._qkv(mixed.flatten(0, 1)))  # [n, T, H, K]
+            if self.native:  # our C recurrence, each prompt to its own length (its pads not read)
+                S = torch.zeros(n, self.H, self.K, v.shape[-1], device=x.device)
+                o = batch.packed(cpu_kernels.kda_recurrence(S, q, k, v, g.exp(), beta, torch.tensor(batch.lengths)))
+            else:  # the one-prompt recurrence over n*H heads: [n, T, H, ...] -> [T, n H, ...]
+                heads = lambda t: t.transpose(0, 1).flatten(1, 2)  # noqa: E731
+                o, S = _recurrent_prefill(heads(q), heads(k), heads(v), heads(g.exp()), heads(beta))
+                o, S = batch.packed(o.view(T, n, self.H, -1).transpose(0, 1)), S.view(n, self.H, self.K, -1)
         self.state[torch.tensor(rows, device=x.device)] = (S.mT if self.vk else S).to(self.state.dtype)
         return self._out(o, gate, x.dtype)
 

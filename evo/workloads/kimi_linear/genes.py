@@ -107,7 +107,8 @@ def _fusion_genes(device: DeviceInfo) -> list[Gene]:
 # the speed levers, most leverage first (the `levers` agent's sweep): the KDA recurrence in C, how prompts are prefilled
 # (together, and through the recurrence or chunks), how many steps an
 # exchange runs, how the experts are dispatched, the projections fused, the MLA cache held
-LEVERS = ("kda_kernel", "prefill_rows", "kda_prefill", "steps_per_exchange", "moe_dispatch", "fused_projections", "mla_cache")
+LEVERS = ("kda_kernel", "prefill_rows", "kda_prefill", "steps_per_exchange", "moe_dispatch", "fused_projections",
+          "mla_cache")
 
 
 def gene_space(preset: KimiPreset, device: DeviceInfo) -> GeneSpace:
@@ -120,8 +121,9 @@ def gene_space(preset: KimiPreset, device: DeviceInfo) -> GeneSpace:
     # checked against)
     chunked_only = Ignored(KDA_GENES, lambda v: v.get("kda_prefill") != "chunked",
                            "the KDA workload's genes are read by the chunked prefill only")
-    names = {g.name for g in genes}
-    return GeneSpace("kimi_linear", tuple(genes), ignored=(chunked_only,), levers=tuple(n for n in LEVERS if n in names),
+    names = {g.name for g in genes}  # kda_kernel is a CPU gene
+    return GeneSpace("kimi_linear", tuple(genes), ignored=(chunked_only,),
+                     levers=tuple(n for n in LEVERS if n in names),
                      constraints=(Constraint("kda_kernel native needs state_layout kv", _native_kernel_needs_kv),))
 
 

@@ -17,8 +17,8 @@ weights; 0.3 / 0.6 / 2.8 ms int8, with the weight L3-resident):
   (AVX2 only: torch 2.13's oneDNN refuses a bfloat16 weight there) the same rounding runs on the packed float32
   kernel, and the search will find it no faster;
 - `int8_dynamic`: fbgemm's int8 weights, one scale per output channel (absmax / 127), activations quantised
-  to 7 bits (`reduce_range`) per call over the call's whole [M, in] (so a row's rounding depends on the batch's range), int32
-  accumulation (a quarter of the bytes; lossy: ~1e-2 relative error of the product);
+  to 7 bits (`reduce_range`) per call over the call's whole [M, in] (so a row's rounding depends on the batch's
+  range), int32 accumulation (a quarter of the bytes; lossy: ~1e-2 relative error of the product);
 - `q8_weights`: int8 weights with one float32 scale per 32 inputs (`int8.quantise_groups`, llama.cpp's Q8_0 block).
   Our C decode step reads them as int8 (`cpu_kernels.llama_decode_step`, ~1.1 bytes a weight); here, for the rest of
   the engine's calls (prefill, steps the C step leaves), their dequantised values as `bf16_weights` multiplies

@@ -87,6 +87,7 @@ def _step_genes(device: DeviceInfo) -> list[Gene]:
     # against eager's 1.8-2.0; 16 rows 3.5-4.3 against 2.9-3.4: the whole pool's keys cost more than Python)
     # native on the CPU: our C step (generation_core.cpu_kernels.llama_decode_step), the whole forward in one call
     steps = ("eager", "compiled") if device.kind == "cuda" else ("eager", "traced", "native")
+    products = _native_products()  # amx only where the CPU has AMX-BF16
     return [
         Gene("decode_step", "scheduling", steps, "eager",
              "the batched decode forward as eager torch (attending to the keys up to the furthest row), or with "
@@ -102,12 +103,12 @@ def _step_genes(device: DeviceInfo) -> list[Gene]:
                "decode_step=native runs a step of at most this many decoding rows in C, a larger one eagerly (the C "
                "step streams the weights at one to a few rows as fast as the memory allows, while more rows are "
                "bound by its AVX2 arithmetic, where oneDNN's bfloat16 tiles or MKL may be faster)"),
-          Gene("native_products", "memory", _native_products(), "vectors",
+          Gene("native_products", "memory", products, "vectors",
                "how decode_step=native multiplies bfloat16 weights (linear_kernel=bf16_weights): vectors: AVX2 FMA "
                "over float32 rows, each weight widened as read; amx (where the CPU has AMX-BF16): the weights stored "
                "as AMX tiles, each product's rows rounded to bfloat16 (as bf16_weights' eager calls round them) and "
                "multiplied 16 rows a pass on the tile unit, float32 sums (SmolLM2-135M's products, one thread: "
-               "~the same time at 1 and at 16 rows)", lossy=tuple(v for v in _native_products() if v == "amx")),
+               "~the same time at 1 and at 16 rows)", lossy=tuple(v for v in products if v == "amx")),
           Gene("decode_attention", "fusion", DECODE_ATTENTION, "stage",
                "stage: a batched decode step's attention is the attention stage (SDPA or the matmul form over the "
                "keys up to the furthest row, under a per-row mask); kernel: our C kernel (AVX2, FMA; "

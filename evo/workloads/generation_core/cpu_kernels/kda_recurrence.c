@@ -1,6 +1,7 @@
 /* The KDA (gated delta rule) recurrence on one CPU thread (AVX2, FMA), float32, for B sequences of up to T tokens,
    each head's state S [K, V] (row-major, V a multiple of 8) updated in place. Per token t of a sequence and head:
-       S' = diag(decay_t) S;  r_t = v_t - S'^T k_t;  S = S' + beta_t k_t r_t^T;  o_t = S^T q_t = S'^T q_t + (beta_t k_t . q_t) r_t
+       S' = diag(decay_t) S;  r_t = v_t - S'^T k_t;  S = S' + beta_t k_t r_t^T;
+       o_t = S^T q_t = S'^T q_t + (beta_t k_t . q_t) r_t
    One pass over S a token: the rank-one update of token t is applied in the pass that decays S for token t + 1 and
    forms its two products (S'^T k, S'^T q), so S is read and written once a token (a head's 64 x 64 state is 16 KB,
    in L1); the last token's update gets a pass of its own.
