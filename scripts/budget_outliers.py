@@ -6,7 +6,9 @@ gaps printed, and for each beyond `--over`, the same request alone and an honest
 
 Found 2026-12-06 with these arguments (SmolLM2-135M): request 32 (17-token prompt, greedy) at step 3 took a token
 5.43 logits below float64's pick, alone as in the batch; an honest bfloat16 execution there is 2.2 logits off and
-its own pick 1.16 below, both past the calibrated budget's largest gap (0.888, docs/evidence.md).
+its own pick 1.16 below, both past the calibrated budget's largest gap (0.888, docs/evidence.md). The judge now
+rechecks such a step against an honest execution of its own context (`accuracy.recheck`); the line after each
+explanation says what that allows there.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import argparse
 import numpy as np
 import torch
 
-from evaluators.judge.accuracy import mark
+from evaluators.judge.accuracy import DEFAULT_FACTOR, honest_bound, mark
 from evaluators.judge.traffic import SAMPLING
 from evo.workloads import get_workload
 from evo.workloads.base import DeviceInfo
@@ -102,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
               f"at {np.round(exact[step][top], 3).tolist()}, honest bfloat16 there {np.round(honest[step][top], 3).tolist()}"
               f" (its pick {int(np.argmax(honest[step]))}); the engine's token {tokens[step]}: float64 "
               f"{exact[step][tokens[step]]:.3f}, honest bfloat16 {honest[step][tokens[step]]:.3f}")
+        bound = honest_bound(r, step, exact[step], honest[step], DEFAULT_FACTOR)
+        print(f"  the judge's recheck there (an honest bfloat16 execution of this context x {DEFAULT_FACTOR:g}): largest "
+              f"gap {bound:.3f}: {'allowed' if gap <= bound else 'still a breach'}")
     return 0
 
 

@@ -4,6 +4,7 @@ on one prompt class fails a budget that an honest bfloat16-weights engine passes
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,7 +92,6 @@ def test_an_honest_loss_passes_the_budget():
      r"12 of 12 tokens not the reference's pick: .* not spread over requests"),
 ])
 def test_each_kind_of_loss_beyond_the_budget_is_named(requests, says):
-    import re
     budget = Budget(0.7, 0.01, 0.3, 0.15) if "mean gap" in says else BUDGET  # a mean gap alone past 90% agreement
     why = budget.breach(_tally(*requests))
     assert re.search(says, why), why
@@ -116,6 +116,43 @@ def test_a_short_context_has_its_own_largest_gap():
     assert "beyond the budget's largest gap 0.3" in BUDGET.breach(_tally(_marks([False], [5.0])))  # context unknown
 
 
+def test_a_step_past_the_largest_gap_is_held_to_an_honest_execution_of_its_own_context(monkeypatch):
+    @dataclass(frozen=True)
+    class Prompted(_Request):
+        prompt: tuple = (7,)
+
+    exact = np.array([[3.0, 0, 0, 0], [2.0, 1.0, 0, 0], [3.0, 0, 0, 0]])
+    honest = np.array([[3.0, 0, 0, 0], [1.0, 1.6, 0, 0], [3.0, 0, 0, 0]])  # ill-conditioned at step 1 only
+    calls = []
+
+    def row_of(rows):
+        def row(prompt, context):
+            assert tuple(prompt) == (7,)
+            calls.append(len(context))
+            return rows[len(context) - 1]  # the row predicting context[-1]
+        return row
+
+    budget = Budget(0.0, 10.0, 0.3, 0.15, recheck="bfloat16", factor=2.0)
+    tally = _tally(mark(Prompted(), [0, 1, 3], exact, window=0.1))  # gaps 0, 1 and 3: steps 1 and 2 past 0.3
+    assert budget.over_largest_gap(tally) == [("request 0", 2), ("request 0", 1)]  # the furthest past first
+    accuracy.recheck(tally, budget, row_of(exact), row_of(honest))
+    error = accuracy._logprob_errors(exact[1:2], honest[1:2])[0]
+    assert tally.rechecked == {("request 0", 2): 0.0, ("request 0", 1): pytest.approx(2 * max(1.0, 2 * error))}
+    assert budget.breach(tally) == ("request 0 step 2: a token 3 logits below the reference's pick, beyond the "
+                                    "budget's largest gap 0.3 at a context of 3 tokens (rechecked against an honest "
+                                    "bfloat16 execution of its context)")  # honest arithmetic is exact there
+    honest_engine = _tally(mark(Prompted(), [0, 1, 0], exact, window=0.1))
+    accuracy.recheck(honest_engine, budget, row_of(exact), row_of(honest))
+    accuracy.recheck(honest_engine, budget, row_of(exact), row_of(honest))  # rechecked once: nothing more to do
+    assert budget.breach(honest_engine) == "" and calls == [3, 3, 2, 2, 2, 2]
+    assert "largest gap 0.3 at a context of 2 tokens" in budget.breach(_tally(mark(Prompted(), [0, 1, 0], exact, 0.1)))
+
+    monkeypatch.setattr(accuracy, "MAX_RECHECKS", 1)  # past the cap, the rest are held to max_gap
+    capped = _tally(mark(Prompted(), [0, 1, 3], exact, window=0.1))
+    accuracy.recheck(capped, budget, row_of(exact), row_of(honest))
+    assert list(capped.rechecked) == [("request 0", 2)]
+
+
 def test_the_calibration_bounds_short_contexts_apart_and_a_configs_max_gap_everywhere():
     from evo.workloads import get_workload
 
@@ -124,7 +161,9 @@ def test_the_calibration_bounds_short_contexts_apart_and_a_configs_max_gap_every
     calibrated = accuracy.resolve({"mode": "budget"}, workload, preset).budget
     assert [band for band, _ in calibrated.short_max_gap] == list(accuracy.SHORT_CONTEXTS)
     assert all(gap > 0 for _, gap in calibrated.short_max_gap) and "contexts of <= 1 tokens" in calibrated.basis
-    assert accuracy.resolve({"mode": "budget", "max_gap": 0.5}, workload, preset).budget.short_max_gap == ()
+    assert calibrated.recheck == "bfloat16" and calibrated.factor == 2.0  # a calibrated max_gap is rechecked past
+    set_by_config = accuracy.resolve({"mode": "budget", "max_gap": 0.5}, workload, preset).budget
+    assert set_by_config.short_max_gap == () and set_by_config.recheck == ""  # a config's max_gap holds everywhere
 
 
 def test_a_request_marked_again_replaces_its_prefix():
@@ -193,8 +232,6 @@ def test_honest_lossy_engines_pass_the_calibrated_budget_and_carry_their_loss(bu
     ("class_wrong", r"the accuracy budget: .*(beyond the budget's largest gap|not spread over requests|agreement)"),
 ])
 def test_engines_that_choose_their_outputs_fail_the_budget(budget_judge, cheat, says):
-    import re
-
     result = budget_judge.evaluate(_genome(budget_judge, {"cheat": cheat}))
     assert result.status == "incorrect" and re.search(says, result.message), result.message
     assert result.accuracy["agreement"] < 1.0  # what it lost is on the record too
@@ -209,8 +246,9 @@ def test_the_exact_rule_rejects_a_lossy_engine_at_float32():
         for _ in range(3):
             result = evaluator.evaluate(genome)
             statuses.append(result.status)
-            if result.status == "incorrect":
-                assert "beyond the near-tie tolerance" in result.message, result.message
+            if result.status == "incorrect":  # a greedy token past the tolerance, or a sampled one out of the nucleus
+                assert re.search(r"beyond the near-tie tolerance|outside the top_p .* nucleus", result.message), \
+                    result.message
                 break
         assert "incorrect" in statuses, statuses
     finally:

@@ -45,6 +45,10 @@ def test_a_budget_mode_claim_says_what_it_lost_everywhere_it_is_worded():
     assert not any("every request's tokens those of the float64 reference" in line for line in lines)
     banded = dataclasses.replace(SUMMARY, accuracy={"best": {**LOSS, "budget": {**LOSS["budget"], "short_max_gap": [[2, 17.8]]}}})
     assert any("largest gap <= 0.3 logits, <= 18 after <= 2 tokens, near ties" in line for line in claim_lines(banded))
+    rechecked = dataclasses.replace(SUMMARY, accuracy={"best": {**LOSS, "budget": {**LOSS["budget"], "recheck": "bfloat16",
+                                                                                  "factor": 2.0}}})
+    assert any("largest gap <= 0.3 logits (past it: 2 x an honest bfloat16 execution of its context), near ties" in line
+               for line in claim_lines(rechecked))
     tags = version_tags(SUMMARY, "r1", "/runs/x")
     assert tags["accuracy_mode"] == "budget" and tags["accuracy"] == budget and tags["claim"].endswith(budget)
     first, second = run_description(SUMMARY, "/runs/x").splitlines()[:2]

@@ -108,7 +108,8 @@ def test_in_budget_mode_the_honest_engine_keeps_serving_and_its_running_estimate
         info = reported(served, judged={"mode": "budget", "agreement": 0.99, "mean_gap": math.nan})
         assert info["mode"] == "budget" and info["breach"] is None
         assert info["budget"] == {**{k: v for k, v in BUDGET.items() if k != "mode"}, "tie_alpha": 1e-3,
-                                  "request_alpha": 1e-3, "basis": "config", "short_max_gap": []}
+                                  "request_alpha": 1e-3, "basis": "config", "short_max_gap": [],
+                                  "recheck": "", "factor": 2.0}  # a config's max_gap: held at every step
         assert info["requests_in_estimate"] >= 12 + 4 + 1  # every request under `all`, the canaries, the re-scored
         assert info["figures"]["requests"] == info["requests_in_estimate"]
         assert info["figures"]["steps"] >= 17 * N and 0.9 < info["figures"]["agreement"] < 1.0

@@ -290,8 +290,20 @@ class GenerationJudge:
     def breach(self, tally: accuracy.Tally) -> str:
         """Why the tallied tokens break the budget ("" in exact mode: there every token was held to the rule)."""
         budget = self.accuracy.budget
+        if budget is not None and budget.recheck:  # a calibrated max_gap: its steps past it rechecked first
+            self._recheck(tally, budget)
         why = budget.breach(tally) if budget is not None else ""
         return f"the accuracy budget: {why}" if why else ""
+
+    def _recheck(self, tally: accuracy.Tally, budget: accuracy.Budget) -> None:
+        """The steps past the calibrated largest gap, each held to what an honest execution of its own context
+        allows (`accuracy.recheck`): the reference's row and the workload's honest execution of that context."""
+        try:
+            accuracy.recheck(tally, budget, lambda prompt, context: self.reference(prompt, context)[-1],
+                             lambda prompt, context: self.workload.honest_logits(self.preset, prompt, context,
+                                                                                 budget.recheck)[-1])
+        except NotImplementedError:  # no honest execution: max_gap holds
+            pass
 
     def loss(self, tally: accuracy.Tally, real_text: dict | None = None) -> dict:
         """What a result records of its accuracy: the contract (mode, budget), the tally's figures and, for a

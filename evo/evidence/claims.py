@@ -213,6 +213,8 @@ def accuracy_lines(accuracy: Mapping) -> list[str]:
     budget = accuracy.get("budget")
     if budget:
         short = "".join(f", <= {_gap(gap)} after <= {n} tokens" for n, gap in budget.get("short_max_gap") or ())
+        if budget.get("recheck"):  # a step past it held to an honest execution of its own context
+            short += f" (past it: {budget.get('factor', 2):g} x an honest {budget['recheck']} execution of its context)"
         lines.append(f"    budget: top-1 agreement >= {_pct(budget.get('min_agreement'))}, mean gap <= "
                      f"{_gap(budget.get('max_mean_gap'))}, largest gap <= {_gap(budget.get('max_gap'))} logits{short}, near "
                      f"ties within {_gap(budget.get('tie_window'))} not steered (p >= {budget.get('tie_alpha', '?')}); "
