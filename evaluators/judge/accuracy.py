@@ -51,15 +51,20 @@ Z95 = 1.959963984540054
 @dataclass(frozen=True)
 class Marks:
     """One request's steps: whether each token is the pick, its gap (logits), whether the step was a near tie
-    (runner-up within the window), and the context each step's row reads (prompt and tokens before it; None:
-    not known, judged as a long one)."""
+    (runner-up within the window), and the request and tokens they were read off (so the context each step's row
+    reads, the prompt and tokens before it; not known: judged as a long one)."""
 
     agree: np.ndarray
     gap: np.ndarray
     tie: np.ndarray
-    context: np.ndarray | None = None
-    # the request and its tokens: what an honest execution of a step's own context is computed from (`recheck`)
+    # the request and its tokens: each step's context, and what an honest execution of it is computed from
+    # (`recheck`); None: not known (a request without a prompt)
     source: tuple | None = None
+
+    @property
+    def context(self) -> np.ndarray | None:
+        """How many tokens each step's row reads (the prompt and the tokens before it); None: not known."""
+        return None if self.source is None else len(self.source[0].prompt) + np.arange(len(self.agree))
 
 
 def mark(request, tokens: Sequence[int], rows: np.ndarray, window: float) -> Marks:
@@ -69,8 +74,7 @@ def mark(request, tokens: Sequence[int], rows: np.ndarray, window: float) -> Mar
     for step, (token, row) in enumerate(zip(tokens, np.asarray(rows, dtype=np.float64))):
         agree[step], gap[step], tie[step] = _step(request, step, token, row, window)
     prompt = getattr(request, "prompt", None)
-    return Marks(agree, gap, tie, None if prompt is None else len(prompt) + np.arange(n),
-                 None if prompt is None else (request, tuple(tokens)))
+    return Marks(agree, gap, tie, None if prompt is None else (request, tuple(tokens)))
 
 
 def _step(request, step: int, token: int, row: np.ndarray, window: float) -> tuple[bool, float, bool]:
@@ -337,8 +341,8 @@ def recheck(tally: Tally, budget: Budget, exact_row, honest_row) -> None:
     evaluation, and an honest execution's logit error has a heavy tail in rare ill-conditioned contexts
     (docs/evidence.md, "The largest gap"). Computed by the judge, on the engine's own context, so no engine can
     move it; a step's bound only widens where honest arithmetic at that precision is that far off there too."""
-    for name in {n for n, _ in tally.rechecked} - set(tally.requests):  # requests the tally let go of
-        tally.rechecked = {key: bound for key, bound in tally.rechecked.items() if key[0] != name}
+    tally.rechecked = {key: bound for key, bound in tally.rechecked.items()
+                       if key[0] in tally.requests}  # not the requests the tally let go of
     for name, step in budget.over_largest_gap(tally)[:MAX_RECHECKS]:
         source = tally.requests[name].source
         if source is None:  # marks without their request (context unknown): max_gap holds

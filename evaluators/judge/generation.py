@@ -297,13 +297,11 @@ class GenerationJudge:
 
     def _recheck(self, tally: accuracy.Tally, budget: accuracy.Budget) -> None:
         """The steps past the calibrated largest gap, each held to what an honest execution of its own context
-        allows (`accuracy.recheck`): the reference's row and the workload's honest execution of that context."""
-        try:
-            accuracy.recheck(tally, budget, lambda prompt, context: self.reference(prompt, context)[-1],
-                             lambda prompt, context: self.workload.honest_logits(self.preset, prompt, context,
-                                                                                 budget.recheck)[-1])
-        except NotImplementedError:  # no honest execution: max_gap holds
-            pass
+        allows (`accuracy.recheck`): the reference's row and the workload's honest execution of that context (a
+        budget rechecks only where its calibration ran that honest execution)."""
+        accuracy.recheck(tally, budget, lambda prompt, context: self.reference(prompt, context)[-1],
+                         lambda prompt, context: self.workload.honest_logits(self.preset, prompt, context,
+                                                                             budget.recheck)[-1])
 
     def loss(self, tally: accuracy.Tally, real_text: dict | None = None) -> dict:
         """What a result records of its accuracy: the contract (mode, budget), the tally's figures and, for a
