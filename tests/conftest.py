@@ -49,13 +49,26 @@ def ray_local():
 
 
 SMOKE_MODEL = "ui-test-engine"  # the registered model of the shared smoke run on a server
+SMOKE_EXPERIMENT = "smoke"
+
+
+def smoke_config(tracking_uri: str):
+    """The config of the session's smoke run (`smoke_on_server`)."""
+    from pathlib import Path
+
+    from evo.driver.config import load_config
+
+    return load_config(Path(__file__).resolve().parents[1] / "configs" / "kda_smoke.yaml", [
+        f"mlflow.tracking_uri={tracking_uri}", f"mlflow.experiment={SMOKE_EXPERIMENT}",
+        f"mlflow.model_name={SMOKE_MODEL}"])
 
 
 @pytest.fixture(scope="session")
 def smoke_on_server(request, tmp_path_factory):
-    """One small configs/kda_smoke.yaml run through the driver, logging to a real `mlflow server` that
-    stays up for the session: (outcome, server, client, printed output). The lineage tests and the
-    MLflow UI tests read the same run (one generation, one baseline, the final paired re-timing)."""
+    """The configs/kda_smoke.yaml run through the driver, logging to a real `mlflow server` that stays up
+    for the session: (outcome, server, client, printed output). The end-to-end, lineage and MLflow UI tests
+    read the same run (three generations, both baselines, the final paired re-timings); its config is
+    `smoke_config(server.uri)`."""
     import io
     from pathlib import Path
 
@@ -70,10 +83,7 @@ def smoke_on_server(request, tmp_path_factory):
     try:
         server.start()  # before the session's Ray, when this runs first: the two start-ups do not compete
         request.getfixturevalue("ray_local")
-        config = load_config(Path(__file__).resolve().parents[1] / "configs" / "kda_smoke.yaml", [
-            f"mlflow.tracking_uri={server.uri}", "mlflow.experiment=smoke", f"mlflow.model_name={SMOKE_MODEL}",
-            "baselines=[chunk_pairwise_c64]", "search.generations=1", "search.max_evaluations=4",
-            "search.intensify.calls=8"])
+        config = smoke_config(server.uri)
         out = io.StringIO()
         outcome = run(config, root / "run", out=out)
         yield outcome, server, MlflowClient(server.uri), out.getvalue()

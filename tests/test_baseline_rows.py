@@ -105,4 +105,5 @@ def test_a_timed_out_baseline_is_a_row_in_the_summary_the_terminal_and_mlflow(ti
     tags, metrics = logged["tags"], {m[0] for m in logged["metrics"]}
     assert tags["baseline.slow_compile.status"] == TIMEOUT and tags["baselines_compared"] == "torch_cumsum"
     assert "baseline_build_timeout_s" in tags["baseline.slow_compile.message"]
+    assert "baseline.torch_cumsum.status" not in tags  # compared: named in baselines_compared, one tag for them all
     assert "baseline_torch_cumsum_ms" in metrics and "baseline_slow_compile_ms" not in metrics

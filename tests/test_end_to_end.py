@@ -1,32 +1,24 @@
-"""A small search on a real local Ray with 2 evaluator actors, real torch engines and a real MLflow store."""
-import io
+"""A small search on a real local Ray with 2 evaluator actors, real torch engines and a real MLflow server."""
 import json
-from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from evo.driver.config import load_config
 from evo.core.genome import Genome
 from evo.core.retiming import FAILED
-from evo.driver.run import run
 from evo.workloads import get_workload
 from evo.workloads.base import CheckCase, DeviceInfo
+from tests.conftest import SMOKE_EXPERIMENT, smoke_config
 from tests.run_checks import check_finished_run
-
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 @pytest.fixture(scope="module")
-def outcome(ray_local, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("e2e")
-    uri = f"sqlite:///{tmp / 'mlflow.db'}"
-    config = load_config(CONFIGS / "kda_smoke.yaml", [f"mlflow.tracking_uri={uri}", "mlflow.experiment=e2e"])
-    log = io.StringIO()
-    result = run(config, tmp / "run", out=log)
-    return result, config, uri, log.getvalue()
+def outcome(smoke_on_server):
+    """The session's configs/kda_smoke.yaml run (tests/conftest.py), on a real `mlflow server`."""
+    result, server, _, log = smoke_on_server
+    return result, smoke_config(server.uri), server.uri, log
 
 
 def test_parquet_evidence_is_complete(outcome):
@@ -89,7 +81,7 @@ def test_best_engine_is_correct_on_fresh_inputs(outcome):
 def test_mlflow_holds_parent_and_generation_runs(outcome):
     result, config, uri, _ = outcome
     client = MlflowClient(tracking_uri=uri)
-    experiment = client.get_experiment_by_name("e2e")
+    experiment = client.get_experiment_by_name(SMOKE_EXPERIMENT)
     runs = client.search_runs([experiment.experiment_id])
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     assert len(parents) == 1

@@ -139,7 +139,10 @@ class Evaluator:
             raise ValueError(f"evaluator setting sandbox='strict' cannot confine engines on this machine: {why}."
                              " Set `evaluator: {sandbox: none}` in the config to judge trusted engines unconfined")
         self._versions["sandbox"] = settings.sandbox  # in every result's versions
-        self._preload = workload_modules(self.workload)  # what the engine's process loads before its jail
+        # what the engine's process loads before its jail: the workload's modules, what its engines use, and
+        # what poisoned memory needs (deterministic mode imports torch._dynamo)
+        self._preload = (*workload_modules(self.workload), *self.workload.engine_preload,
+                         *(("torch._dynamo",) if settings.poison_memory else ()))
         self.generation: GenerationJudge | None = None  # the judge of a generation workload (requests in, tokens out)
         if self.workload.contract == "generation":
             self.preset = self.workload.with_trace(self.preset, settings.trace)  # the run's trace, within the bounds

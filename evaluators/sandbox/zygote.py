@@ -313,12 +313,8 @@ def main(argv: list[str]) -> None:
     from evaluators.sandbox.engine_process import die_with_parent
 
     die_with_parent()
-    import torch
-
-    # Switching deterministic mode imports torch._dynamo & co. (~900 modules, seconds): do it once here
-    # so each engine process only flips the flag. The zygote itself runs no engine; leave it off.
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.use_deterministic_algorithms(False)
+    import torch  # noqa: F401 - every engine process starts with it loaded; torch._dynamo (~2 s of CPU, what
+    # torch.compile and deterministic mode import) only where a spawn's preload names it
 
     _serve(socket.socket(fileno=fd))
 

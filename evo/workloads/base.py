@@ -129,6 +129,8 @@ class Workload:
     contract: str = "call"  # "call": engine(**inputs) -> outputs, one batch per call (`Engine`); "generation":
     # a long-lived engine, requests in and tokens out (`evo.workloads.generation`), judged as a client
     # (`evaluators.judge.generation`) through the generation hooks below
+    engine_preload: tuple[str, ...] = ()  # modules its engines' processes start with imported (the zygote loads
+    # them once): "torch._dynamo" where engines may torch.compile (~2 s of CPU each process would pay otherwise)
 
     # ------------------------------------------------------------------ required hooks
     def presets(self) -> dict[str, Preset]:

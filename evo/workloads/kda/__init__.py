@@ -36,6 +36,7 @@ class KdaWorkload(Workload):
     name = "kda"
     input_names = ("q", "k", "v", "g", "beta", "initial_state")
     output_names = ("o", "final_state")
+    engine_preload = ("torch._dynamo",)  # its engines may torch.compile
     reference_baseline = "fla_chunk_kda"  # what a user runs today (flash-linear-attention's chunked KDA)
 
     def presets(self) -> dict[str, Preset]:

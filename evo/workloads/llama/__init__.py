@@ -40,6 +40,7 @@ class LlamaWorkload(Workload):
     name = "llama"
     input_names = ("prompt", "continuation")
     output_names = ("logits",)
+    engine_preload = ("torch._dynamo",)  # its engines may torch.compile
     reference_baseline = "hf_sdpa"  # transformers' default attention: what a user runs today
 
     @staticmethod

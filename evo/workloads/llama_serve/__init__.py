@@ -30,6 +30,7 @@ _llama_reference = lazy("evo.workloads.llama.reference", judge_only=True)
 class LlamaServeWorkload(GenerationWorkload):
     name = "llama_serve"
     preset_type = ServePreset
+    engine_preload = ("torch._dynamo",)  # its engines may torch.compile
 
     def presets(self) -> dict[str, Preset]:
         return PRESET_TABLE
