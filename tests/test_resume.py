@@ -1,16 +1,15 @@
-"""kill -9 of the driver at several points, then `python -m evo resume`: nothing is evaluated twice,
-nothing recorded is lost, the run completes its budget. Plus clear errors for unusable run directories."""
+"""`python -m evo resume`: clear errors for unusable run directories, and never on another device type. A kill -9
+mid-generation and its resume: tests/test_stop.py (after a SIGTERM stop); between a result and its Parquet
+file: tests/test_code_search.py."""
 import json
-import signal
 import subprocess
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 import yaml
 
 from evo.driver.resume import RunDirError, load_run
-from tests.run_checks import journal, run_evo
+from tests.run_checks import run_evo
 
 CONFIG = {
     "workload": "tests.fake_workload", "preset": "cpu", "name": "crash", "baselines": ["torch_cumsum"],
@@ -24,49 +23,6 @@ CONFIG = {
 
 def evo(tmp: Path, *args: str, crash_at: str | None = None) -> subprocess.CompletedProcess:
     return run_evo(*args, crash_at=crash_at)
-
-
-# a kill mid-generation, with MLflow (a kill between a result and its Parquet file, evidence:N, is
-# tests/test_code_search.py's; a stop by SIGTERM, tests/test_stop.py's)
-@pytest.mark.parametrize("crash_at, with_mlflow", [("evaluate:6", True)])
-def test_resume_after_kill_9_evaluates_nothing_twice(tmp_path, crash_at, with_mlflow):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    config = {**CONFIG, "mlflow": {"tracking_uri": uri, "experiment": "crash", "enabled": with_mlflow}}
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
-    run_dir = tmp_path / "run"
-    killed = evo(tmp_path, "run", str(tmp_path / "config.yaml"), "--out", str(run_dir), crash_at=crash_at)
-    assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:]
-    before = {row["genome_hash"]: row for row in journal(run_dir)}
-    assert 0 < len(before) < 16 and not (run_dir / "summary.json").exists()
-
-    resumed = evo(tmp_path, "resume", str(run_dir))
-    assert resumed.returncode == 0, resumed.stdout[-3000:]
-    assert "resuming at generation" in resumed.stdout
-    after = journal(run_dir)
-    hashes = [row["genome_hash"] for row in after]
-    assert len(hashes) == len(set(hashes)) == 16, "a genome was evaluated twice or the budget was not kept"
-    for row in after:  # what was recorded before the kill is kept as it was, not re-measured
-        if row["genome_hash"] in before:
-            assert row == before[row["genome_hash"]]
-    parquet = [pq.read_table(run_dir / "generations" / f"gen_{g:04d}.parquet").to_pylist() for g in range(4)]
-    assert sorted(r["genome_hash"] for gen in parquet for r in gen) == sorted(hashes)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["evaluations"] == 16 and summary["generations"] == 4
-    state = json.loads((run_dir / "state.json").read_text())
-    assert state["generation"] == 4 and sorted(state["evaluated"]) == sorted(hashes)
-    agent_tries = sum(t for agent in state["agents"].values() for t, _ in agent["stats"].values())
-    assert agent_tries == sum(1 for row in after if row["agent"] != "seed")
-    if with_mlflow:  # the interrupted parent run stays; a linked continuation run finishes the search
-        from mlflow.tracking import MlflowClient
-
-        client = MlflowClient(tracking_uri=uri)
-        experiment = client.get_experiment_by_name("crash")
-        parents = client.search_runs([experiment.experiment_id], filter_string="tags.run_dir != ''",
-                                     order_by=["attributes.start_time ASC"])
-        parents = [r for r in parents if "mlflow.parentRunId" not in r.data.tags]
-        assert len(parents) == 2
-        assert parents[1].data.tags["continues_run_id"] == parents[0].info.run_id
-        assert parents[1].info.status == "FINISHED" and summary["mlflow_run_id"] == parents[1].info.run_id
 
 
 def test_unusable_run_directories_get_clear_errors(tmp_path):
