@@ -19,6 +19,7 @@ import torch
 from evo.serving.codec import decode_tensor, encode_tensor
 from evo.workloads import get_workload
 from evo.workloads.base import CheckCase, DeviceInfo
+from tests.listeners import exposed, listening, process_tree
 from tests.test_serving import ENV, ROOT, SERVER_NOT_READY, free_port, get, post, write_run
 from tests.waiting import wait_for
 
@@ -47,8 +48,14 @@ def write_llama_run(path: Path) -> Path:
     return path
 
 
+# A user's shell: no Ray settings (conftest keeps the session's Ray private through them; here the project must)
+USER_ENV = {k: v for k, v in ENV.items() if k not in ("RAY_AUTH_MODE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
+                                                      "RAY_ADDRESS")}
+
+
 class EvoServe:
-    """`python -m evo serve SOURCE --port PORT` as a user types it (no other flag): its own local Ray."""
+    """`python -m evo serve SOURCE --port PORT` as a user types it (no other flag), from a user's shell: its own
+    local Ray."""
 
     def __init__(self, tmp: Path, source: str | Path) -> None:
         self.port = free_port()
@@ -56,7 +63,7 @@ class EvoServe:
         self.log = tmp / f"evo-serve-{self.port}.log"
         with self.log.open("w") as out:
             self.process = subprocess.Popen([sys.executable, "-m", "evo", "serve", str(source), "--port", str(self.port)],
-                                            cwd=ROOT, env=ENV, stdout=out, stderr=subprocess.STDOUT,
+                                            cwd=ROOT, env=USER_ENV, stdout=out, stderr=subprocess.STDOUT,
                                             start_new_session=True)
 
     def output(self) -> str:
@@ -183,6 +190,14 @@ def test_engine_states_the_paired_claim_first_and_labels_single_timings(server):
     assert info["speedups_single_timing"]["hf_sdpa"] == 2.3 and info["speedup_ci"] == CI
     assert info["batching"]["max_batch_size"] == B_MAX  # no --max-batch-size: the largest verified B
     assert "2.04x [1.92, 2.40] vs hf_sdpa" in server.output()  # the terminal leads with the claim too
+
+
+def test_evo_serve_listens_on_loopback_only(server):
+    """Its own Ray and Serve's HTTP proxy: every listener on 127.0.0.1, from a user's shell (no Ray settings)."""
+    processes = process_tree(server.process.pid)
+    found = listening(processes)
+    assert any(port == server.port for _, _, _, port in found), found  # Serve's HTTP proxy is one of them
+    assert exposed(processes) == [], found
 
 
 def test_ctrl_c_stops_evo_serve_without_rays_warnings(server):  # last: it stops the module's server
