@@ -211,7 +211,7 @@ def test_ctrl_c_stops_evo_serve_without_rays_warnings(server):  # last: it stops
 
 def test_a_deployment_that_fails_prints_its_cause_in_one_line(tmp_path):
     # Factored exponents over a whole 128-token chunk overflow under strong decay: it fails verification in
-    # the replica (after the command line accepted it), three times, and Serve gives up on the application.
+    # the replica (after the command line accepted it), once: Serve does not try it again (a second draw of inputs).
     broken = write_run(tmp_path / "run-broken", chunk_size=128, exponent_form="factored_chunk", sub_chunk_size=16)
     process = EvoServe(tmp_path, broken)
     try:
@@ -222,3 +222,6 @@ def test_a_deployment_that_fails_prints_its_cause_in_one_line(tmp_path):
     assert code == 1 and len(errors) == 1, process.output()[-3000:]
     assert "failed to deploy: EngineRejected: engine" in errors[0] and "failed its verification" in errors[0], errors
     assert "non-finite" in errors[0] and "Deploying application" not in process.output()
+    from evo.serving.app import EngineServer
+
+    assert EngineServer._deployment_config.max_constructor_retry_count == 1  # one verification, no second draw

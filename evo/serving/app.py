@@ -355,7 +355,10 @@ async def _server_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response("engine", f"internal error: {type(exc).__name__}: {exc}"[:500], 500)
 
 
-@serve.deployment(name="EngineServer", max_ongoing_requests=512, ray_actor_options={"num_cpus": 1})
+# A replica whose engine fails to build or verify is not started again (Serve's default is 3 tries): each try
+# verifies on fresh inputs, so an engine wrong on some of them would get another draw; the failure is final.
+@serve.deployment(name="EngineServer", max_ongoing_requests=512, ray_actor_options={"num_cpus": 1},
+                  max_constructor_retry_count=1)
 @serve.ingress(api)
 class EngineServer:
     def __init__(self, engine: str | None = None, **options: Any) -> None:
