@@ -7,6 +7,7 @@ block may have. Registers and spills (ptxas) are `python -m evo kernels`' job (t
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import sys
 
@@ -40,9 +41,16 @@ def launches(genes: dict) -> list[compiled.Launch]:
     return compiled.record(TritonKdaEngine(plan_from_genome(genome)), dict(H200.shape), torch.bfloat16)
 
 
+def _shared(item: tuple[str, compiled.Launch]) -> tuple[str, int]:
+    label, launch = item
+    return f"{label}:{launch.name}", compiled.shared_bytes(getattr(kernels, launch.name), launch)
+
+
 def main(path: str) -> None:
-    out = {f"{label}:{launch.name}": compiled.shared_bytes(getattr(kernels, launch.name), launch)
-           for label, genes in GENOMES.items() for launch in launches(genes)}
+    items = [(label, launch) for label, genes in GENOMES.items() for launch in launches(genes)]
+    # each lowering is seconds of one core's work: one process per core (forked: the launches stay in memory)
+    with multiprocessing.get_context("fork").Pool(min(len(os.sched_getaffinity(0)), len(items))) as pool:
+        out = dict(pool.map(_shared, items, chunksize=1))
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
 
