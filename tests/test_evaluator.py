@@ -131,6 +131,8 @@ def test_describe_and_device_info(ev):
     assert set(d["versions"]) >= {"torch", "python", "numpy", "platform"} and d["cores"] is None
     info = ev.device_info()
     assert info.kind == "cpu" and info.threads == torch.get_num_threads()
+    # what its engines' zygote imports: this workload's module, not torch._dynamo (~2 s) that no engine of it uses
+    assert fw.__name__ in ev.preload and "torch._dynamo" not in ev.preload
 
 
 def test_measure_rates(ev):
