@@ -13,6 +13,16 @@ import psutil
 from evo.driver.local_ray import is_loopback
 
 
+RAY_SETTINGS = ("RAY_AUTH_MODE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")  # what conftest sets
+
+
+def user_shell(env: dict[str, str]) -> dict[str, str]:
+    """`env` as a user's shell has it: none of the Ray settings conftest gives the test session (which keep its
+    Ray private), only the token (so no test writes ~/.ray/auth_token; without one Ray creates that file). What
+    keeps a process started with it private is the project's code."""
+    return {k: v for k, v in env.items() if k not in RAY_SETTINGS}
+
+
 def process_tree(root_pid: int) -> list[psutil.Process]:
     """`root_pid`, its descendants, and every process of its session when it leads one (a process the
     test started with start_new_session: Ray's workers take process groups of their own)."""

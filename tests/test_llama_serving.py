@@ -19,7 +19,7 @@ import torch
 from evo.serving.codec import decode_tensor, encode_tensor
 from evo.workloads import get_workload
 from evo.workloads.base import CheckCase, DeviceInfo
-from tests.listeners import exposed, listening, process_tree
+from tests.listeners import exposed, listening, process_tree, user_shell
 from tests.test_serving import ENV, ROOT, SERVER_NOT_READY, free_port, get, post, write_run
 from tests.waiting import wait_for
 
@@ -48,9 +48,6 @@ def write_llama_run(path: Path) -> Path:
     return path
 
 
-# A user's shell: no Ray settings (conftest keeps the session's Ray private through them; here the project must)
-USER_ENV = {k: v for k, v in ENV.items() if k not in ("RAY_AUTH_MODE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
-                                                      "RAY_ADDRESS")}
 
 
 class EvoServe:
@@ -63,7 +60,7 @@ class EvoServe:
         self.log = tmp / f"evo-serve-{self.port}.log"
         with self.log.open("w") as out:
             self.process = subprocess.Popen([sys.executable, "-m", "evo", "serve", str(source), "--port", str(self.port)],
-                                            cwd=ROOT, env=USER_ENV, stdout=out, stderr=subprocess.STDOUT,
+                                            cwd=ROOT, env=user_shell(ENV), stdout=out, stderr=subprocess.STDOUT,
                                             start_new_session=True)
 
     def output(self) -> str:

@@ -1,8 +1,9 @@
 """Every way the project starts Ray listens on loopback only (or behind Ray's token): the test session's
 in-process Ray and `evo run`'s. (`evo serve`'s in-process Ray with Serve's proxy is checked on the server
 tests/test_llama_serving.py shares; the `ray start` of the Serve tests and of the cluster commands of
-docs/cluster.md in tests/test_serving.py and tests/test_ray_job.py.) Each subprocess runs with the environment of a user's shell: no Ray settings
-but the token, so what keeps it private is the project's code."""
+docs/cluster.md in tests/test_serving.py and tests/test_ray_job.py.) Each subprocess runs with the environment
+of a user's shell (`tests.listeners.user_shell`): no Ray settings but the token, so what keeps it private is the
+project's code."""
 import os
 import signal
 import subprocess
@@ -12,14 +13,11 @@ from pathlib import Path
 import pytest
 
 from evo.driver.local_ray import is_loopback
-from tests.listeners import exposed, listening, process_tree
+from tests.listeners import exposed, listening, process_tree, user_shell
 from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
-# A user's shell: none of the settings conftest gives the test session, only a token (so no test writes
-# ~/.ray/auth_token; without one Ray creates that file).
-USER_ENV = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
-                                                             "RAY_ADDRESS")}
+USER_ENV = user_shell(dict(os.environ))
 
 
 def test_addresses_that_count_as_loopback():

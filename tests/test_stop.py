@@ -67,8 +67,9 @@ def test_sigterm_stops_cleanly_and_the_run_resumes_through_a_kill_9(tmp_path):
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     assert not candidate_hashes(resumed.stdout) and "best engine" in resumed.stdout, resumed.stdout[-3000:]
     after = journal(run_dir)
-    assert len({r["genome_hash"] for r in after}) == len(after) == 20, "a genome evaluated twice, or the budget not kept"
-    assert [r for r in after if r["genome_hash"] in before] == list(before.values())  # kept as recorded, not re-measured
+    assert len({r["genome_hash"] for r in after}) == len(after) == 20, "a genome evaluated twice, or budget not kept"
+    # what was recorded before the kill is kept as it was, not re-measured
+    assert [r for r in after if r["genome_hash"] in before] == list(before.values())
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["evaluations"] == 20 and summary["generations"] == 5 and summary["stopped"] is False
     parquet = [pq.read_table(run_dir / "generations" / f"gen_{g:04d}.parquet").to_pylist() for g in range(5)]
@@ -79,7 +80,8 @@ def test_sigterm_stops_cleanly_and_the_run_resumes_through_a_kill_9(tmp_path):
     assert agent_tries == sum(1 for row in after if row["agent"] != "seed")
     # MLflow: the stopped run stays KILLED; each continuation is a new parent run linked to the one it continues
     parents = client.search_runs([client.get_experiment_by_name("stop").experiment_id],
-                                 filter_string=f"tags.run_dir = '{run_dir.resolve()}'", order_by=["attributes.start_time ASC"])
+                                 filter_string=f"tags.run_dir = '{run_dir.resolve()}'",
+                                 order_by=["attributes.start_time ASC"])
     parents = [r for r in parents if "mlflow.parentRunId" not in r.data.tags]
     assert len(parents) == 3 and parents[0].info.status == "KILLED" and parents[2].info.status == "FINISHED"
     assert [p.data.tags.get("continues_run_id") for p in parents[1:]] == [p.info.run_id for p in parents[:2]]
