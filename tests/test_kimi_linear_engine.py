@@ -18,6 +18,7 @@ from evo.core.trace import TraceRequest
 from evo.workloads import get_workload
 from evo.workloads.base import DeviceInfo
 from evo.workloads.generation import GenerationRequest
+from evo.workloads.generation_core import cpu_kernels
 from evo.workloads.kimi_linear import engine as kimi_engine
 from evo.workloads.kimi_linear import reference
 from evo.workloads.kimi_linear.genes import gene_space
@@ -115,6 +116,9 @@ DESIGNS = {
     "native_together_ring_grouped": {"kda_kernel": "native", "prefill_rows": "together", "conv_window": "ring",
                                      "mla_cache": "compressed", "moe_dispatch": "grouped"},
     "native_together": {"kda_kernel": "native", "prefill_rows": "together"},
+    "native_step": {"decode_step": "native", "mla_cache": "compressed"},
+    "native_step_queue": {"decode_step": "native", "mla_cache": "compressed", "max_running": 2, "kda_kernel": "native",
+                          "prefill_rows": "together", "moe_dispatch": "grouped"},
 }
 
 
@@ -192,18 +196,35 @@ def test_the_native_kda_kernel_needs_kv_states_and_the_cpu():
     with pytest.raises(GenomeError, match="kda_kernel='native' updates KDA states kept as \\[K, V\\]"):
         SPACE.make({"kda_kernel": "native", "state_layout": "vk"})
     assert "kda_kernel" not in {g.name for g in gene_space(PRESET, DeviceInfo("cuda", "H200", 1)).genes}
-    assert SPACE.levers[0] == "kda_kernel"
+    assert SPACE.levers[:2] == ("decode_step", "kda_kernel")
 
 
-def test_the_new_layouts_serve_a_model_with_two_shared_experts_and_a_three_tap_convolution(logits_seen):
+def test_the_native_decode_step_needs_what_it_reads_and_a_float32_cpu_preset():
+    with pytest.raises(GenomeError, match="decode_step='native' reads the compressed MLA cache.*mla_cache='expanded'"):
+        SPACE.make({"decode_step": "native"})
+    with pytest.raises(GenomeError, match="conv_window='ring'.*set conv_window=shifted"):
+        SPACE.make({"decode_step": "native", "mla_cache": "compressed", "conv_window": "ring"})
+    bf16 = dataclasses.replace(PRESET, dtype="bfloat16",
+                               model=dataclasses.replace(PRESET.model, storage_dtype="bfloat16"))
+    for preset, device in ((PRESET, DeviceInfo("cuda", "H200", 1)), (bf16, CPU)):
+        assert "decode_step" not in {g.name for g in gene_space(preset, device).genes}
+    with pytest.raises(cpu_kernels.KernelUnavailable, match="float32 weights.*multiples of 8.*'hidden': 44"):
+        cpu_kernels.check_kimi_step_supported(dataclasses.replace(PRESET.model, hidden=44), torch.bfloat16, "cpu")
+
+
+@pytest.mark.parametrize("genes", [
+    {"shared_expert": "fused", "conv_window": "ring", "state_layout": "vk", "moe_dispatch": "grouped"},
+    {"decode_step": "native", "mla_cache": "compressed"}], ids=["layouts", "native_step"])
+def test_the_new_layouts_serve_a_model_with_two_shared_experts_and_a_three_tap_convolution(genes, logits_seen):
     """The reference tests' VARIANT model (2 shared experts, 3 taps, q low rank, expert groups, MLA first) with
-    the shared experts fused into a grouped dispatch, ring windows and [V, K] states: the reference's tokens,
+    the shared experts fused into a grouped dispatch, ring windows and [V, K] states, or through our C decode
+    step (every branch of it cpu_small leaves out): the reference's tokens,
     from logits within float32 rounding of it."""
     preset = dataclasses.replace(PRESET, name="cpu_small:variant", model=VARIANT,
                                  shape={**PRESET.shape, "V": VARIANT.vocab})
-    genes = {"shared_expert": "fused", "conv_window": "ring", "state_layout": "vk", "moe_dispatch": "grouped"}
     generator = kimi_engine.build(gene_space(preset, CPU).make(genes), preset, CPU)
-    assert generator.model.layers[0][4].experts == VARIANT.experts + VARIANT.shared_experts
+    if genes.get("shared_expert") == "fused":
+        assert generator.model.layers[0][4].experts == VARIANT.experts + VARIANT.shared_experts
 
     def variant_ref(prompt, tokens):
         return reference.continuation_logits(preset, prompt, tokens)
@@ -283,7 +304,7 @@ def test_the_workload_hooks():
     assert {g.name for g in SPACE.genes} == {"max_running", "prefill_rows", "kda_prefill", "threads", "mla_cache",
                                              "mla_cache_dtype", "state_dtype", "state_layout", "conv_window",
                                              "moe_dispatch", "shared_expert", "fused_projections", "chunk_size",
-                                             "intra_algorithm", "steps_per_exchange", "kda_kernel"}
+                                             "intra_algorithm", "steps_per_exchange", "kda_kernel", "decode_step"}
     assert WORKLOAD.exchange_steps(SPACE.make({"steps_per_exchange": 4})) == 4
     with pytest.raises(TypeError, match="build_generator"):
         WORKLOAD.build(SPACE.default(), PRESET, CPU)

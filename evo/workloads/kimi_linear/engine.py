@@ -482,6 +482,10 @@ class KimiModel:
             self.layers.append((mixer, w[p + "input_layernorm.weight"], attn, w[p + "post_attention_layernorm.weight"], mlp))
         self.key_positions = torch.arange(max_positions, device=device)
         self.row_ids = torch.arange(plan.max_running, device=device)
+        # our C decode step (decode_step=native) over the same weights' float32 values and the pool's memory
+        self.native_step = None
+        if plan.decode_step == "native":
+            self.native_step = cpu_kernels.KimiDecodeStep(spec, w, pool.tensors, LATENT_NORM_EPS, L2NORM_EPS)
 
     def _block(self, x: torch.Tensor, mix) -> torch.Tensor:
         for mixer, norm_in, attn, norm_post, mlp in self.layers:
@@ -508,6 +512,8 @@ class KimiModel:
         """Rows [0, n) each feed tokens[r] at positions[r]; logits [n, V]."""
         n, S = len(tokens), max(positions) + 1
         pos = torch.tensor(positions, device=self.device)
+        if self.native_step is not None:
+            return self.native_step(self.embed[torch.tensor(tokens)], pos)
         rows = self.row_ids[:n]
         mask = (self.key_positions[:S] <= pos[:, None])[:, None, None]  # [n, 1, 1, S]: each row's own positions
         x = self.embed[torch.tensor(tokens, device=self.device)]  # [n, D]
@@ -579,6 +585,11 @@ def build(genome: Genome, preset: KimiPreset, device: DeviceInfo,
             cpu_kernels.check_recurrence_supported(preset.model.kda_head_dim, preset.model.kda_head_dim, torch_device)
         except cpu_kernels.KernelUnavailable as e:
             raise ValueError(f"kda_kernel='native': {e}; use kda_kernel=torch") from None
+    if plan.decode_step == "native":
+        try:
+            cpu_kernels.check_kimi_step_supported(preset.model, dtype, torch_device)
+        except cpu_kernels.KernelUnavailable as e:
+            raise ValueError(f"decode_step='native': {e}; use decode_step=eager") from None
     pool = StatePool(preset.model, plan, preset.max_positions, dtype, torch_device)
     chunked = (_chunked_kda(preset, device, chunk_size=plan.chunk_size, intra_algorithm=plan.intra_algorithm)
                if plan.kda_prefill == "chunked" else None)

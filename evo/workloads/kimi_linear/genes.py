@@ -81,6 +81,18 @@ def _memory_genes(preset: KimiPreset) -> list[Gene]:
     ]
 
 
+def _step_genes(preset: KimiPreset, device: DeviceInfo) -> list[Gene]:
+    if device.kind != "cpu" or preset.dtype != "float32":
+        return []
+    return [Gene("decode_step", "fusion", ("eager", "native"), "eager",
+                 "eager: a decode step as torch ops (~250 a step, each dispatched from Python); native: our C decode "
+                 "step (generation_core.cpu_kernels.kimi_decode_step; AVX2, FMA), the whole forward of every decoding "
+                 "row in one call: each product streams its weight once for all rows, the convolution, gates and KDA "
+                 "recurrence per row and head, MLA over each row's own positions of the compressed cache, each routed "
+                 "expert on the rows that chose it (float32 weights; needs mla_cache=compressed, state_layout=kv, "
+                 "conv_window=shifted; prefills stay torch's)")]
+
+
 def _fusion_genes(device: DeviceInfo) -> list[Gene]:
     native = [Gene("kda_kernel", "fusion", ("torch", "native"), "torch",
                    "how the KDA recurrence runs: torch (the prefill loop under TorchScript, four ops a token; a decode "
@@ -104,16 +116,17 @@ def _fusion_genes(device: DeviceInfo) -> list[Gene]:
     ]
 
 
-# the speed levers, most leverage first (the `levers` agent's sweep): the KDA recurrence in C, how prompts are prefilled
-# (together, and through the recurrence or chunks), how many steps an
-# exchange runs, how the experts are dispatched, the projections fused, the MLA cache held
-LEVERS = ("kda_kernel", "prefill_rows", "kda_prefill", "steps_per_exchange", "moe_dispatch", "fused_projections",
-          "mla_cache")
+# the speed levers, most leverage first (the `levers` agent's sweep): the decode step in C, the KDA recurrence in C,
+# how prompts are prefilled (together, and through the recurrence or chunks), how many steps an exchange runs, how
+# the experts are dispatched, the projections fused, the MLA cache held
+LEVERS = ("decode_step", "kda_kernel", "prefill_rows", "kda_prefill", "steps_per_exchange", "moe_dispatch",
+          "fused_projections", "mla_cache")
 
 
 def gene_space(preset: KimiPreset, device: DeviceInfo) -> GeneSpace:
     """Genes legal for `preset` on `device` (names are a contract with operators, configs and the workload)."""
-    genes = _scheduling_genes(preset, device) + [exchange_gene()] + _memory_genes(preset) + _fusion_genes(device)
+    genes = (_scheduling_genes(preset, device) + [exchange_gene()] + _memory_genes(preset) + _fusion_genes(device)
+             + _step_genes(preset, device))
     # one cross-gene rule (the C recurrence keeps [K, V] states); otherwise every combination is a correct engine (a
     # bfloat16 state exists only where the preset is bfloat16, a float32 cache beside the model's dtype only where
     # that is narrower, by their genes' values, as the llama workload offers weight_dtype; the shared experts always
@@ -124,13 +137,29 @@ def gene_space(preset: KimiPreset, device: DeviceInfo) -> GeneSpace:
     names = {g.name for g in genes}  # kda_kernel is a CPU gene
     return GeneSpace("kimi_linear", tuple(genes), ignored=(chunked_only,),
                      levers=tuple(n for n in LEVERS if n in names),
-                     constraints=(Constraint("kda_kernel native needs state_layout kv", _native_kernel_needs_kv),))
+                     constraints=(Constraint("kda_kernel native needs state_layout kv", _native_kernel_needs_kv),
+                                  Constraint("decode_step native needs mla_cache compressed, state_layout kv, "
+                                             "conv_window shifted", _native_step_needs)))
 
 
 def _native_kernel_needs_kv(values: Mapping[str, Scalar]) -> str | None:
     if values.get("kda_kernel") == "native" and values.get("state_layout") != "kv":
         return (f"kda_kernel='native' updates KDA states kept as [K, V] per head; got state_layout="
                 f"{values.get('state_layout')!r}; set state_layout=kv or kda_kernel=torch")
+    return None
+
+
+NATIVE_STEP_NEEDS = {"mla_cache": "compressed", "state_layout": "kv", "conv_window": "shifted"}  # what the C step reads
+
+
+def _native_step_needs(values: Mapping[str, Scalar]) -> str | None:
+    if values.get("decode_step") != "native":
+        return None
+    wrong = {gene: values.get(gene) for gene, want in NATIVE_STEP_NEEDS.items() if values.get(gene) != want}
+    if wrong:
+        return (f"decode_step='native' reads the compressed MLA cache, [K, V] states and a shifted window; got "
+                f"{', '.join(f'{g}={v!r}' for g, v in wrong.items())}; set "
+                f"{', '.join(f'{g}={NATIVE_STEP_NEEDS[g]}' for g in wrong)} or decode_step=eager")
     return None
 
 
@@ -151,6 +180,7 @@ class KimiPlan:
     fused_projections: bool
     prefill_rows: str = "each"
     kda_kernel: str = "torch"
+    decode_step: str = "eager"
     chunk_size: int = 16  # the chunked prefill's KDA genes (read when kda_prefill is chunked)
     intra_algorithm: str = "blocked_inverse"
 
@@ -163,4 +193,5 @@ class KimiPlan:
                    conv_window=str(v["conv_window"]), moe_dispatch=str(v["moe_dispatch"]),
                    shared_expert=str(v["shared_expert"]), fused_projections=bool(v["fused_projections"]),
                    chunk_size=int(v["chunk_size"]), intra_algorithm=str(v["intra_algorithm"]),
-                   prefill_rows=str(v["prefill_rows"]), kda_kernel=str(v.get("kda_kernel", "torch")))
+                   prefill_rows=str(v["prefill_rows"]), kda_kernel=str(v.get("kda_kernel", "torch")),
+                   decode_step=str(v.get("decode_step", "eager")))

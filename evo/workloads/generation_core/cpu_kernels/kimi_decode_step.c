@@ -1,0 +1,362 @@
+/* One decode step of a Kimi Linear hybrid decoder for n rows, whole, on one CPU thread (AVX2, FMA), float32: no
+   Python and no dispatch between its ~250 ops a step (what `llama_decode_step.c` does for a Llama decoder).
+
+   Row r feeds one token (its embedding x[r]) at position pos[r] of pool row r and gets its logits. Per layer,
+   h = RMSNorm(x), then its token mixer:
+   - KDA: the q|k|v projections through the row's convolution window (shifted: the taps-1 inputs before, oldest
+     first; this input joins and the oldest leaves), SiLU; q and k l2-normalised, q times K^-1/2; the forget gate
+     g = a_h softplus(f_b f_a h + dt_bias) (a_h = -exp(A_log)), beta = sigmoid(b h); the delta rule on the row's
+     state [H, K, V] (`kda_recurrence.c`, one token); each head's output RMSNorm'd times sigmoid(g_b g_a h); o_proj.
+   - MLA (no rotary embedding), compressed cache: q = h Wq^T (or RMSNorm(h Wqa^T) Wqb^T) [H, nope + rope]; the
+     latent | rope key h Wkva^T, the latent RMSNorm'd, both written at the row's position; each head's nope query times its W_UK [nope, R] (absorbed)
+     beside its rope query, attending over the row's own positions [0, pos[r]] (keys: latent | rope key, values: the
+     latent); the heads' latent outputs times W_UV W_O (absorbed) [D, H R].
+   x += mixer; h = RMSNorm(x); then its feed-forward: dense SwiGLU, or the MoE: sigmoid router scores (+ the score
+   correction bias to choose; groups scored by their top two, the best topk_groups kept), the top_k experts' SwiGLUs
+   weighted by their scores (renormalised, times the routed scaling) plus the shared SwiGLU; x += it. Then
+   logits = RMSNorm(x) Whead^T. Every product streams its weight once for all its rows (`linear`); each routed
+   expert runs on the rows that chose it, gathered.
+
+   dims (int64): the KDIM_ names, then per layer its mixer (0 KDA, 1 MLA) and feed-forward (0 dense, 1 MoE).
+   ptrs: per layer the KP_ names (a mixer's and a feed-forward's pointers share slots by kind; the state, window and
+   cache are written), then the final norm and the head. eps: rms, latent norm, l2 norm, routed scaling, MLA scale.
+   Returns 0, or -1 when scratch cannot be allocated. */
+#include "llama_decode_step.c"
+#include "kda_recurrence.c"
+
+enum { KDIM_LAYERS, KDIM_D, KDIM_VOCAB, KDIM_KH, KDIM_KD, KDIM_TAPS, KDIM_MH, KDIM_NOPE, KDIM_ROPE, KDIM_R, KDIM_E,
+       KDIM_TOPK, KDIM_GROUPS, KDIM_TOPK_GROUPS, KDIM_RENORM, KDIM_MOE_I, KDIM_SHARED_I, KDIM_DENSE_I, KDIM_STATE_ROW,
+       KDIM_WINDOW_ROW, KDIM_CACHE_ROW, KDIM_CACHE_POS, KDIM_Q_LORA, KDIM_COUNT };
+enum { KP_IN_NORM, KP_POST_NORM,
+       /* KDA */ KP_Q, KP_K, KP_V, KP_FA, KP_FB, KP_GA, KP_GB, KP_B, KP_DT_BIAS, KP_A, KP_CONV, KP_O_NORM, KP_O, KP_STATE,
+       KP_WINDOW,
+       /* feed-forward, dense: gate, up, down; MoE: router, bias, experts' gate|up and down, shared gate, up, down */
+       KP_FF0, KP_FF1, KP_FF2, KP_FF3, KP_FF4, KP_FF5, KP_FF6, KP_PER_LAYER };
+/* MLA in the mixer's slots */
+enum { KP_MQ = KP_Q, KP_MKVA = KP_K, KP_MKV_NORM = KP_V, KP_MWUK = KP_FA, KP_MO = KP_FB, KP_MCACHE = KP_GA,
+       KP_MQ_NORM = KP_GB, KP_MQB = KP_B };  /* with q_lora_rank: KP_MQ is q_a, then its norm and q_b */
+enum { E_RMS, E_LATENT, E_L2, E_ROUTED_SCALING, E_MLA_SCALE };
+#define MAX_EXPERTS 512
+
+int evo_kimi_step_dims(void) { return KDIM_COUNT; }
+int evo_kimi_step_pointers_per_layer(void) { return KP_PER_LAYER; }
+
+/* log(x) for positive float32 lanes (Cephes' logf as vectorised in avx_mathfun: x = m 2^e with m in [sqrt(1/2),
+   sqrt(2)), a degree-8 polynomial in m - 1; about 1 ulp). */
+static inline __m256 log256(__m256 x) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    x = _mm256_max_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x00800000)));  /* the smallest normal */
+    __m256i bits = _mm256_srli_epi32(_mm256_castps_si256(x), 23);
+    x = _mm256_or_ps(_mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(~0x7f800000))), _mm256_set1_ps(0.5f));
+    __m256 e = _mm256_add_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(bits, _mm256_set1_epi32(0x7f))), one);
+    const __m256 small = _mm256_cmp_ps(x, _mm256_set1_ps(0.707106781186547524f), _CMP_LT_OS);
+    const __m256 tmp = _mm256_and_ps(x, small);
+    x = _mm256_add_ps(_mm256_sub_ps(x, one), tmp);
+    e = _mm256_sub_ps(e, _mm256_and_ps(one, small));
+    const __m256 z = _mm256_mul_ps(x, x);
+    __m256 y = _mm256_set1_ps(7.0376836292E-2f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(-1.1514610310E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.1676998740E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(-1.2420140846E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.4249322787E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(-1.6668057665E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(2.0000714765E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(-2.4999993993E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(3.3333331174E-1f));
+    y = _mm256_mul_ps(_mm256_mul_ps(y, x), z);
+    y = _mm256_fmadd_ps(e, _mm256_set1_ps(-2.12194440e-4f), y);
+    y = _mm256_fnmadd_ps(z, _mm256_set1_ps(0.5f), y);
+    return _mm256_fmadd_ps(e, _mm256_set1_ps(0.693359375f), _mm256_add_ps(x, y));
+}
+
+static inline __m256 sigmoid256(__m256 x) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    return _mm256_div_ps(one, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+}
+
+/* softplus(x) = max(x, 0) + log1p(exp(-|x|)), log1p(u) as log(1 + u) u / ((1 + u) - 1) (exact where 1 + u rounds to
+   1: u); torch's softplus returns x itself above 20, where the two differ by less than exp(-20). */
+static inline __m256 softplus256(__m256 x) {
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    const __m256 u = exp256(_mm256_sub_ps(zero, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x)));
+    const __m256 w = _mm256_add_ps(one, u), grown = _mm256_sub_ps(w, one);
+    const __m256 lp = _mm256_blendv_ps(_mm256_div_ps(_mm256_mul_ps(log256(w), u), grown), u,
+                                       _mm256_cmp_ps(grown, zero, _CMP_EQ_OQ));
+    return _mm256_add_ps(_mm256_max_ps(x, zero), lp);
+}
+
+static inline float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+/* out = x / sqrt(mean(x^2) + eps) * w over D values (any D: the MLA latents' norms). */
+static void rms_norm_row(const float *x, const float *w, float *out, int64_t D, float eps) {
+    float s = 0.0f;
+    for (int64_t i = 0; i < D; i++) s += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(s / (float)D + eps);
+    for (int64_t i = 0; i < D; i++) out[i] = x[i] * inv * w[i];
+}
+
+/* x [n, K] rows scaled in place to unit length: x / sqrt(sum x^2 + eps), each of `heads` groups of K. */
+static void l2norm_heads(float *x, int64_t groups, int64_t K, float eps) {
+    for (int64_t g = 0; g < groups; g++) {
+        float *v = x + g * K, s = 0.0f;
+        for (int64_t i = 0; i < K; i++) s += v[i] * v[i];
+        const float inv = 1.0f / sqrtf(s + eps);
+        for (int64_t i = 0; i < K; i++) v[i] *= inv;
+    }
+}
+
+/* scratch (each n rows of the step's width): qkv (q | k | v per row, then the normed outputs), tmp (the three
+   products, then decay | gate), low (f | g_a | b), o (the recurrence's outputs) */
+static void kda_mixer(const int64_t *dims, const void *const *p, const float *eps, const float *h, int n, float *out,
+                      float *qkv, float *tmp, float *low, float *o, float *xs) {
+    const int64_t D = dims[KDIM_D], H = dims[KDIM_KH], K = dims[KDIM_KD], HK = H * K, C = 3 * HK;
+    const int64_t taps = dims[KDIM_TAPS];
+    linear(h, n, D, p[KP_Q], W_F32, HK, tmp, xs);
+    linear(h, n, D, p[KP_K], W_F32, HK, tmp + n * HK, xs);
+    linear(h, n, D, p[KP_V], W_F32, HK, tmp + 2 * n * HK, xs);
+    for (int r = 0; r < n; r++)
+        for (int j = 0; j < 3; j++) memcpy(qkv + r * C + j * HK, tmp + (j * n + r) * HK, sizeof(float) * (size_t)HK);
+    /* the causal convolution over each row's window (the taps-1 inputs before this one, oldest first; float32 sums),
+       the window shifted by one, then SiLU; q and k l2-normalised per head, q times K^-1/2 */
+    const float *w = (const float *)p[KP_CONV];  /* [taps, C] */
+    const float q_scale = 1.0f / sqrtf((float)K);
+    for (int r = 0; r < n; r++) {
+        float *window = (float *)p[KP_WINDOW] + r * dims[KDIM_WINDOW_ROW], *x = qkv + r * C;
+        for (int64_t c = 0; c < C; c += 8) {  /* C = 3HK, a multiple of 8 */
+            const __m256 in = _mm256_loadu_ps(x + c);
+            __m256 s = _mm256_mul_ps(in, _mm256_loadu_ps(w + (taps - 1) * C + c));
+            for (int64_t j = 0; j < taps - 1; j++) {
+                const __m256 past = _mm256_loadu_ps(window + j * C + c);
+                s = _mm256_fmadd_ps(past, _mm256_loadu_ps(w + j * C + c), s);
+                if (j + 1 < taps - 1) _mm256_storeu_ps(window + j * C + c, _mm256_loadu_ps(window + (j + 1) * C + c));
+            }
+            if (taps > 1) _mm256_storeu_ps(window + (taps - 2) * C + c, in);
+            _mm256_storeu_ps(x + c, _mm256_mul_ps(s, sigmoid256(s)));
+        }
+        l2norm_heads(x, H, K, eps[E_L2]);
+        l2norm_heads(x + HK, H, K, eps[E_L2]);
+        for (int64_t i = 0; i < HK; i++) x[i] *= q_scale;
+    }
+    /* the gates: f and g_a (rank K) and b read h; decay = exp(a_h softplus(f f_b^T + dt_bias)), beta = sigmoid(b),
+       the output gate sigmoid(g_a g_b^T) */
+    float *f = low, *ga = low + n * K, *b = low + 2 * n * K;
+    float *decay = tmp, *gate = tmp + n * HK;
+    linear(h, n, D, p[KP_FA], W_F32, K, f, xs);
+    linear(h, n, D, p[KP_GA], W_F32, K, ga, xs);
+    linear(h, n, D, p[KP_B], W_F32, H, b, xs);
+    linear(f, n, K, p[KP_FB], W_F32, HK, decay, xs);
+    linear(ga, n, K, p[KP_GB], W_F32, HK, gate, xs);
+    const float *dt = (const float *)p[KP_DT_BIAS], *a = (const float *)p[KP_A];
+    for (int r = 0; r < n; r++)
+        for (int64_t i = 0; i < HK; i += 8) {  /* HK a multiple of 8; a head's K channels share a_h */
+            float *dr = decay + r * HK + i, *gr = gate + r * HK + i;
+            const __m256 f8 = softplus256(_mm256_add_ps(_mm256_loadu_ps(dr), _mm256_loadu_ps(dt + i)));
+            _mm256_storeu_ps(dr, exp256(_mm256_mul_ps(_mm256_set1_ps(a[i / K]), f8)));
+            _mm256_storeu_ps(gr, sigmoid256(_mm256_loadu_ps(gr)));
+        }
+    for (int64_t i = 0; i < n * H; i++) b[i] = sigmoidf_(b[i]);
+    /* the delta rule, one token a row and head, on the row's state [H, K, K] */
+    for (int r = 0; r < n; r++) {
+        float *S = (float *)p[KP_STATE] + r * dims[KDIM_STATE_ROW];
+        const float *x = qkv + r * C;
+        for (int64_t hd = 0; hd < H; hd++)
+            head(S + hd * K * K, x + hd * K, x + HK + hd * K, x + 2 * HK + hd * K, decay + r * HK + hd * K,
+                 b + r * H + hd, o + r * HK + hd * K, 1, H, K, K);
+    }
+    /* each head's RMSNorm times its gate, then o_proj */
+    evo_add_rms_norm(o, NULL, o, (const float *)p[KP_O_NORM], qkv, n * H, K, eps[E_RMS]);
+    for (int64_t i = 0; i < n * HK; i++) qkv[i] *= gate[i];
+    linear(qkv, n, HK, p[KP_O], W_F32, D, out, xs);
+}
+
+static void mla_mixer(const int64_t *dims, const void *const *p, const float *eps, const float *h, const int64_t *pos,
+                      int n, float *out, float *q, float *kv, float *lat, float *scores, float *xs) {
+    const int64_t D = dims[KDIM_D], H = dims[KDIM_MH], nope = dims[KDIM_NOPE], rope = dims[KDIM_ROPE], R = dims[KDIM_R];
+    const int64_t QD = nope + rope, KD = R + rope, QL = dims[KDIM_Q_LORA];
+    if (QL) {  /* q = RMSNorm(h q_a^T) q_b^T, the low-rank rows first in kv's room */
+        linear(h, n, D, p[KP_MQ], W_F32, QL, kv, xs);
+        for (int r = 0; r < n; r++)
+            rms_norm_row(kv + r * QL, (const float *)p[KP_MQ_NORM], kv + r * QL, QL, eps[E_LATENT]);
+        linear(kv, n, QL, p[KP_MQB], W_F32, H * QD, q, xs);
+    } else {
+        linear(h, n, D, p[KP_MQ], W_F32, H * QD, q, xs);
+    }
+    linear(h, n, D, p[KP_MKVA], W_F32, KD, kv, xs);
+    const float *wuk = (const float *)p[KP_MWUK];  /* [H, nope, R] */
+    for (int r = 0; r < n; r++) {
+        float *key = (float *)p[KP_MCACHE] + r * dims[KDIM_CACHE_ROW] + pos[r] * dims[KDIM_CACHE_POS];
+        rms_norm_row(kv + r * KD, (const float *)p[KP_MKV_NORM], key, R, eps[E_LATENT]);
+        memcpy(key + R, kv + r * KD + R, sizeof(float) * (size_t)rope);
+        /* each head's query in the latent: [q_nope W_UK | q_rope] [KD] */
+        float *ql = lat;  /* [H, KD] */
+        for (int64_t hd = 0; hd < H; hd++) {
+            const float *qn = q + r * H * QD + hd * QD;
+            float *t = ql + hd * KD;
+            for (int64_t c = 0; c < R; c++) t[c] = 0.0f;
+            for (int64_t d = 0; d < nope; d++) {
+                const float s = qn[d];
+                const float *row = wuk + (hd * nope + d) * R;
+                for (int64_t c = 0; c < R; c++) t[c] += s * row[c];
+            }
+            memcpy(t + R, qn + nope, sizeof(float) * (size_t)rope);
+        }
+        /* attention over positions [0, pos[r]]: every head reads each key once */
+        const int64_t S = pos[r] + 1;
+        const float *cache = (const float *)p[KP_MCACHE] + r * dims[KDIM_CACHE_ROW];
+        for (int64_t s = 0; s < S; s++) {
+            const float *kk = cache + s * dims[KDIM_CACHE_POS];
+            for (int64_t hd = 0; hd < H; hd++) {
+                const float *t = ql + hd * KD;
+                __m256 acc = _mm256_setzero_ps();
+                int64_t c = 0;
+                for (; c + 8 <= KD; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(t + c), _mm256_loadu_ps(kk + c), acc);
+                float dot = hsum256(acc);
+                for (; c < KD; c++) dot += t[c] * kk[c];
+                scores[hd * S + s] = dot * eps[E_MLA_SCALE];
+            }
+        }
+        float *o = lat + H * KD + r * H * R;  /* this row's [H, R] outputs, after the latent queries */
+        for (int64_t hd = 0; hd < H; hd++) {
+            float *sc = scores + hd * S, top = sc[0], total = 0.0f;
+            for (int64_t s = 1; s < S; s++) top = sc[s] > top ? sc[s] : top;
+            for (int64_t s = 0; s < S; s++) total += (sc[s] = expf(sc[s] - top));
+            float *oh = o + hd * R;
+            for (int64_t c = 0; c < R; c++) oh[c] = 0.0f;
+            for (int64_t s = 0; s < S; s++) {
+                const float pr = sc[s] / total, *vv = cache + s * dims[KDIM_CACHE_POS];
+                for (int64_t c = 0; c < R; c++) oh[c] += pr * vv[c];
+            }
+        }
+    }
+    linear(lat + H * KD, n, H * R, p[KP_MO], W_F32, D, out, xs);
+}
+
+/* SwiGLU of n rows: (silu(h Wg^T) * h Wu^T) Wd^T into out [n, D]; gate and up: scratch [n, I]. */
+static void swiglu(const float *h, int n, int64_t D, int64_t I, const void *wg, const void *wu, const void *wd,
+                   float *out, float *gate, float *up, float *xs) {
+    linear(h, n, D, wg, W_F32, I, gate, xs);
+    linear(h, n, D, wu, W_F32, I, up, xs);
+    silu_mul(gate, up, n * I);
+    linear(gate, n, I, wd, W_F32, D, out, xs);
+}
+
+static void moe(const int64_t *dims, const void *const *p, const float *eps, const float *h, int n, float *out,
+                float *gathered, float *gu, float *act, float *y, float *xs, int *chosen, float *weight, int *members) {
+    const int64_t D = dims[KDIM_D], E = dims[KDIM_E], top_k = dims[KDIM_TOPK], G = dims[KDIM_GROUPS];
+    const int64_t I = dims[KDIM_MOE_I], S = dims[KDIM_SHARED_I], per = E / G;
+    /* the shared experts on every row */
+    swiglu(h, n, D, S, p[KP_FF4], p[KP_FF5], p[KP_FF6], out, gu, act, xs);
+    /* routing: scores = sigmoid(h router^T) (float32), chosen by score + bias within the best groups */
+    float *scores = y;  /* [n, E] before y is needed */
+    linear(h, n, D, p[KP_FF0], W_F32, E, scores, xs);
+    const float *bias = (const float *)p[KP_FF1];
+    for (int r = 0; r < n; r++) {
+        float choice[MAX_EXPERTS];
+        float *sr = scores + r * E;
+        for (int64_t e = 0; e < E; e++) {
+            sr[e] = sigmoidf_(sr[e]);
+            choice[e] = sr[e] + bias[e];
+        }
+        if (G > 1) {
+            float group_score[MAX_EXPERTS];
+            for (int64_t grp = 0; grp < G; grp++) {
+                float a = -INFINITY, b2 = -INFINITY;
+                for (int64_t e = grp * per; e < (grp + 1) * per; e++) {
+                    if (choice[e] > a) { b2 = a; a = choice[e]; }
+                    else if (choice[e] > b2) b2 = choice[e];
+                }
+                group_score[grp] = a + b2;
+            }
+            int kept[MAX_EXPERTS] = {0};
+            for (int64_t t = 0; t < dims[KDIM_TOPK_GROUPS]; t++) {
+                int64_t best = -1;
+                for (int64_t grp = 0; grp < G; grp++)
+                    if (!kept[grp] && (best < 0 || group_score[grp] > group_score[best])) best = grp;
+                kept[best] = 1;
+            }
+            for (int64_t e = 0; e < E; e++)
+                if (!kept[e / per]) choice[e] = -INFINITY;
+        }
+        float total = 0.0f;
+        for (int64_t t = 0; t < top_k; t++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++) {
+                int taken = 0;
+                for (int64_t u = 0; u < t; u++) taken |= chosen[r * top_k + u] == e;
+                if (!taken && (best < 0 || choice[e] > choice[best])) best = e;
+            }
+            chosen[r * top_k + t] = (int)best;
+            weight[r * top_k + t] = sr[best];
+            total += sr[best];
+        }
+        for (int64_t t = 0; t < top_k; t++) {
+            if (dims[KDIM_RENORM]) weight[r * top_k + t] /= total + 1e-20f;
+            weight[r * top_k + t] *= eps[E_ROUTED_SCALING];
+        }
+    }
+    /* each expert on the rows that chose it, gathered; its output added times the row's weight */
+    for (int64_t e = 0; e < E; e++) {
+        int m = 0;
+        for (int r = 0; r < n; r++)
+            for (int64_t t = 0; t < top_k; t++)
+                if (chosen[r * top_k + t] == e) {
+                    members[m] = r * (int)top_k + (int)t;
+                    memcpy(gathered + m * D, h + r * D, sizeof(float) * (size_t)D);
+                    m++;
+                }
+        if (!m) continue;
+        linear(gathered, m, D, (const float *)p[KP_FF2] + e * 2 * I * D, W_F32, 2 * I, gu, xs);
+        for (int i = 0; i < m; i++) {  /* silu(gate) * up, each row's gate | up halves */
+            silu_mul(gu + i * 2 * I, gu + i * 2 * I + I, I);
+            memcpy(act + i * I, gu + i * 2 * I, sizeof(float) * (size_t)I);
+        }
+        linear(act, m, I, (const float *)p[KP_FF3] + e * D * I, W_F32, D, y, xs);
+        for (int i = 0; i < m; i++) {
+            const int r = members[i] / (int)top_k;
+            const float wgt = weight[members[i]];
+            for (int64_t c = 0; c < D; c++) out[r * D + c] += wgt * y[i * D + c];
+        }
+    }
+}
+
+int evo_kimi_decode_step(const int64_t *dims, const void *const *ptrs, const float *eps, const float *embedded,
+                         const int64_t *pos, int n, float *logits) {
+    const int layers = (int)dims[KDIM_LAYERS];
+    const int64_t D = dims[KDIM_D], V = dims[KDIM_VOCAB], HK = dims[KDIM_KH] * dims[KDIM_KD], K = dims[KDIM_KD];
+    const int64_t MH = dims[KDIM_MH], QD = dims[KDIM_NOPE] + dims[KDIM_ROPE], KD = dims[KDIM_R] + dims[KDIM_ROPE];
+    const int64_t topk = dims[KDIM_TOPK] > 0 ? dims[KDIM_TOPK] : 1;
+    int64_t longest = 1;
+    for (int r = 0; r < n; r++) longest = pos[r] + 1 > longest ? pos[r] + 1 : longest;
+    /* one width W fits every per-row scratch: 3HK, 2I, the dense and shared widths, the MLA query, latent and
+       outputs, the experts' count */
+    int64_t W = D;
+    const int64_t widths[] = {dims[KDIM_Q_LORA], 3 * HK, 2 * dims[KDIM_MOE_I], dims[KDIM_DENSE_I], dims[KDIM_SHARED_I],
+                              MH * QD, KD,
+                              MH * dims[KDIM_R], dims[KDIM_E], 2 * K + dims[KDIM_KH]};
+    for (size_t i = 0; i < sizeof widths / sizeof widths[0]; i++) W = widths[i] > W ? widths[i] : W;
+    const int64_t LAT = MH * KD + (int64_t)n * MH * dims[KDIM_R];  /* MLA: latent queries then every row's outputs */
+    const size_t floats = (size_t)n * (size_t)(3 * D + 5 * W + W + 16) + (size_t)(LAT + MH * longest);
+    float *x = malloc(sizeof(float) * (floats + (size_t)(n * topk)) + sizeof(int) * (size_t)(n * topk * 2));
+    if (x == NULL) return -1;
+    float *h = x + n * D, *o = h + n * D;
+    float *s0 = o + n * D, *s1 = s0 + n * W, *s2 = s1 + n * W, *s3 = s2 + n * W, *s4 = s3 + n * W;
+    float *xs = s4 + n * W, *lat = xs + n * (W + 16), *scores = lat + LAT;
+    float *weight = scores + MH * longest;
+    int *chosen = (int *)(weight + n * topk), *members = chosen + n * topk;
+    memcpy(x, embedded, sizeof(float) * (size_t)(n * D));
+    for (int l = 0; l < layers; l++) {
+        const void *const *p = ptrs + l * KP_PER_LAYER;
+        const int64_t mixer = dims[KDIM_COUNT + 2 * l], ff = dims[KDIM_COUNT + 2 * l + 1];
+        /* o: the last feed-forward's output */
+        evo_add_rms_norm(x, l ? o : NULL, x, (const float *)p[KP_IN_NORM], h, n, D, eps[E_RMS]);
+        if (mixer == 0) kda_mixer(dims, p, eps, h, n, o, s0, s1, s2, s3, xs);
+        else mla_mixer(dims, p, eps, h, pos, n, o, s0, s1, lat, scores, xs);
+        evo_add_rms_norm(x, o, x, (const float *)p[KP_POST_NORM], h, n, D, eps[E_RMS]);
+        if (ff == 0) swiglu(h, n, D, dims[KDIM_DENSE_I], p[KP_FF0], p[KP_FF1], p[KP_FF2], o, s0, s1, xs);
+        else moe(dims, p, eps, h, n, o, s0, s1, s2, s3, xs, chosen, weight, members);
+    }
+    evo_add_rms_norm(x, o, x, (const float *)ptrs[layers * KP_PER_LAYER], h, n, D, eps[E_RMS]);
+    linear(h, n, D, ptrs[layers * KP_PER_LAYER + 1], W_F32, V, logits, xs);
+    free(x);
+    return 0;
+}

@@ -1,0 +1,148 @@
+"""A Kimi Linear hybrid decoder's whole decode step in C (`kimi_decode_step.c`) over float32 weights and a state pool
+held as torch tensors: `KimiDecodeStep(...)(embedded [n, D], pos [n]) -> logits [n, V]`, no Python between the step's
+ops."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from evo.workloads.generation_core.cpu_kernels.build import (INT, PTR, KernelUnavailable, kernel_function,
+                                                             kernel_library, require_cpu)
+from evo.workloads.generation_core.cpu_kernels.kda_recurrence import MAX_DIM
+
+KDA_WEIGHTS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "forget_gate.f_a_proj.weight",
+               "forget_gate.f_b_proj.weight", "g_a_proj.weight", "g_b_proj.weight", "b_proj.weight",
+               "forget_gate.dt_bias")  # the C side's P_Q .. P_DT_BIAS; then a, the convolution, o_norm, o_proj, memory
+DENSE_WEIGHTS = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+MOE_WEIGHTS = ("gate.weight", "gate.e_score_correction_bias", "experts.gate_up_proj", "experts.down_proj",
+               "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight", "shared_experts.down_proj.weight")
+STEP_DIMS, PER_LAYER = 23, 24  # the C side's KDIM_COUNT and KP_PER_LAYER
+FEED_FORWARD = 2 + len(KDA_WEIGHTS) + 6  # the C side's KP_FF0: a layer's feed-forward pointers after its mixer's
+MAX_EXPERTS = 512  # the C side's MAX_EXPERTS
+
+
+@functools.cache
+def _kernel():
+    lib = kernel_library("kimi_decode_step")
+    lib.evo_kimi_step_dims.restype = lib.evo_kimi_step_pointers_per_layer.restype = INT
+    if lib.evo_kimi_step_dims() != STEP_DIMS or lib.evo_kimi_step_pointers_per_layer() != PER_LAYER:
+        raise KernelUnavailable("kimi_decode_step.c and its wrapper disagree on the dims or a layer's pointers")
+    return kernel_function("kimi_decode_step", "evo_kimi_decode_step", INT, (PTR, PTR, PTR, PTR, PTR, INT, PTR))
+
+
+def check_kimi_step_supported(spec, dtype: torch.dtype, device: torch.device | str) -> None:
+    """Raises KernelUnavailable (what is wrong, what is allowed) unless the step can run the decoder `spec` (a
+    `KimiSpec`) in `dtype`; builds it."""
+    require_cpu(device, "Kimi Linear decode step")
+    sizes = {"hidden": spec.hidden, "kda_head_dim": spec.kda_head_dim, "intermediate": spec.intermediate,
+             "moe_intermediate": spec.moe_intermediate, "mla_heads x kv_lora_rank": spec.mla_heads * spec.kv_lora_rank,
+             "shared width": spec.moe_intermediate * spec.shared_experts, "q_lora_rank": spec.q_lora_rank or 0}
+    odd = {name: size for name, size in sizes.items() if size % 8}
+    problems = []
+    if dtype != torch.float32:
+        problems.append(f"float32 weights (got {dtype})")
+    if odd:
+        problems.append(f"sizes that are multiples of 8 (got {odd})")
+    if spec.kda_head_dim > MAX_DIM or spec.experts > MAX_EXPERTS:
+        problems.append(f"KDA heads of at most {MAX_DIM} and at most {MAX_EXPERTS} experts (got {spec.kda_head_dim}, "
+                        f"{spec.experts})")
+    if problems:
+        raise KernelUnavailable("the Kimi Linear decode step kernel needs " + "; ".join(problems))
+    _kernel()
+
+
+def _float(t: torch.Tensor) -> torch.Tensor:
+    return t.to("cpu", torch.float32).contiguous()
+
+
+class KimiDecodeStep:
+    """The step over `weights` (transformers' names, as `evo.workloads.kimi_linear.model` gives them) and the pool's
+    per-layer memory (KDA: state [rows, H, K, K] and window [rows, taps-1, 3HK]; MLA: the compressed cache [rows, L,
+    R + rope]; float32, contiguous, written in place), the MLA latent's RMSNorm epsilon and q and k's l2-norm one. It
+    keeps every tensor it points at alive."""
+
+    def __init__(self, spec, weights: dict[str, torch.Tensor], memory: list[list[torch.Tensor]], latent_eps: float,
+                 l2_eps: float) -> None:
+        check_kimi_step_supported(spec, torch.float32, "cpu")
+        kinds, pointers, alive = [], [], []
+        rows = memory[0][0].shape[0]
+        for t in (t for layer in memory for t in layer):
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.shape[0] != rows:
+                raise ValueError(f"KimiDecodeStep: every layer's memory float32, contiguous, {rows} rows; got "
+                                 f"{tuple(t.shape)} {t.dtype}{'' if t.is_contiguous() else ', not contiguous'}")
+        strides = {"state": 0, "window": 0, "cache_row": 0, "cache_pos": 0, "positions": 0}
+
+        def keep(t: torch.Tensor) -> int:
+            alive.append(t)
+            return t.data_ptr()
+
+        for i, (mixer, ffn) in enumerate(zip(spec.layer_types, spec.mlp_types)):
+            p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            layer = [keep(_float(weights[p + "input_layernorm.weight"])),
+                     keep(_float(weights[p + "post_attention_layernorm.weight"]))]
+            if mixer == "linear_attention":
+                state, window = memory[i]
+                strides["state"], strides["window"] = state.stride(0), window.stride(0)
+                layer += [keep(_float(weights[a + name])) for name in KDA_WEIGHTS]
+                layer += [keep(-_float(weights[a + "forget_gate.A_log"]).flatten().exp()),  # a_h = -exp(A_log)
+                          keep(_float(weights[a + "conv1d.weight"][:, 0].T)),  # [taps, 3HK]
+                          keep(_float(weights[a + "o_norm.weight"])), keep(_float(weights[a + "o_proj.weight"])),
+                          keep(state), keep(window)]
+            else:
+                (cache,) = memory[i]
+                strides["cache_row"], strides["cache_pos"], strides["positions"] = (cache.stride(0), cache.stride(1),
+                                                                                     cache.shape[1])
+                H, nope, dv, R = spec.mla_heads, spec.qk_nope_dim, spec.v_head_dim, spec.kv_lora_rank
+                per_head = _float(weights[a + "kv_b_proj.weight"]).view(H, nope + dv, R)
+                o = _float(weights[a + "o_proj.weight"])  # [D, H dv]
+                o_latent = torch.einsum("dhv,hvr->dhr", o.view(-1, H, dv), per_head[:, nope:]).reshape(o.shape[0], -1)
+                q = (["q_proj.weight"] if spec.q_lora_rank is None else ["q_a_proj.weight"])
+                layer += [keep(_float(weights[a + q[0]])), keep(_float(weights[a + "kv_a_proj_with_mqa.weight"])),
+                          keep(_float(weights[a + "kv_a_layernorm.weight"])), keep(per_head[:, :nope].contiguous()),
+                          keep(o_latent.contiguous()), keep(cache)]
+                low_rank = [0, 0] if spec.q_lora_rank is None else [keep(_float(weights[a + "q_a_layernorm.weight"])),
+                                                                    keep(_float(weights[a + "q_b_proj.weight"]))]
+                layer += low_rank + [0] * (FEED_FORWARD - len(layer) - len(low_rank))
+            names = DENSE_WEIGHTS if ffn == "dense" else MOE_WEIGHTS
+            layer += [keep(_float(weights[m + name])) for name in names]
+            layer += [0] * (PER_LAYER - len(layer))
+            pointers += layer
+            kinds += [int(mixer != "linear_attention"), int(ffn != "dense")]
+        pointers += [keep(_float(weights["model.norm.weight"])), keep(_float(weights["lm_head.weight"]))]
+        s = spec
+        self.dims = torch.tensor([s.layers, s.hidden, s.vocab, s.kda_heads, s.kda_head_dim, s.conv_kernel, s.mla_heads,
+                                  s.qk_nope_dim, s.qk_rope_dim, s.kv_lora_rank, s.experts, s.top_k, s.expert_groups,
+                                  s.topk_groups, int(s.renormalize), s.moe_intermediate,
+                                  s.moe_intermediate * s.shared_experts, s.intermediate, strides["state"],
+                                  strides["window"], strides["cache_row"], strides["cache_pos"],
+                                  s.q_lora_rank or 0] + kinds,
+                                 dtype=torch.int64)
+        self.eps = torch.tensor([s.rms_eps, latent_eps, l2_eps, s.routed_scaling, s.qk_head_dim ** -0.5],
+                                dtype=torch.float32)
+        self.pointers = torch.tensor(pointers, dtype=torch.int64)
+        self.spec, self.rows, self.max_positions = spec, rows, strides["positions"] or None
+        self._alive, self._memory = alive, memory
+        self._call = _kernel()
+
+    def __call__(self, embedded: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """embedded [n, D] float32 (row r's token), pos [n] int64 (its position; row r of the pool): the logits [n, V]
+        float32; each row's state, window and cache advanced by its token."""
+        n, D = embedded.shape[0], self.spec.hidden
+        pos = pos.to(torch.int64).contiguous()
+        limit = self.max_positions if self.max_positions is not None else 2**62
+        if embedded.shape != (n, D) or embedded.dtype != torch.float32 or pos.shape != (n,) or \
+                not 0 < n <= self.rows or not 0 <= int(pos.min()) <= int(pos.max()) < limit:
+            raise ValueError(f"KimiDecodeStep: embedded [n, {D}] float32 and pos [n] with n in [1, {self.rows}], each "
+                             f"position in [0, {limit}); got {tuple(embedded.shape)} {embedded.dtype}, positions "
+                             f"{pos.tolist()}")
+        embedded = embedded.contiguous()
+        logits = torch.empty(n, self.spec.vocab, dtype=torch.float32)
+        rc = self._call(self.dims.data_ptr(), self.pointers.data_ptr(), self.eps.data_ptr(), embedded.data_ptr(),
+                        pos.data_ptr(), n, logits.data_ptr())
+        if rc != 0:
+            raise MemoryError("kimi_decode_step: the kernel could not allocate its scratch")
+        return logits
+
+
+__all__ = ["KimiDecodeStep", "check_kimi_step_supported"]
