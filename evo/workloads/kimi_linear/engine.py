@@ -334,8 +334,12 @@ class MlaLayer:
         else:
             self.memory[0][row, :, pos] = k.to(self.memory[0].dtype)
             self.memory[1][row, :, pos] = v.to(self.memory[1].dtype)
+        # values padded with zeros to the keys' width: SDPA's fused CPU kernel takes equal widths, and ran this
+        # attention 2.1-2.6x faster than the matmul form it falls back to (4 rows of 200, 4 heads, one thread)
+        dv = v.shape[-1]
+        v = F.pad(v, (0, max(0, q.shape[-1] - dv)))
         q, k, v = (batch.padded(t).transpose(1, 2) for t in (q, k, v))  # [n, H, longest, d]
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)  # [n, H, longest, dv]
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)[..., :dv]  # [n, H, longest, dv]
         return batch.packed(o.transpose(1, 2)).flatten(1) @ self.o
 
     def decode(self, x: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
