@@ -214,7 +214,8 @@ def test_the_native_decode_step_needs_what_it_reads_and_a_float32_cpu_preset():
 
 @pytest.mark.parametrize("genes", [
     {"shared_expert": "fused", "conv_window": "ring", "state_layout": "vk", "moe_dispatch": "grouped"},
-    {"decode_step": "native", "mla_cache": "compressed"}], ids=["layouts", "native_step"])
+    {"decode_step": "native", "mla_cache": "compressed", "kda_kernel": "native", "prefill_rows": "together"}],
+    ids=["layouts", "native_step"])
 def test_the_new_layouts_serve_a_model_with_two_shared_experts_and_a_three_tap_convolution(genes, logits_seen):
     """The reference tests' VARIANT model (2 shared experts, 3 taps, q low rank, expert groups, MLA first) with
     the shared experts fused into a grouped dispatch, ring windows and [V, K] states, or through our C decode

@@ -188,6 +188,9 @@ class KdaLayer:
         self.o_norm, self.o = w[p + "o_norm.weight"], w[p + "o_proj.weight"].T.contiguous()
         self.chunked = chunked  # the KDA workload's engine (kda_prefill=chunked), or None
         self.native = plan.kda_kernel == "native"  # our C recurrence (prefill and decode; [K, V] states)
+        # a float32 recurrent prefill through C between its products: window, gates, recurrence, norm in one call
+        self.native_prefill = self.native and chunked is None and self.state_f32 and self.conv.dtype == torch.float32
+        self.a_heads = self.a.flatten().contiguous()  # [H]
 
     def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [n, D] -> g [n, H, K] (float32 log decay), beta [n, H] (float32), output gate [n, H, K]."""
@@ -240,6 +243,8 @@ class KdaLayer:
         several), each prompt's state and window into its row of `rows`. The recurrence (or the chunks) runs over
         the prompts as rows padded to the longest with a decay of 1 and beta 0 after each end, which leaves its
         state as its last token left it."""
+        if self.native_prefill:
+            return self._prefill_in_c(x, rows, batch)
         taps = self.conv_t.shape[0]
         raw = torch.cat(self.qkv(x), -1)  # [N, C]
         padded = F.pad(batch.padded(raw), (0, 0, taps - 1, 0))  # [n, taps-1 + longest, C]
@@ -265,6 +270,19 @@ class KdaLayer:
                 o, S = batch.packed(o.view(T, n, self.H, -1).transpose(0, 1)), S.view(n, self.H, self.K, -1)
         self.state[torch.tensor(rows, device=x.device)] = (S.mT if self.vk else S).to(self.state.dtype)
         return self._out(o, gate, x.dtype)
+
+    def _prefill_in_c(self, x: torch.Tensor, rows: list[int], batch: Ragged) -> torch.Tensor:
+        """`prefill_rows` with the products in torch and everything between them in C, each prompt to its own
+        length (`cpu_kernels.kda_prefill`: the decode step's per-token code over the prompt's tokens)."""
+        q, k, v = (t.contiguous() for t in self.qkv(x))  # [N, HK] each
+        f, ga, b = self.low(x)
+        o = cpu_kernels.kda_prefill(q, k, v, f @ self.f_b, ga @ self.g_b, b.contiguous(), list(batch.lengths), rows,
+                                    self.conv, self.state, self.conv_t, self.dt_bias, self.a_heads, self.o_norm,
+                                    self.eps, L2NORM_EPS)
+        if self.ring:  # the window as the C code leaves it, oldest first, into ring order (`_keep_window`)
+            for row, T in zip(rows, batch.lengths):
+                self.conv[row] = self.conv[row].roll(T % self.conv.shape[1], 0)
+        return o @ self.o
 
     def decode(self, x: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """x [n, D]: one token of rows [0, n) at positions pos [n], each from its own state and window (updated

@@ -105,68 +105,103 @@ static void l2norm_heads(float *x, int64_t groups, int64_t K, float eps) {
     }
 }
 
-/* scratch (each n rows of the step's width): qkv (q | k | v per row, then the normed outputs), tmp (the three
-   products, then decay | gate), low (f | g_a | b), o (the recurrence's outputs) */
-static void kda_mixer(const int64_t *dims, const void *const *p, const float *eps, const float *h, int n, float *out,
-                      float *qkv, float *tmp, float *low, float *o, float *xs) {
-    const int64_t D = dims[KDIM_D], H = dims[KDIM_KH], K = dims[KDIM_KD], HK = H * K, C = 3 * HK;
-    const int64_t taps = dims[KDIM_TAPS];
-    linear(h, n, D, p[KP_Q], W_F32, HK, tmp, xs);
-    linear(h, n, D, p[KP_K], W_F32, HK, tmp + n * HK, xs);
-    linear(h, n, D, p[KP_V], W_F32, HK, tmp + 2 * n * HK, xs);
-    for (int r = 0; r < n; r++)
-        for (int j = 0; j < 3; j++) memcpy(qkv + r * C + j * HK, tmp + (j * n + r) * HK, sizeof(float) * (size_t)HK);
-    /* the causal convolution over each row's window (the taps-1 inputs before this one, oldest first; float32 sums),
-       the window shifted by one, then SiLU; q and k l2-normalised per head, q times K^-1/2 */
-    const float *w = (const float *)p[KP_CONV];  /* [taps, C] */
+/* A KDA layer's weights and shape as its token work reads them (`kda_tokens`). */
+typedef struct {
+    int64_t H, K, taps;
+    float rms_eps, l2_eps;
+    const float *conv, *dt_bias, *a, *o_norm;  /* [taps, 3HK], [HK], [H] (-exp(A_log)), [K] */
+} kda_layer;
+
+/* One row's T tokens through a KDA layer after its products: q, k, v [T, HK] (the q, k, v products in; convolved over
+   the row's window (the taps-1 inputs before, oldest first; float32 sums; the window moves on by T), SiLU'd, q and k
+   l2-normalised per head, q times K^-1/2), decay [T, HK] (f f_b^T in, exp(a_h softplus(. + dt_bias)) out), gate
+   [T, HK] (g_a g_b^T in, sigmoid out), beta [T, H] (b in, sigmoid out); the delta rule from the row's state
+   S [H, K, K] (advanced); o [T, HK] out: each head's output RMSNorm'd times its gate. */
+static void kda_tokens(const kda_layer *L, int64_t T, float *q, float *k, float *v, float *decay, float *gate,
+                       float *beta, float *window, float *S, float *o) {
+    const int64_t H = L->H, K = L->K, HK = H * K, C = 3 * HK, taps = L->taps;
     const float q_scale = 1.0f / sqrtf((float)K);
-    for (int r = 0; r < n; r++) {
-        float *window = (float *)p[KP_WINDOW] + r * dims[KDIM_WINDOW_ROW], *x = qkv + r * C;
-        for (int64_t c = 0; c < C; c += 8) {  /* C = 3HK, a multiple of 8 */
-            const __m256 in = _mm256_loadu_ps(x + c);
-            __m256 s = _mm256_mul_ps(in, _mm256_loadu_ps(w + (taps - 1) * C + c));
-            for (int64_t j = 0; j < taps - 1; j++) {
-                const __m256 past = _mm256_loadu_ps(window + j * C + c);
-                s = _mm256_fmadd_ps(past, _mm256_loadu_ps(w + j * C + c), s);
-                if (j + 1 < taps - 1) _mm256_storeu_ps(window + j * C + c, _mm256_loadu_ps(window + (j + 1) * C + c));
+    float *xs[3] = {q, k, v};
+    for (int64_t t = 0; t < T; t++) {
+        for (int j = 0; j < 3; j++) {
+            float *x = xs[j] + t * HK;
+            const float *w = L->conv + j * HK;
+            float *win = window + j * HK;
+            for (int64_t c = 0; c < HK; c += 8) {  /* HK a multiple of 8 */
+                const __m256 in = _mm256_loadu_ps(x + c);
+                __m256 s = _mm256_mul_ps(in, _mm256_loadu_ps(w + (taps - 1) * C + c));
+                for (int64_t i = 0; i < taps - 1; i++) {
+                    s = _mm256_fmadd_ps(_mm256_loadu_ps(win + i * C + c), _mm256_loadu_ps(w + i * C + c), s);
+                    if (i + 1 < taps - 1) _mm256_storeu_ps(win + i * C + c, _mm256_loadu_ps(win + (i + 1) * C + c));
+                }
+                if (taps > 1) _mm256_storeu_ps(win + (taps - 2) * C + c, in);
+                _mm256_storeu_ps(x + c, _mm256_mul_ps(s, sigmoid256(s)));
             }
-            if (taps > 1) _mm256_storeu_ps(window + (taps - 2) * C + c, in);
-            _mm256_storeu_ps(x + c, _mm256_mul_ps(s, sigmoid256(s)));
         }
-        l2norm_heads(x, H, K, eps[E_L2]);
-        l2norm_heads(x + HK, H, K, eps[E_L2]);
-        for (int64_t i = 0; i < HK; i++) x[i] *= q_scale;
+        l2norm_heads(q + t * HK, H, K, L->l2_eps);
+        l2norm_heads(k + t * HK, H, K, L->l2_eps);
+        for (int64_t i = 0; i < HK; i++) q[t * HK + i] *= q_scale;
     }
-    /* the gates: f and g_a (rank K) and b read h; decay = exp(a_h softplus(f f_b^T + dt_bias)), beta = sigmoid(b),
-       the output gate sigmoid(g_a g_b^T) */
-    float *f = low, *ga = low + n * K, *b = low + 2 * n * K;
-    float *decay = tmp, *gate = tmp + n * HK;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < HK; i += 8) {  /* a head's K channels (a multiple of 8) share a_h */
+            float *dr = decay + t * HK + i, *gr = gate + t * HK + i;
+            const __m256 f8 = softplus256(_mm256_add_ps(_mm256_loadu_ps(dr), _mm256_loadu_ps(L->dt_bias + i)));
+            _mm256_storeu_ps(dr, exp256(_mm256_mul_ps(_mm256_set1_ps(L->a[i / K]), f8)));
+            _mm256_storeu_ps(gr, sigmoid256(_mm256_loadu_ps(gr)));
+        }
+    for (int64_t i = 0; i < T * H; i++) beta[i] = sigmoidf_(beta[i]);
+    for (int64_t hd = 0; hd < H; hd++)
+        head(S + hd * K * K, q + hd * K, k + hd * K, v + hd * K, decay + hd * K, beta + hd, o + hd * K, T, H, K, K);
+    evo_add_rms_norm(o, NULL, o, L->o_norm, o, T * H, K, L->rms_eps);
+    for (int64_t i = 0; i < T * HK; i++) o[i] *= gate[i];
+}
+
+static kda_layer kda_of(const int64_t *dims, const void *const *p, const float *eps) {
+    kda_layer L = {dims[KDIM_KH], dims[KDIM_KD], dims[KDIM_TAPS], eps[E_RMS], eps[E_L2], (const float *)p[KP_CONV],
+                   (const float *)p[KP_DT_BIAS], (const float *)p[KP_A], (const float *)p[KP_O_NORM]};
+    return L;
+}
+
+/* scratch (each n rows of the step's width): qkv (the q, k and v products, [n, HK] each), gates (decay, then the
+   output gate), low (f | g_a | b), o (the recurrence's outputs, normed and gated) */
+static void kda_mixer(const int64_t *dims, const void *const *p, const float *eps, const float *h, int n, float *out,
+                      float *qkv, float *gates, float *low, float *o, float *xs) {
+    const int64_t D = dims[KDIM_D], H = dims[KDIM_KH], K = dims[KDIM_KD], HK = H * K;
+    const kda_layer L = kda_of(dims, p, eps);
+    float *q = qkv, *k = qkv + n * HK, *v = qkv + 2 * n * HK;
+    float *f = low, *ga = low + n * K, *b = low + 2 * n * K, *decay = gates, *gate = gates + n * HK;
+    linear(h, n, D, p[KP_Q], W_F32, HK, q, xs);
+    linear(h, n, D, p[KP_K], W_F32, HK, k, xs);
+    linear(h, n, D, p[KP_V], W_F32, HK, v, xs);
     linear(h, n, D, p[KP_FA], W_F32, K, f, xs);
     linear(h, n, D, p[KP_GA], W_F32, K, ga, xs);
     linear(h, n, D, p[KP_B], W_F32, H, b, xs);
     linear(f, n, K, p[KP_FB], W_F32, HK, decay, xs);
     linear(ga, n, K, p[KP_GB], W_F32, HK, gate, xs);
-    const float *dt = (const float *)p[KP_DT_BIAS], *a = (const float *)p[KP_A];
-    for (int r = 0; r < n; r++)
-        for (int64_t i = 0; i < HK; i += 8) {  /* HK a multiple of 8; a head's K channels share a_h */
-            float *dr = decay + r * HK + i, *gr = gate + r * HK + i;
-            const __m256 f8 = softplus256(_mm256_add_ps(_mm256_loadu_ps(dr), _mm256_loadu_ps(dt + i)));
-            _mm256_storeu_ps(dr, exp256(_mm256_mul_ps(_mm256_set1_ps(a[i / K]), f8)));
-            _mm256_storeu_ps(gr, sigmoid256(_mm256_loadu_ps(gr)));
-        }
-    for (int64_t i = 0; i < n * H; i++) b[i] = sigmoidf_(b[i]);
-    /* the delta rule, one token a row and head, on the row's state [H, K, K] */
-    for (int r = 0; r < n; r++) {
-        float *S = (float *)p[KP_STATE] + r * dims[KDIM_STATE_ROW];
-        const float *x = qkv + r * C;
-        for (int64_t hd = 0; hd < H; hd++)
-            head(S + hd * K * K, x + hd * K, x + HK + hd * K, x + 2 * HK + hd * K, decay + r * HK + hd * K,
-                 b + r * H + hd, o + r * HK + hd * K, 1, H, K, K);
+    for (int r = 0; r < n; r++)  /* one token a row, on the row's window and state */
+        kda_tokens(&L, 1, q + r * HK, k + r * HK, v + r * HK, decay + r * HK, gate + r * HK, b + r * H,
+                   (float *)p[KP_WINDOW] + r * dims[KDIM_WINDOW_ROW], (float *)p[KP_STATE] + r * dims[KDIM_STATE_ROW],
+                   o + r * HK);
+    linear(o, n, HK, p[KP_O], W_F32, D, out, xs);
+}
+
+/* A KDA layer's prefill after its products (torch's), prompts from position 0: prompt i's tokens lie at
+   [sum of the lengths before it, + lengths[i]) of q, k, v, decay, gate [N, HK] and beta [N, H] (`kda_tokens`' inputs,
+   overwritten), its window and state (pool row rows[i]: windows + rows[i] window_row, states + rows[i] state_row)
+   zeroed, then advanced over them; o [N, HK] out (normed and gated: o_proj's input). */
+void evo_kda_prefill(int64_t H, int64_t K, int64_t taps, float rms_eps, float l2_eps, const float *conv,
+                     const float *dt_bias, const float *a, const float *o_norm, float *windows, int64_t window_row,
+                     float *states, int64_t state_row, const int64_t *rows, const int64_t *lengths, int64_t n,
+                     float *q, float *k, float *v, float *decay, float *gate, float *beta, float *o) {
+    const kda_layer L = {H, K, taps, rms_eps, l2_eps, conv, dt_bias, a, o_norm};
+    const int64_t HK = H * K;
+    for (int64_t i = 0, at = 0; i < n; at += lengths[i], i++) {
+        float *window = windows + rows[i] * window_row, *S = states + rows[i] * state_row;
+        memset(window, 0, sizeof(float) * (size_t)((taps - 1) * 3 * HK));
+        memset(S, 0, sizeof(float) * (size_t)(H * K * K));
+        kda_tokens(&L, lengths[i], q + at * HK, k + at * HK, v + at * HK, decay + at * HK, gate + at * HK,
+                   beta + at * H, window, S, o + at * HK);
     }
-    /* each head's RMSNorm times its gate, then o_proj */
-    evo_add_rms_norm(o, NULL, o, (const float *)p[KP_O_NORM], qkv, n * H, K, eps[E_RMS]);
-    for (int64_t i = 0; i < n * HK; i++) qkv[i] *= gate[i];
-    linear(qkv, n, HK, p[KP_O], W_F32, D, out, xs);
 }
 
 static void mla_mixer(const int64_t *dims, const void *const *p, const float *eps, const float *h, const int64_t *pos,
@@ -349,7 +384,7 @@ int evo_kimi_decode_step(const int64_t *dims, const void *const *ptrs, const flo
         const int64_t mixer = dims[KDIM_COUNT + 2 * l], ff = dims[KDIM_COUNT + 2 * l + 1];
         /* o: the last feed-forward's output */
         evo_add_rms_norm(x, l ? o : NULL, x, (const float *)p[KP_IN_NORM], h, n, D, eps[E_RMS]);
-        if (mixer == 0) kda_mixer(dims, p, eps, h, n, o, s0, s1, s2, s3, xs);
+        if (mixer == 0) kda_mixer(dims, p, eps, h, n, o, s0, s1, s2, s3, xs);  /* s0: 3 n HK, s1: 2 n HK */
         else mla_mixer(dims, p, eps, h, pos, n, o, s0, s1, lat, scores, xs);
         evo_add_rms_norm(x, o, x, (const float *)p[KP_POST_NORM], h, n, D, eps[E_RMS]);
         if (ff == 0) swiglu(h, n, D, dims[KDIM_DENSE_I], p[KP_FF0], p[KP_FF1], p[KP_FF2], o, s0, s1, xs);

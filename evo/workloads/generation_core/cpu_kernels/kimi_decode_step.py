@@ -1,14 +1,14 @@
 """A Kimi Linear hybrid decoder's whole decode step in C (`kimi_decode_step.c`) over float32 weights and a state pool
 held as torch tensors: `KimiDecodeStep(...)(embedded [n, D], pos [n]) -> logits [n, V]`, no Python between the step's
-ops."""
+ops; and a KDA layer's prefill between its products (`kda_prefill`), by the same per-token code."""
 from __future__ import annotations
 
 import functools
 
 import torch
 
-from evo.workloads.generation_core.cpu_kernels.build import (INT, PTR, KernelUnavailable, kernel_function,
-                                                             kernel_library, require_cpu)
+from evo.workloads.generation_core.cpu_kernels.build import (FLOAT, I64, INT, PTR, KernelUnavailable,
+                                                             kernel_function, kernel_library, require_cpu)
 from evo.workloads.generation_core.cpu_kernels.kda_recurrence import MAX_DIM
 
 KDA_WEIGHTS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "forget_gate.f_a_proj.weight",
@@ -29,6 +29,42 @@ def _kernel():
     if lib.evo_kimi_step_dims() != STEP_DIMS or lib.evo_kimi_step_pointers_per_layer() != PER_LAYER:
         raise KernelUnavailable("kimi_decode_step.c and its wrapper disagree on the dims or a layer's pointers")
     return kernel_function("kimi_decode_step", "evo_kimi_decode_step", INT, (PTR, PTR, PTR, PTR, PTR, INT, PTR))
+
+
+@functools.cache
+def _prefill_kernel():
+    _kernel()  # the same library, its layout checked
+    return kernel_function("kimi_decode_step", "evo_kda_prefill", None,
+                           (I64, I64, I64, FLOAT, FLOAT) + (PTR,) * 5 + (I64, PTR, I64, PTR, PTR, I64) + (PTR,) * 7)
+
+
+def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, gate: torch.Tensor,
+                beta: torch.Tensor, lengths: list[int], rows: list[int], windows: torch.Tensor, states: torch.Tensor,
+                conv: torch.Tensor, dt_bias: torch.Tensor, a: torch.Tensor, o_norm: torch.Tensor, rms_eps: float,
+                l2_eps: float) -> torch.Tensor:
+    """A KDA layer's prefill after its products, prompts from position 0, in C (`kimi_decode_step.c`'s
+    `evo_kda_prefill`): q, k, v, f f_b^T (decay), g_a g_b^T (gate) [N, HK] and b [N, H] of the prompts' tokens packed
+    (lengths, in order; overwritten), each prompt's window [taps-1, 3HK] and state [H, K, K] (pool rows `rows` of
+    `windows` and `states`) zeroed, then advanced over its tokens: the convolution, SiLU, the l2 norms, the gates
+    (with dt_bias [HK] and a [H] = -exp(A_log)), the delta rule, each head's RMSNorm (o_norm [K]) times its gate.
+    Returns o [N, HK]: o_proj's input. Float32, contiguous."""
+    N, HK = q.shape
+    H, K = states.shape[1], states.shape[2]
+    tensors = (q, k, v, decay, gate, beta, windows, states, conv, dt_bias, a, o_norm)
+    if (sum(lengths) != N or len(rows) != len(lengths) or H * K != HK or beta.shape != (N, H)
+            or any(t.shape != (N, HK) for t in (k, v, decay, gate)) or conv.shape != (windows.shape[1] + 1, 3 * HK)
+            or any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors)):
+        raise ValueError(f"kda_prefill: q, k, v, decay, gate [N, H K] and beta [N, H] with N the sum of the lengths "
+                         f"{lengths}, states [rows, H, K, K], windows [rows, taps-1, 3 H K], conv [taps, 3 H K], float32 "
+                         f"and contiguous; got q {tuple(q.shape)}, beta {tuple(beta.shape)}, states "
+                         f"{tuple(states.shape)}, windows {tuple(windows.shape)}, conv {tuple(conv.shape)}")
+    o = torch.empty_like(q)
+    at = torch.tensor(rows, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64)
+    _prefill_kernel()(H, K, conv.shape[0], rms_eps, l2_eps, conv.data_ptr(), dt_bias.data_ptr(), a.data_ptr(),
+                      o_norm.data_ptr(), windows.data_ptr(), windows.stride(0), states.data_ptr(), states.stride(0),
+                      at[0].data_ptr(), at[1].data_ptr(), len(rows), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                      decay.data_ptr(), gate.data_ptr(), beta.data_ptr(), o.data_ptr())
+    return o
 
 
 def check_kimi_step_supported(spec, dtype: torch.dtype, device: torch.device | str) -> None:
@@ -145,4 +181,4 @@ class KimiDecodeStep:
         return logits
 
 
-__all__ = ["KimiDecodeStep", "check_kimi_step_supported"]
+__all__ = ["KimiDecodeStep", "check_kimi_step_supported", "kda_prefill"]
