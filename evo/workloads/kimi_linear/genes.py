@@ -99,7 +99,9 @@ def _fusion_genes(device: DeviceInfo) -> list[Gene]:
                    "step's decay, products and rank-one update as batched ops), or native: our C kernel (AVX2, FMA; "
                    "generation_core.cpu_kernels.kda_recurrence), each head's state decayed, multiplied and updated in "
                    "one pass over it a token, for a recurrent prefill (each prompt to its own length) and every decode "
-                   "step; needs state_layout=kv")] if device.kind == "cpu" else []
+                   "step; a float32 recurrent prefill runs everything between its products in C too (the window, SiLU, "
+                   "l2 norms, gates, recurrence and gated norm: cpu_kernels.kda_prefill); needs state_layout=kv")
+              ] if device.kind == "cpu" else []
     return native + [
         Gene("moe_dispatch", "fusion", ("loop", "grouped", "dense"), "loop",
              "loop: per expert, find its routed tokens and run them; grouped: (token, expert) pairs sorted by "
