@@ -299,3 +299,15 @@ def test_the_kda_recurrence_refuses_what_it_cannot_run():
         cpu_kernels.kda_recurrence(torch.zeros(1, 1, 8, 8).mT, q, q, q, q, torch.zeros(1, 2, 1))
     with pytest.raises(ValueError, match="lengths must lie in"):
         cpu_kernels.kda_recurrence(torch.zeros(1, 1, 8, 8), q, q, q, q, torch.zeros(1, 2, 1), torch.tensor([3]))
+
+
+def test_the_kda_prefill_refuses_tokens_its_prompts_do_not_add_up_to():
+    """`kda_prefill` writes pool rows in place: shapes that do not add up are refused before any is touched."""
+    H, K, taps, N = 2, 8, 4, 5
+    t = torch.zeros(N, H * K)
+    states, windows = torch.ones(3, H, K, K), torch.ones(3, taps - 1, 3 * H * K)
+    args = (torch.zeros(N, H), [2, 2], [0, 1], windows, states, torch.zeros(taps, 3 * H * K), torch.zeros(H * K),
+            torch.zeros(H), torch.ones(K), 1e-5, 1e-6)
+    with pytest.raises(ValueError, match="N the sum of the lengths \\[2, 2\\]"):
+        cpu_kernels.kda_prefill(t, t, t, t, t, *args)
+    assert bool((states == 1).all()) and bool((windows == 1).all())

@@ -371,7 +371,16 @@ int evo_kimi_decode_step(const int64_t *dims, const void *const *ptrs, const flo
     for (size_t i = 0; i < sizeof widths / sizeof widths[0]; i++) W = widths[i] > W ? widths[i] : W;
     const int64_t LAT = MH * KD + (int64_t)n * MH * dims[KDIM_R];  /* MLA: latent queries then every row's outputs */
     const size_t floats = (size_t)n * (size_t)(3 * D + 5 * W + W + 16) + (size_t)(LAT + MH * longest);
-    float *x = malloc(sizeof(float) * (floats + (size_t)(n * topk)) + sizeof(int) * (size_t)(n * topk * 2));
+    /* the scratch is kept between steps (per thread): a fresh one a step cost its pages' first-touch faults */
+    static __thread float *kept = NULL;
+    static __thread size_t kept_bytes = 0;
+    const size_t bytes = sizeof(float) * (floats + (size_t)(n * topk)) + sizeof(int) * (size_t)(n * topk * 2);
+    if (bytes > kept_bytes) {
+        free(kept);
+        kept = malloc(bytes);
+        kept_bytes = kept ? bytes : 0;
+    }
+    float *x = kept;
     if (x == NULL) return -1;
     float *h = x + n * D, *o = h + n * D;
     float *s0 = o + n * D, *s1 = s0 + n * W, *s2 = s1 + n * W, *s3 = s2 + n * W, *s4 = s3 + n * W;
@@ -392,6 +401,5 @@ int evo_kimi_decode_step(const int64_t *dims, const void *const *ptrs, const flo
     }
     evo_add_rms_norm(x, o, x, (const float *)ptrs[layers * KP_PER_LAYER], h, n, D, eps[E_RMS]);
     linear(h, n, D, ptrs[layers * KP_PER_LAYER + 1], W_F32, V, logits, xs);
-    free(x);
     return 0;
 }

@@ -55,8 +55,8 @@ def kda_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.
             or any(t.shape != (N, HK) for t in (k, v, decay, gate)) or conv.shape != (windows.shape[1] + 1, 3 * HK)
             or any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors)):
         raise ValueError(f"kda_prefill: q, k, v, decay, gate [N, H K] and beta [N, H] with N the sum of the lengths "
-                         f"{lengths}, states [rows, H, K, K], windows [rows, taps-1, 3 H K], conv [taps, 3 H K], float32 "
-                         f"and contiguous; got q {tuple(q.shape)}, beta {tuple(beta.shape)}, states "
+                         f"{lengths}, states [rows, H, K, K], windows [rows, taps-1, 3 H K], conv [taps, 3 H K], "
+                         f"float32 and contiguous; got q {tuple(q.shape)}, beta {tuple(beta.shape)}, states "
                          f"{tuple(states.shape)}, windows {tuple(windows.shape)}, conv {tuple(conv.shape)}")
     o = torch.empty_like(q)
     at = torch.tensor(rows, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64)
