@@ -20,7 +20,10 @@
    dims (int64): the KDIM_ names, then per layer its mixer (0 KDA, 1 MLA) and feed-forward (0 dense, 1 MoE).
    ptrs: per layer the KP_ names (a mixer's and a feed-forward's pointers share slots by kind; the state, window and
    cache are written), then the final norm and the head. eps: rms, latent norm, l2 norm, routed scaling, MLA scale.
-   Returns 0, or -1 when scratch cannot be allocated. */
+   Returns 0, or -1 when scratch cannot be allocated.
+
+   `evo_kda_prefill`: a KDA layer's prompts between its products (torch's, which are faster than `linear` at prefill
+   sizes), by the same per-token code as the step's KDA layers (`kda_tokens`). */
 #include "llama_decode_step.c"
 #include "kda_recurrence.c"
 
