@@ -48,8 +48,6 @@ def write_llama_run(path: Path) -> Path:
     return path
 
 
-
-
 class EvoServe:
     """`python -m evo serve SOURCE --port PORT` as a user types it (no other flag), from a user's shell: its own
     local Ray."""

@@ -373,7 +373,8 @@ int evo_kimi_decode_step(const int64_t *dims, const void *const *ptrs, const flo
                               MH * dims[KDIM_R], dims[KDIM_E], 2 * K + dims[KDIM_KH]};
     for (size_t i = 0; i < sizeof widths / sizeof widths[0]; i++) W = widths[i] > W ? widths[i] : W;
     const int64_t LAT = MH * KD + (int64_t)n * MH * dims[KDIM_R];  /* MLA: latent queries then every row's outputs */
-    const size_t floats = (size_t)n * (size_t)(3 * D + 5 * W + W + 16) + (size_t)(LAT + MH * longest);
+    /* x, h, o [n, D]; four scratch blocks s0..s3 [n, W]; a linear's xs [n, W + 16]; MLA's latents and scores */
+    const size_t floats = (size_t)n * (size_t)(3 * D + 4 * W + W + 16) + (size_t)(LAT + MH * longest);
     /* the scratch is kept between steps (per thread): a fresh one a step cost its pages' first-touch faults */
     static __thread float *kept = NULL;
     static __thread size_t kept_bytes = 0;
@@ -386,8 +387,8 @@ int evo_kimi_decode_step(const int64_t *dims, const void *const *ptrs, const flo
     float *x = kept;
     if (x == NULL) return -1;
     float *h = x + n * D, *o = h + n * D;
-    float *s0 = o + n * D, *s1 = s0 + n * W, *s2 = s1 + n * W, *s3 = s2 + n * W, *s4 = s3 + n * W;
-    float *xs = s4 + n * W, *lat = xs + n * (W + 16), *scores = lat + LAT;
+    float *s0 = o + n * D, *s1 = s0 + n * W, *s2 = s1 + n * W, *s3 = s2 + n * W;
+    float *xs = s3 + n * W, *lat = xs + n * (W + 16), *scores = lat + LAT;
     float *weight = scores + MH * longest;
     int *chosen = (int *)(weight + n * topk), *members = chosen + n * topk;
     memcpy(x, embedded, sizeof(float) * (size_t)(n * D));
