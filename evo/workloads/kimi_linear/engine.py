@@ -342,8 +342,8 @@ class MlaLayer:
 
     def prefill_rows(self, x: torch.Tensor, rows: list[int], batch: Ragged) -> torch.Tensor:
         """Prompts at positions [0, T) (one or several), x [N, D] their tokens packed (`batch`), each prompt's cache
-        into its row of `rows`; causal attention over each prompt as rows padded to the longest (a real token
-        never sees a pad: every pad comes after it)."""
+        into its row of `rows`; causal attention over each prompt on its own (padding the prompts to the longest
+        took 3.4x the time: 16 prompts of 16-256 tokens, 4 heads, one thread)."""
         q, c, k_rope = self._project(x)
         k, v = self._expand(c, k_rope)
         row, pos = torch.tensor(rows, device=x.device)[batch.owner], batch.position
@@ -356,9 +356,13 @@ class MlaLayer:
         # attention 2.1-2.6x faster than the matmul form it falls back to (4 rows of 200, 4 heads, one thread)
         dv = v.shape[-1]
         v = F.pad(v, (0, max(0, q.shape[-1] - dv)))
-        q, k, v = (batch.padded(t).transpose(1, 2) for t in (q, k, v))  # [n, H, longest, d]
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)[..., :dv]  # [n, H, longest, dv]
-        return batch.packed(o.transpose(1, 2)).flatten(1) @ self.o
+        o, start = x.new_empty(x.shape[0], self.H, dv), 0
+        for T in batch.lengths:
+            heads = [t[start:start + T].transpose(0, 1)[None] for t in (q, k, v)]  # [1, H, T, d]
+            o[start:start + T] = F.scaled_dot_product_attention(*heads, is_causal=True, scale=self.scale)[
+                0, :, :, :dv].transpose(0, 1)
+            start += T
+        return o.flatten(1) @ self.o
 
     def decode(self, x: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """x [n, D] of rows [0, n) at positions pos [n]; each attends to its keys [0, S) under mask [n, 1, 1, S]."""
@@ -462,18 +466,22 @@ class MoeMlp:
         return out + torch.einsum("ne,end->nd", dense, y)
 
     def _grouped(self, x: torch.Tensor, chosen: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """(token, expert) pairs sorted by expert; each expert's contiguous run in one product."""
+        """(token, expert) pairs sorted by expert; each expert's contiguous run in one product, its routing weights
+        applied to the intermediate and its rows added into out (1.2-1.4x the time when the runs' outputs were
+        concatenated, weighted and added at once: 2193 tokens, one thread; level at 150)."""
         flat = chosen.flatten()  # [n k]
         order = flat.argsort(stable=True)
         tokens = order // chosen.shape[1]
         counts = torch.bincount(flat, minlength=self.experts).tolist()
         xs, ws = x[tokens], weight.flatten()[order, None]
-        ys, start = [], 0
+        start = 0
         for e, count in enumerate(counts):
             if count:
-                ys.append(self._expert(e, xs[start:start + count]))
+                end = start + count
+                gate, up = (xs[start:end] @ self.gate_up[e]).chunk(2, -1)
+                out.index_add_(0, tokens[start:end], (F.silu(gate).mul_(up).mul_(ws[start:end])) @ self.down[e])
             start += count
-        return out.index_add(0, tokens, torch.cat(ys) * ws)
+        return out
 
     def _loop(self, x: torch.Tensor, chosen: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Per expert, its routed tokens."""

@@ -13,29 +13,49 @@
 
 #define MAX_V 512
 
+/* Columns [c, c + 8 B) of `pass`: B blocks of 8 at once, so that B chains of fused multiply-adds into u and w are
+   in flight (one block alone waits on the latency of its chain, row after row). */
+#define PASS_BLOCKS(B)                                                                                             \
+    static inline void pass_##B(float *S, const float *bk, const float *r, const float *decay, const float *k,    \
+                                const float *q, float *u, float *w, int64_t K, int64_t V, int64_t c) {            \
+        __m256 rc[B], uc[B], wc[B];                                                                                \
+        for (int j = 0; j < B; j++) {                                                                              \
+            rc[j] = bk ? _mm256_loadu_ps(r + c + 8 * j) : _mm256_setzero_ps();                                     \
+            uc[j] = wc[j] = _mm256_setzero_ps();                                                                   \
+        }                                                                                                          \
+        for (int64_t i = 0; i < K; i++) {                                                                          \
+            float *row = S + i * V + c;                                                                            \
+            const __m256 b = bk ? _mm256_broadcast_ss(bk + i) : _mm256_setzero_ps();                               \
+            const __m256 d = decay ? _mm256_broadcast_ss(decay + i) : _mm256_setzero_ps();                         \
+            const __m256 ki = decay ? _mm256_broadcast_ss(k + i) : _mm256_setzero_ps();                            \
+            const __m256 qi = decay ? _mm256_broadcast_ss(q + i) : _mm256_setzero_ps();                            \
+            for (int j = 0; j < B; j++) {                                                                          \
+                __m256 s = _mm256_loadu_ps(row + 8 * j);                                                           \
+                if (bk) s = _mm256_fmadd_ps(b, rc[j], s);                                                          \
+                if (decay) {                                                                                       \
+                    s = _mm256_mul_ps(s, d);                                                                       \
+                    uc[j] = _mm256_fmadd_ps(ki, s, uc[j]);                                                         \
+                    wc[j] = _mm256_fmadd_ps(qi, s, wc[j]);                                                         \
+                }                                                                                                  \
+                _mm256_storeu_ps(row + 8 * j, s);                                                                  \
+            }                                                                                                      \
+        }                                                                                                          \
+        if (decay)                                                                                                 \
+            for (int j = 0; j < B; j++) {                                                                          \
+                _mm256_storeu_ps(u + c + 8 * j, uc[j]);                                                            \
+                _mm256_storeu_ps(w + c + 8 * j, wc[j]);                                                            \
+            }                                                                                                      \
+    }
+PASS_BLOCKS(4)
+PASS_BLOCKS(1)
+
 /* S [K, V] += bk r^T (bk NULL: no update), then (decay non-NULL) S = diag(decay) S with u = S^T k and w = S^T q
-   formed from the new S. Columns in blocks of 8, rows inner: a block's u, w and r stay in registers. */
+   formed from the new S. Columns in groups of 32 (then 8), rows inner: a group's u, w and r stay in registers. */
 static void pass(float *S, const float *bk, const float *r, const float *decay, const float *k, const float *q,
                  float *u, float *w, int64_t K, int64_t V) {
-    for (int64_t c = 0; c < V; c += 8) {
-        const __m256 rc = bk ? _mm256_loadu_ps(r + c) : _mm256_setzero_ps();
-        __m256 uc = _mm256_setzero_ps(), wc = _mm256_setzero_ps();
-        float *col = S + c;
-        for (int64_t i = 0; i < K; i++) {
-            __m256 s = _mm256_loadu_ps(col + i * V);
-            if (bk) s = _mm256_fmadd_ps(_mm256_broadcast_ss(bk + i), rc, s);
-            if (decay) {
-                s = _mm256_mul_ps(s, _mm256_broadcast_ss(decay + i));
-                uc = _mm256_fmadd_ps(_mm256_broadcast_ss(k + i), s, uc);
-                wc = _mm256_fmadd_ps(_mm256_broadcast_ss(q + i), s, wc);
-            }
-            _mm256_storeu_ps(col + i * V, s);
-        }
-        if (decay) {
-            _mm256_storeu_ps(u + c, uc);
-            _mm256_storeu_ps(w + c, wc);
-        }
-    }
+    int64_t c = 0;
+    for (; c + 32 <= V; c += 32) pass_4(S, bk, r, decay, k, q, u, w, K, V, c);
+    for (; c < V; c += 8) pass_1(S, bk, r, decay, k, q, u, w, K, V, c);
 }
 
 static void head(float *S, const float *q, const float *k, const float *v, const float *decay, const float *beta,

@@ -14,8 +14,9 @@
    x += mixer; h = RMSNorm(x); then its feed-forward: dense SwiGLU, or the MoE: sigmoid router scores (+ the score
    correction bias to choose; groups scored by their top two, the best topk_groups kept), the top_k experts' SwiGLUs
    weighted by their scores (renormalised, times the routed scaling) plus the shared SwiGLU; x += it. Then
-   logits = RMSNorm(x) Whead^T. Every product streams its weight once for all its rows (`linear`); each routed
-   expert runs on the rows that chose it, gathered.
+   logits = RMSNorm(x) Whead^T. Every product streams its weight once for all its rows (`product`: a weight of 16 or
+   more outputs packed by the wrapper in panels of 16 outputs, `linear_panels`; fewer kept as rows, `linear`); each
+   routed expert runs on the rows that chose it, gathered.
 
    dims (int64): the KDIM_ names, then per layer its mixer (0 KDA, 1 MLA) and feed-forward (0 dense, 1 MoE).
    ptrs: per layer the KP_ names (a mixer's and a feed-forward's pointers share slots by kind; the state, window and
@@ -40,6 +41,93 @@ enum { KP_MQ = KP_Q, KP_MKVA = KP_K, KP_MKV_NORM = KP_V, KP_MWUK = KP_FA, KP_MO 
        KP_MQ_NORM = KP_GB, KP_MQB = KP_B };  /* with q_lora_rank: KP_MQ is q_a, then its norm and q_b */
 enum { E_RMS, E_LATENT, E_L2, E_ROUTED_SCALING, E_MLA_SCALE };
 #define MAX_EXPERTS 512
+
+/* out [R rows, 16 P outputs] = x w^T over K, w as P panels of [K][16] (`panel` floats apart): R x 2P sums in
+   registers, a panel's 16 values loaded once a step for the R rows, each x value broadcast once for the P panels.
+   valid: outputs of the last panel to store (16, or fewer at the weight's end). */
+static inline __attribute__((always_inline)) void panel_block(const int R, const int P, const float *x, int64_t K,
+                                                              const float *w, int64_t panel, float *out, int64_t O,
+                                                              int valid) {
+    __m256 acc[6][8];
+#pragma GCC unroll 6
+    for (int i = 0; i < R; i++)
+#pragma GCC unroll 8
+        for (int j = 0; j < 2 * P; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        __m256 wv[8];
+#pragma GCC unroll 4
+        for (int p = 0; p < P; p++) {
+            wv[2 * p] = _mm256_loadu_ps(w + p * panel + k * 16);
+            wv[2 * p + 1] = _mm256_loadu_ps(w + p * panel + k * 16 + 8);
+        }
+#pragma GCC unroll 6
+        for (int i = 0; i < R; i++) {
+            const __m256 xb = _mm256_broadcast_ss(x + i * K + k);
+#pragma GCC unroll 8
+            for (int j = 0; j < 2 * P; j++) acc[i][j] = _mm256_fmadd_ps(wv[j], xb, acc[i][j]);
+        }
+    }
+    if (valid == 16) {
+#pragma GCC unroll 6
+        for (int i = 0; i < R; i++)
+#pragma GCC unroll 8
+            for (int j = 0; j < 2 * P; j++) _mm256_storeu_ps(out + i * O + 8 * j, acc[i][j]);
+    } else {
+        float t[6][16];
+#pragma GCC unroll 6
+        for (int i = 0; i < R; i++) {
+            _mm256_storeu_ps(t[i], acc[i][0]);
+            _mm256_storeu_ps(t[i] + 8, acc[i][1]);
+        }
+        for (int i = 0; i < R; i++) memcpy(out + i * O, t[i], valid * sizeof(float));
+    }
+}
+
+/* out [n, O] = x [n, K] . w^T with w packed as panels of 16 outputs ([ceil(O / 16)][K][16], zeros past O): per
+   panel (or 4, or 2 at once when rows are few), the rows in blocks of up to 6 split evenly. Against `linear` over
+   the same float32 weights as rows, one thread of an AMD EPYC (AVX2), weights in cache: 1.1-1.5x at 1-3 rows,
+   1.2-1.6x at 4-32 (81-91 GFLOP/s against 54-62 at 16 rows; 256 -> 768, 256 -> 4096, 688 -> 256, 128 -> 256); at
+   8 outputs 0.3-0.7x, hence rows there. */
+static void linear_panels(const float *x, int n, int64_t K, const float *w, int64_t O, float *out) {
+    const int64_t panel = 16 * K;
+    int64_t o = 0;
+    if (n <= 2) {
+        const int P = n == 1 ? 4 : 2;
+        for (; o + 16 * P <= O; o += 16 * P) {
+            if (n == 1) panel_block(1, 4, x, K, w + o * K, panel, out + o, O, 16);
+            else panel_block(2, 2, x, K, w + o * K, panel, out + o, O, 16);
+        }
+    }
+    const int blocks = (n + 5) / 6;
+    for (; o < O; o += 16) {
+        const float *p = w + o * K;
+        const int valid = O - o >= 16 ? 16 : (int)(O - o);
+        for (int b = 0, r = 0; b < blocks; b++) {
+            const int R = (n - r) / (blocks - b) + ((n - r) % (blocks - b) != 0);
+            float *y = out + r * O + o;
+            const float *xr = x + r * K;
+            switch (R) {
+                case 6: panel_block(6, 1, xr, K, p, panel, y, O, valid); break;
+                case 5: panel_block(5, 1, xr, K, p, panel, y, O, valid); break;
+                case 4: panel_block(4, 1, xr, K, p, panel, y, O, valid); break;
+                case 3: panel_block(3, 1, xr, K, p, panel, y, O, valid); break;
+                case 2: panel_block(2, 1, xr, K, p, panel, y, O, valid); break;
+                default: panel_block(1, 1, xr, K, p, panel, y, O, valid); break;
+            }
+            r += R;
+        }
+    }
+}
+
+#define PANEL 16
+
+/* A weight of O outputs over K inputs as the wrapper stores it: panels from 16 outputs up, rows below. */
+static inline int64_t packed_floats(int64_t O, int64_t K) { return (O >= PANEL ? (O + PANEL - 1) / PANEL * PANEL : O) * K; }
+
+static void product(const float *x, int n, int64_t K, const void *w, int64_t O, float *out, float *xs) {
+    if (O >= PANEL) linear_panels(x, n, K, (const float *)w, O, out);
+    else linear(x, n, K, w, W_F32, O, out, xs);
+}
 
 int evo_kimi_step_dims(void) { return KDIM_COUNT; }
 int evo_kimi_step_pointers_per_layer(void) { return KP_PER_LAYER; }
@@ -173,19 +261,19 @@ static void kda_mixer(const int64_t *dims, const void *const *p, const float *ep
     const kda_layer L = kda_of(dims, p, eps);
     float *q = qkv, *k = qkv + n * HK, *v = qkv + 2 * n * HK;
     float *f = low, *ga = low + n * K, *b = low + 2 * n * K, *decay = gates, *gate = gates + n * HK;
-    linear(h, n, D, p[KP_Q], W_F32, HK, q, xs);
-    linear(h, n, D, p[KP_K], W_F32, HK, k, xs);
-    linear(h, n, D, p[KP_V], W_F32, HK, v, xs);
-    linear(h, n, D, p[KP_FA], W_F32, K, f, xs);
-    linear(h, n, D, p[KP_GA], W_F32, K, ga, xs);
-    linear(h, n, D, p[KP_B], W_F32, H, b, xs);
-    linear(f, n, K, p[KP_FB], W_F32, HK, decay, xs);
-    linear(ga, n, K, p[KP_GB], W_F32, HK, gate, xs);
+    product(h, n, D, p[KP_Q], HK, q, xs);
+    product(h, n, D, p[KP_K], HK, k, xs);
+    product(h, n, D, p[KP_V], HK, v, xs);
+    product(h, n, D, p[KP_FA], K, f, xs);
+    product(h, n, D, p[KP_GA], K, ga, xs);
+    product(h, n, D, p[KP_B], H, b, xs);
+    product(f, n, K, p[KP_FB], HK, decay, xs);
+    product(ga, n, K, p[KP_GB], HK, gate, xs);
     for (int r = 0; r < n; r++)  /* one token a row, on the row's window and state */
         kda_tokens(&L, 1, q + r * HK, k + r * HK, v + r * HK, decay + r * HK, gate + r * HK, b + r * H,
                    (float *)p[KP_WINDOW] + r * dims[KDIM_WINDOW_ROW], (float *)p[KP_STATE] + r * dims[KDIM_STATE_ROW],
                    o + r * HK);
-    linear(o, n, HK, p[KP_O], W_F32, D, out, xs);
+    product(o, n, HK, p[KP_O], D, out, xs);
 }
 
 /* A KDA layer's prefill after its products (torch's), prompts from position 0: prompt i's tokens lie at
@@ -212,14 +300,14 @@ static void mla_mixer(const int64_t *dims, const void *const *p, const float *ep
     const int64_t D = dims[KDIM_D], H = dims[KDIM_MH], nope = dims[KDIM_NOPE], rope = dims[KDIM_ROPE], R = dims[KDIM_R];
     const int64_t QD = nope + rope, KD = R + rope, QL = dims[KDIM_Q_LORA];
     if (QL) {  /* q = RMSNorm(h q_a^T) q_b^T, the low-rank rows first in kv's room */
-        linear(h, n, D, p[KP_MQ], W_F32, QL, kv, xs);
+        product(h, n, D, p[KP_MQ], QL, kv, xs);
         for (int r = 0; r < n; r++)
             rms_norm_row(kv + r * QL, (const float *)p[KP_MQ_NORM], kv + r * QL, QL, eps[E_LATENT]);
-        linear(kv, n, QL, p[KP_MQB], W_F32, H * QD, q, xs);
+        product(kv, n, QL, p[KP_MQB], H * QD, q, xs);
     } else {
-        linear(h, n, D, p[KP_MQ], W_F32, H * QD, q, xs);
+        product(h, n, D, p[KP_MQ], H * QD, q, xs);
     }
-    linear(h, n, D, p[KP_MKVA], W_F32, KD, kv, xs);
+    product(h, n, D, p[KP_MKVA], KD, kv, xs);
     const float *wuk = (const float *)p[KP_MWUK];  /* [H, nope, R] */
     for (int r = 0; r < n; r++) {
         float *key = (float *)p[KP_MCACHE] + r * dims[KDIM_CACHE_ROW] + pos[r] * dims[KDIM_CACHE_POS];
@@ -266,16 +354,16 @@ static void mla_mixer(const int64_t *dims, const void *const *p, const float *ep
             }
         }
     }
-    linear(lat + H * KD, n, H * R, p[KP_MO], W_F32, D, out, xs);
+    product(lat + H * KD, n, H * R, p[KP_MO], D, out, xs);
 }
 
 /* SwiGLU of n rows: (silu(h Wg^T) * h Wu^T) Wd^T into out [n, D]; gate and up: scratch [n, I]. */
 static void swiglu(const float *h, int n, int64_t D, int64_t I, const void *wg, const void *wu, const void *wd,
                    float *out, float *gate, float *up, float *xs) {
-    linear(h, n, D, wg, W_F32, I, gate, xs);
-    linear(h, n, D, wu, W_F32, I, up, xs);
+    product(h, n, D, wg, I, gate, xs);
+    product(h, n, D, wu, I, up, xs);
     silu_mul(gate, up, n * I);
-    linear(gate, n, I, wd, W_F32, D, out, xs);
+    product(gate, n, I, wd, D, out, xs);
 }
 
 static void moe(const int64_t *dims, const void *const *p, const float *eps, const float *h, int n, float *out,
@@ -286,7 +374,7 @@ static void moe(const int64_t *dims, const void *const *p, const float *eps, con
     swiglu(h, n, D, S, p[KP_FF4], p[KP_FF5], p[KP_FF6], out, gu, act, xs);
     /* routing: scores = sigmoid(h router^T) (float32), chosen by score + bias within the best groups */
     float *scores = y;  /* [n, E] before y is needed */
-    linear(h, n, D, p[KP_FF0], W_F32, E, scores, xs);
+    product(h, n, D, p[KP_FF0], E, scores, xs);
     const float *bias = (const float *)p[KP_FF1];
     for (int r = 0; r < n; r++) {
         float choice[MAX_EXPERTS];
@@ -343,12 +431,12 @@ static void moe(const int64_t *dims, const void *const *p, const float *eps, con
                     m++;
                 }
         if (!m) continue;
-        linear(gathered, m, D, (const float *)p[KP_FF2] + e * 2 * I * D, W_F32, 2 * I, gu, xs);
+        product(gathered, m, D, (const float *)p[KP_FF2] + e * packed_floats(2 * I, D), 2 * I, gu, xs);
         for (int i = 0; i < m; i++) {  /* silu(gate) * up, each row's gate | up halves */
             silu_mul(gu + i * 2 * I, gu + i * 2 * I + I, I);
             memcpy(act + i * I, gu + i * 2 * I, sizeof(float) * (size_t)I);
         }
-        linear(act, m, I, (const float *)p[KP_FF3] + e * D * I, W_F32, D, y, xs);
+        product(act, m, I, (const float *)p[KP_FF3] + e * packed_floats(D, I), D, y, xs);
         for (int i = 0; i < m; i++) {
             const int r = members[i] / (int)top_k;
             const float wgt = weight[members[i]];
@@ -404,6 +492,6 @@ int evo_kimi_decode_step(const int64_t *dims, const void *const *ptrs, const flo
         else moe(dims, p, eps, h, n, o, s0, s1, s2, s3, xs, chosen, weight, members);
     }
     evo_add_rms_norm(x, o, x, (const float *)ptrs[layers * KP_PER_LAYER], h, n, D, eps[E_RMS]);
-    linear(h, n, D, ptrs[layers * KP_PER_LAYER + 1], W_F32, V, logits, xs);
+    product(h, n, D, ptrs[layers * KP_PER_LAYER + 1], V, logits, xs);
     return 0;
 }

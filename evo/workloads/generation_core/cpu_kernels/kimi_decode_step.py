@@ -92,6 +92,20 @@ def _float(t: torch.Tensor) -> torch.Tensor:
     return t.to("cpu", torch.float32).contiguous()
 
 
+PANEL = 16  # the C side's PANEL: a product's weight of at least this many outputs is stored in panels
+
+
+def _product(w: torch.Tensor) -> torch.Tensor:
+    """A product's weight [..., O, K] as the C side's `product` reads it: from PANEL outputs up, panels of PANEL
+    outputs [..., ceil(O / PANEL), K, PANEL] (zeros past O); fewer outputs as they are. Float32, contiguous."""
+    w = _float(w)
+    O, K = w.shape[-2:]
+    if O < PANEL:
+        return w
+    padded = torch.nn.functional.pad(w, (0, 0, 0, -O % PANEL))  # [..., O', K]
+    return padded.view(*w.shape[:-2], -1, PANEL, K).transpose(-1, -2).contiguous()
+
+
 class KimiDecodeStep:
     """The step over `weights` (transformers' names, as `evo.workloads.kimi_linear.model` gives them) and the pool's
     per-layer memory (KDA: state [rows, H, K, K] and window [rows, taps-1, 3HK]; MLA: the compressed cache [rows, L,
@@ -120,10 +134,11 @@ class KimiDecodeStep:
             if mixer == "linear_attention":
                 state, window = memory[i]
                 strides["state"], strides["window"] = state.stride(0), window.stride(0)
-                layer += [keep(_float(weights[a + name])) for name in KDA_WEIGHTS]
+                layer += [keep(_product(weights[a + name])) for name in KDA_WEIGHTS[:-1]]
+                layer += [keep(_float(weights[a + KDA_WEIGHTS[-1]]))]  # dt_bias
                 layer += [keep(-_float(weights[a + "forget_gate.A_log"]).flatten().exp()),  # a_h = -exp(A_log)
                           keep(_float(weights[a + "conv1d.weight"][:, 0].T)),  # [taps, 3HK]
-                          keep(_float(weights[a + "o_norm.weight"])), keep(_float(weights[a + "o_proj.weight"])),
+                          keep(_float(weights[a + "o_norm.weight"])), keep(_product(weights[a + "o_proj.weight"])),
                           keep(state), keep(window)]
             else:
                 (cache,) = memory[i]
@@ -134,18 +149,19 @@ class KimiDecodeStep:
                 o = _float(weights[a + "o_proj.weight"])  # [D, H dv]
                 o_latent = torch.einsum("dhv,hvr->dhr", o.view(-1, H, dv), per_head[:, nope:]).reshape(o.shape[0], -1)
                 q = (["q_proj.weight"] if spec.q_lora_rank is None else ["q_a_proj.weight"])
-                layer += [keep(_float(weights[a + q[0]])), keep(_float(weights[a + "kv_a_proj_with_mqa.weight"])),
+                layer += [keep(_product(weights[a + q[0]])), keep(_product(weights[a + "kv_a_proj_with_mqa.weight"])),
                           keep(_float(weights[a + "kv_a_layernorm.weight"])), keep(per_head[:, :nope].contiguous()),
-                          keep(o_latent.contiguous()), keep(cache)]
+                          keep(_product(o_latent)), keep(cache)]
                 low_rank = [0, 0] if spec.q_lora_rank is None else [keep(_float(weights[a + "q_a_layernorm.weight"])),
-                                                                    keep(_float(weights[a + "q_b_proj.weight"]))]
+                                                                    keep(_product(weights[a + "q_b_proj.weight"]))]
                 layer += low_rank + [0] * (FEED_FORWARD - len(layer) - len(low_rank))
             names = DENSE_WEIGHTS if ffn == "dense" else MOE_WEIGHTS
-            layer += [keep(_float(weights[m + name])) for name in names]
+            layer += [keep(_float(weights[m + name]) if name.endswith("bias") else _product(weights[m + name]))
+                      for name in names]
             layer += [0] * (PER_LAYER - len(layer))
             pointers += layer
             kinds += [int(mixer != "linear_attention"), int(ffn != "dense")]
-        pointers += [keep(_float(weights["model.norm.weight"])), keep(_float(weights["lm_head.weight"]))]
+        pointers += [keep(_float(weights["model.norm.weight"])), keep(_product(weights["lm_head.weight"]))]
         s = spec
         self.dims = torch.tensor([s.layers, s.hidden, s.vocab, s.kda_heads, s.kda_head_dim, s.conv_kernel, s.mla_heads,
                                   s.qk_nope_dim, s.qk_rope_dim, s.kv_lora_rank, s.experts, s.top_k, s.expert_groups,
