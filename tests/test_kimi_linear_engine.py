@@ -119,6 +119,9 @@ DESIGNS = {
     "native_step": {"decode_step": "native", "mla_cache": "compressed"},
     "native_step_queue": {"decode_step": "native", "mla_cache": "compressed", "max_running": 2, "kda_kernel": "native",
                           "prefill_rows": "together", "moe_dispatch": "grouped"},
+    "native_prefill": {"prefill_step": "native", "mla_cache": "compressed"},  # the C forward's states, torch's steps
+    "native_forward_queue": {"prefill_step": "native", "decode_step": "native", "mla_cache": "compressed",
+                             "max_running": 2, "prefill_rows": "together"},
 }
 
 
@@ -196,7 +199,7 @@ def test_the_native_kda_kernel_needs_kv_states_and_the_cpu():
     with pytest.raises(GenomeError, match="kda_kernel='native' updates KDA states kept as \\[K, V\\]"):
         SPACE.make({"kda_kernel": "native", "state_layout": "vk"})
     assert "kda_kernel" not in {g.name for g in gene_space(PRESET, DeviceInfo("cuda", "H200", 1)).genes}
-    assert SPACE.levers[:2] == ("decode_step", "kda_kernel")
+    assert SPACE.levers[:3] == ("decode_step", "prefill_step", "kda_kernel")
 
 
 def test_the_native_decode_step_needs_what_it_reads_and_a_float32_cpu_preset():
@@ -204,23 +207,40 @@ def test_the_native_decode_step_needs_what_it_reads_and_a_float32_cpu_preset():
         SPACE.make({"decode_step": "native"})
     with pytest.raises(GenomeError, match="conv_window='ring'.*set conv_window=shifted"):
         SPACE.make({"decode_step": "native", "mla_cache": "compressed", "conv_window": "ring"})
+    with pytest.raises(GenomeError, match="prefill_step='native' reads.*state_layout='vk'.*or prefill_step=torch"):
+        SPACE.make({"prefill_step": "native", "mla_cache": "compressed", "state_layout": "vk"})
     bf16 = dataclasses.replace(PRESET, dtype="bfloat16",
                                model=dataclasses.replace(PRESET.model, storage_dtype="bfloat16"))
     for preset, device in ((PRESET, DeviceInfo("cuda", "H200", 1)), (bf16, CPU)):
-        assert "decode_step" not in {g.name for g in gene_space(preset, device).genes}
+        assert not {"decode_step", "prefill_step"} & {g.name for g in gene_space(preset, device).genes}
     with pytest.raises(cpu_kernels.KernelUnavailable, match="float32 weights.*multiples of 8.*'hidden': 44"):
         cpu_kernels.check_kimi_step_supported(dataclasses.replace(PRESET.model, hidden=44), torch.bfloat16, "cpu")
 
 
+def test_the_c_forward_refuses_segments_that_would_race_or_overrun_before_touching_a_row():
+    step = kimi_engine.build(SPACE.make(DESIGNS["native_prefill"]), PRESET, CPU).model.native_step
+    before = [t.clone() for layer in step._memory for t in layer]
+    x = torch.zeros(4, PRESET.model.hidden)
+    for rows, starts, lengths, why in (([0, 0], [0, 0], [2, 2], "one row twice"), ([0], [0], [3], "3 of 4 tokens"),
+                                       ([0, 1], [0, PRESET.max_positions - 1], [2, 2], "past the last position"),
+                                       ([0, 99], [0, 0], [2, 2], "no such row")):
+        with pytest.raises(ValueError, match="distinct rows.*adding up to N"):
+            step.forward(x, rows, starts, lengths)
+    assert all(torch.equal(a, b) for a, b in zip(before, (t for layer in step._memory for t in layer))), why
+
+
 @pytest.mark.parametrize("genes", [
     {"shared_expert": "fused", "conv_window": "ring", "state_layout": "vk", "moe_dispatch": "grouped"},
-    {"decode_step": "native", "mla_cache": "compressed", "kda_kernel": "native", "prefill_rows": "together"}],
-    ids=["layouts", "native_step"])
-def test_the_new_layouts_serve_a_model_with_two_shared_experts_and_a_three_tap_convolution(genes, logits_seen):
+    {"decode_step": "native", "mla_cache": "compressed", "kda_kernel": "native", "prefill_rows": "together"},
+    {"decode_step": "native", "prefill_step": "native", "mla_cache": "compressed", "prefill_rows": "together"}],
+    ids=["layouts", "native_step", "native_forward"])
+def test_the_new_layouts_serve_a_model_with_two_shared_experts_and_a_three_tap_convolution(genes, logits_seen,
+                                                                                         monkeypatch):
     """The reference tests' VARIANT model (2 shared experts, 3 taps, q low rank, expert groups, MLA first) with
     the shared experts fused into a grouped dispatch, ring windows and [V, K] states, or through our C decode
-    step (every branch of it cpu_small leaves out): the reference's tokens,
-    from logits within float32 rounding of it."""
+    step (every branch of it cpu_small leaves out), or its forward prefilling too, 7 tokens a call (prompts split
+    across calls): the reference's tokens, from logits within float32 rounding of it."""
+    monkeypatch.setattr(kimi_engine, "PREFILL_CHUNK", 7)
     preset = dataclasses.replace(PRESET, name="cpu_small:variant", model=VARIANT,
                                  shape={**PRESET.shape, "V": VARIANT.vocab})
     generator = kimi_engine.build(gene_space(preset, CPU).make(genes), preset, CPU)
@@ -305,7 +325,8 @@ def test_the_workload_hooks():
     assert {g.name for g in SPACE.genes} == {"max_running", "prefill_rows", "kda_prefill", "threads", "mla_cache",
                                              "mla_cache_dtype", "state_dtype", "state_layout", "conv_window",
                                              "moe_dispatch", "shared_expert", "fused_projections", "chunk_size",
-                                             "intra_algorithm", "steps_per_exchange", "kda_kernel", "decode_step"}
+                                             "intra_algorithm", "steps_per_exchange", "kda_kernel", "decode_step",
+                                             "prefill_step"}
     assert WORKLOAD.exchange_steps(SPACE.make({"steps_per_exchange": 4})) == 4
     with pytest.raises(TypeError, match="build_generator"):
         WORKLOAD.build(SPACE.default(), PRESET, CPU)

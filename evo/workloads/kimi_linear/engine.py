@@ -35,6 +35,8 @@ from evo.workloads.kimi_linear.genes import KimiPlan, gene_space
 from evo.workloads.kimi_linear.model import DENSE, FP32_TENSORS, KDA, LATENT_NORM_EPS, KimiSpec, load_weights
 from evo.workloads.kimi_linear.presets import KimiPreset
 
+PREFILL_CHUNK = 256  # prompt tokens a C forward call takes (prefill_step=native): a product's 256 inputs stay in cache
+
 
 def _rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * w
@@ -512,10 +514,13 @@ class KimiModel:
             self.layers.append((mixer, w[p + "input_layernorm.weight"], attn, w[p + "post_attention_layernorm.weight"], mlp))
         self.key_positions = torch.arange(max_positions, device=device)
         self.row_ids = torch.arange(plan.max_running, device=device)
-        # our C decode step (decode_step=native) over the same weights' float32 values and the pool's memory
-        self.native_step = None
-        if plan.decode_step == "native":
+        # our C decode step (decode_step=native; its forward: prefill_step=native) over the same weights' float32
+        # values and the pool's memory
+        self.native_step = self.native_decode = self.native_prefill = None
+        if "native" in (plan.decode_step, plan.prefill_step):
             self.native_step = cpu_kernels.KimiDecodeStep(spec, w, pool.tensors, LATENT_NORM_EPS, L2NORM_EPS)
+            self.native_decode = self.native_step if plan.decode_step == "native" else None
+            self.native_prefill = self.native_step if plan.prefill_step == "native" else None
 
     def _block(self, x: torch.Tensor, mix) -> torch.Tensor:
         for mixer, norm_in, attn, norm_post, mlp in self.layers:
@@ -531,6 +536,8 @@ class KimiModel:
         """Prompts into their rows of `rows` from position 0, in one forward: their tokens packed for the
         projections, norms and experts (`Ragged`); logits [n, V] of each one's last position (every layer needs
         all positions, the next one reads them; the head only the last)."""
+        if self.native_prefill is not None:
+            return self._prefill_in_c(rows, prompts)
         batch = Ragged.of([len(p) for p in prompts], self.device)
         x = self.embed[torch.tensor([t for p in prompts for t in p], device=self.device)]  # [N, D]
         for mixer, norm_in, attn, norm_post, mlp in self.layers:
@@ -538,12 +545,30 @@ class KimiModel:
             x = x + mlp(_rmsnorm(x, norm_post, self.eps))
         return _rmsnorm(x[batch.last], self.norm, self.eps) @ self.head
 
+    def _prefill_in_c(self, rows: list[int], prompts: list[tuple[int, ...]]) -> torch.Tensor:
+        """`prefill_rows` by the C step's forward, PREFILL_CHUNK tokens a call (the prompts packed in order, a prompt
+        split across calls where a chunk ends inside it): each prompt's last logits [n, V]."""
+        x = self.embed[torch.tensor([t for p in prompts for t in p])]  # [N, D]
+        ends = torch.tensor([len(p) for p in prompts]).cumsum(0).tolist()
+        logits: list[torch.Tensor | None] = [None] * len(prompts)
+        for a in range(0, ends[-1], PREFILL_CHUNK):
+            b = min(a + PREFILL_CHUNK, ends[-1])
+            parts = [(i, max(a, end - len(p)), min(b, end)) for i, (p, end) in enumerate(zip(prompts, ends))
+                     if end - len(p) < b and a < end]  # (prompt, its tokens [lo, hi) of [a, b))
+            out = self.native_prefill.forward(x[a:b], [rows[i] for i, _, _ in parts],
+                                              [lo - (ends[i] - len(prompts[i])) for i, lo, _ in parts],
+                                              [hi - lo for _, lo, hi in parts])
+            for (i, _, hi), row_logits in zip(parts, out):
+                if hi == ends[i]:
+                    logits[i] = row_logits
+        return torch.stack(logits)
+
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         """Rows [0, n) each feed tokens[r] at positions[r]; logits [n, V]."""
         n, S = len(tokens), max(positions) + 1
         pos = torch.tensor(positions, device=self.device)
-        if self.native_step is not None:
-            return self.native_step(self.embed[torch.tensor(tokens)], pos)
+        if self.native_decode is not None:
+            return self.native_decode(self.embed[torch.tensor(tokens)], pos)
         rows = self.row_ids[:n]
         mask = (self.key_positions[:S] <= pos[:, None])[:, None, None]  # [n, 1, 1, S]: each row's own positions
         x = self.embed[torch.tensor(tokens, device=self.device)]  # [n, D]
@@ -615,11 +640,12 @@ def build(genome: Genome, preset: KimiPreset, device: DeviceInfo,
             cpu_kernels.check_recurrence_supported(preset.model.kda_head_dim, preset.model.kda_head_dim, torch_device)
         except cpu_kernels.KernelUnavailable as e:
             raise ValueError(f"kda_kernel='native': {e}; use kda_kernel=torch") from None
-    if plan.decode_step == "native":
-        try:
-            cpu_kernels.check_kimi_step_supported(preset.model, dtype, torch_device)
-        except cpu_kernels.KernelUnavailable as e:
-            raise ValueError(f"decode_step='native': {e}; use decode_step=eager") from None
+    for gene, other in (("decode_step", "eager"), ("prefill_step", "torch")):
+        if getattr(plan, gene) == "native":
+            try:
+                cpu_kernels.check_kimi_step_supported(preset.model, dtype, torch_device)
+            except cpu_kernels.KernelUnavailable as e:
+                raise ValueError(f"{gene}='native': {e}; use {gene}={other}") from None
     pool = StatePool(preset.model, plan, preset.max_positions, dtype, torch_device)
     chunked = (_chunked_kda(preset, device, chunk_size=plan.chunk_size, intra_algorithm=plan.intra_algorithm)
                if plan.kda_prefill == "chunked" else None)

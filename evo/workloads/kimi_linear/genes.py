@@ -13,6 +13,7 @@ The default genome is the plainest correct engine: recurrent prefill, expanded c
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Mapping
 
 from evo.core.genome import Constraint, Gene, GeneSpace, Genome, Ignored, Scalar
@@ -90,7 +91,13 @@ def _step_genes(preset: KimiPreset, device: DeviceInfo) -> list[Gene]:
                  "row in one call: each product streams its weight once for all rows, the convolution, gates and KDA "
                  "recurrence per row and head, MLA over each row's own positions of the compressed cache, each routed "
                  "expert on the rows that chose it (float32 weights; needs mla_cache=compressed, state_layout=kv, "
-                 "conv_window=shifted; prefills stay torch's)")]
+                 "conv_window=shifted; prefills are prefill_step's)"),
+            Gene("prefill_step", "fusion", ("torch", "native"), "torch",
+                 "torch: a prefill as torch ops (the products by torch's BLAS, ~100 ops a call dispatched from "
+                 "Python); native: the C decode step's forward over the prompts' tokens (their products streaming "
+                 "each weight once per 6 tokens from cache, each KDA prompt through its recurrence, each MLA token "
+                 "over its prompt's positions), PREFILL_CHUNK tokens a call (float32 weights; needs "
+                 "mla_cache=compressed, state_layout=kv, conv_window=shifted)")]
 
 
 def _fusion_genes(device: DeviceInfo) -> list[Gene]:
@@ -121,7 +128,7 @@ def _fusion_genes(device: DeviceInfo) -> list[Gene]:
 # the speed levers, most leverage first (the `levers` agent's sweep): the decode step in C, the KDA recurrence in C,
 # how prompts are prefilled (together, and through the recurrence or chunks), how many steps an exchange runs, how
 # the experts are dispatched, the projections fused, the MLA cache held
-LEVERS = ("decode_step", "kda_kernel", "prefill_rows", "kda_prefill", "steps_per_exchange", "moe_dispatch",
+LEVERS = ("decode_step", "prefill_step", "kda_kernel", "prefill_rows", "kda_prefill", "steps_per_exchange", "moe_dispatch",
           "fused_projections", "mla_cache")
 
 
@@ -141,7 +148,9 @@ def gene_space(preset: KimiPreset, device: DeviceInfo) -> GeneSpace:
                      levers=tuple(n for n in LEVERS if n in names),
                      constraints=(Constraint("kda_kernel native needs state_layout kv", _native_kernel_needs_kv),
                                   Constraint("decode_step native needs mla_cache compressed, state_layout kv, "
-                                             "conv_window shifted", _native_step_needs)))
+                                             "conv_window shifted", partial(_native_step_needs, "decode_step")),
+                                  Constraint("prefill_step native needs mla_cache compressed, state_layout kv, "
+                                             "conv_window shifted", partial(_native_step_needs, "prefill_step"))))
 
 
 def _native_kernel_needs_kv(values: Mapping[str, Scalar]) -> str | None:
@@ -154,14 +163,16 @@ def _native_kernel_needs_kv(values: Mapping[str, Scalar]) -> str | None:
 NATIVE_STEP_NEEDS = {"mla_cache": "compressed", "state_layout": "kv", "conv_window": "shifted"}  # what the C step reads
 
 
-def _native_step_needs(values: Mapping[str, Scalar]) -> str | None:
-    if values.get("decode_step") != "native":
+def _native_step_needs(gene: str, values: Mapping[str, Scalar]) -> str | None:
+    """The rule for `gene` (decode_step or prefill_step; bound by partial): native reads what the C step reads."""
+    if values.get(gene) != "native":
         return None
-    wrong = {gene: values.get(gene) for gene, want in NATIVE_STEP_NEEDS.items() if values.get(gene) != want}
+    wrong = {g: values.get(g) for g, want in NATIVE_STEP_NEEDS.items() if values.get(g) != want}
     if wrong:
-        return (f"decode_step='native' reads the compressed MLA cache, [K, V] states and a shifted window; got "
+        return (f"{gene}='native' reads the compressed MLA cache, [K, V] states and a shifted window; got "
                 f"{', '.join(f'{g}={v!r}' for g, v in wrong.items())}; set "
-                f"{', '.join(f'{g}={NATIVE_STEP_NEEDS[g]}' for g in wrong)} or decode_step=eager")
+                f"{', '.join(f'{g}={NATIVE_STEP_NEEDS[g]}' for g in wrong)} or "
+                f"{gene}={'eager' if gene == 'decode_step' else 'torch'}")
     return None
 
 
@@ -183,6 +194,7 @@ class KimiPlan:
     prefill_rows: str = "each"
     kda_kernel: str = "torch"
     decode_step: str = "eager"
+    prefill_step: str = "torch"
     chunk_size: int = 16  # the chunked prefill's KDA genes (read when kda_prefill is chunked)
     intra_algorithm: str = "blocked_inverse"
 
@@ -196,4 +208,4 @@ class KimiPlan:
                    shared_expert=str(v["shared_expert"]), fused_projections=bool(v["fused_projections"]),
                    chunk_size=int(v["chunk_size"]), intra_algorithm=str(v["intra_algorithm"]),
                    prefill_rows=str(v["prefill_rows"]), kda_kernel=str(v.get("kda_kernel", "torch")),
-                   decode_step=str(v.get("decode_step", "eager")))
+                   decode_step=str(v.get("decode_step", "eager")), prefill_step=str(v.get("prefill_step", "torch")))

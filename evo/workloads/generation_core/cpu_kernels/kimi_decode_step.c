@@ -253,10 +253,18 @@ static kda_layer kda_of(const int64_t *dims, const void *const *p, const float *
     return L;
 }
 
+/* The tokens in segments: segment i is seg_len[i] tokens of pool row seg_row[i] from position seg_start[i] (a
+   decode step: n segments of one token; a prefill: a prompt's tokens, or a chunk of them), packed in order. */
+typedef struct {
+    int64_t count;
+    const int64_t *row, *start, *len;
+} segments;
+
 /* scratch (each n rows of the step's width): qkv (the q, k and v products, [n, HK] each), gates (decay, then the
-   output gate), low (f | g_a | b), o (the recurrence's outputs, normed and gated) */
-static void kda_mixer(const int64_t *dims, const void *const *p, const float *eps, const float *h, int n, float *out,
-                      float *qkv, float *gates, float *low, float *o, float *xs) {
+   output gate), low (f | g_a | b), o (the recurrence's outputs, normed and gated). A segment from position 0 starts
+   from a zeroed window and state. */
+static void kda_mixer(const int64_t *dims, const void *const *p, const float *eps, const float *h, int n,
+                      const segments *seg, float *out, float *qkv, float *gates, float *low, float *o, float *xs) {
     const int64_t D = dims[KDIM_D], H = dims[KDIM_KH], K = dims[KDIM_KD], HK = H * K;
     const kda_layer L = kda_of(dims, p, eps);
     float *q = qkv, *k = qkv + n * HK, *v = qkv + 2 * n * HK;
@@ -269,10 +277,16 @@ static void kda_mixer(const int64_t *dims, const void *const *p, const float *ep
     product(h, n, D, p[KP_B], H, b, xs);
     product(f, n, K, p[KP_FB], HK, decay, xs);
     product(ga, n, K, p[KP_GB], HK, gate, xs);
-    for (int r = 0; r < n; r++)  /* one token a row, on the row's window and state */
-        kda_tokens(&L, 1, q + r * HK, k + r * HK, v + r * HK, decay + r * HK, gate + r * HK, b + r * H,
-                   (float *)p[KP_WINDOW] + r * dims[KDIM_WINDOW_ROW], (float *)p[KP_STATE] + r * dims[KDIM_STATE_ROW],
-                   o + r * HK);
+    for (int64_t i = 0, t = 0; i < seg->count; t += seg->len[i], i++) {  /* each segment's tokens in order */
+        float *window = (float *)p[KP_WINDOW] + seg->row[i] * dims[KDIM_WINDOW_ROW];
+        float *S = (float *)p[KP_STATE] + seg->row[i] * dims[KDIM_STATE_ROW];
+        if (seg->start[i] == 0) {
+            memset(window, 0, sizeof(float) * (size_t)((L.taps - 1) * 3 * HK));
+            memset(S, 0, sizeof(float) * (size_t)(H * K * K));
+        }
+        kda_tokens(&L, seg->len[i], q + t * HK, k + t * HK, v + t * HK, decay + t * HK, gate + t * HK, b + t * H,
+                   window, S, o + t * HK);
+    }
     product(o, n, HK, p[KP_O], D, out, xs);
 }
 
@@ -295,8 +309,10 @@ void evo_kda_prefill(int64_t H, int64_t K, int64_t taps, float rms_eps, float l2
     }
 }
 
-static void mla_mixer(const int64_t *dims, const void *const *p, const float *eps, const float *h, const int64_t *pos,
-                      int n, float *out, float *q, float *kv, float *lat, float *scores, float *xs) {
+/* Token r at position pos[r] of pool row row[r]: its latent and rope key written there, then it attends over that
+   row's positions [0, pos[r]] (a segment's earlier tokens come first, so their keys are there). */
+static void mla_mixer(const int64_t *dims, const void *const *p, const float *eps, const float *h, const int64_t *row,
+                      const int64_t *pos, int n, float *out, float *q, float *kv, float *lat, float *scores, float *xs) {
     const int64_t D = dims[KDIM_D], H = dims[KDIM_MH], nope = dims[KDIM_NOPE], rope = dims[KDIM_ROPE], R = dims[KDIM_R];
     const int64_t QD = nope + rope, KD = R + rope, QL = dims[KDIM_Q_LORA];
     if (QL) {  /* q = RMSNorm(h q_a^T) q_b^T, the low-rank rows first in kv's room */
@@ -310,7 +326,7 @@ static void mla_mixer(const int64_t *dims, const void *const *p, const float *ep
     product(h, n, D, p[KP_MKVA], KD, kv, xs);
     const float *wuk = (const float *)p[KP_MWUK];  /* [H, nope, R] */
     for (int r = 0; r < n; r++) {
-        float *key = (float *)p[KP_MCACHE] + r * dims[KDIM_CACHE_ROW] + pos[r] * dims[KDIM_CACHE_POS];
+        float *key = (float *)p[KP_MCACHE] + row[r] * dims[KDIM_CACHE_ROW] + pos[r] * dims[KDIM_CACHE_POS];
         rms_norm_row(kv + r * KD, (const float *)p[KP_MKV_NORM], key, R, eps[E_LATENT]);
         memcpy(key + R, kv + r * KD + R, sizeof(float) * (size_t)rope);
         /* each head's query in the latent: [q_nope W_UK | q_rope] [KD] */
@@ -328,7 +344,7 @@ static void mla_mixer(const int64_t *dims, const void *const *p, const float *ep
         }
         /* attention over positions [0, pos[r]]: every head reads each key once */
         const int64_t S = pos[r] + 1;
-        const float *cache = (const float *)p[KP_MCACHE] + r * dims[KDIM_CACHE_ROW];
+        const float *cache = (const float *)p[KP_MCACHE] + row[r] * dims[KDIM_CACHE_ROW];
         for (int64_t s = 0; s < S; s++) {
             const float *kk = cache + s * dims[KDIM_CACHE_POS];
             for (int64_t hd = 0; hd < H; hd++) {
@@ -445,14 +461,23 @@ static void moe(const int64_t *dims, const void *const *p, const float *eps, con
     }
 }
 
-int evo_kimi_decode_step(const int64_t *dims, const void *const *ptrs, const float *eps, const float *embedded,
-                         const int64_t *pos, int n, float *logits) {
+/* The forward of the tokens of `count` segments (`segments`; a pool row in one segment at most), embedded [n, D]
+   packed in order: each layer advances each segment's row over its tokens; logits [count, V] of each segment's last
+   token. Returns 0, or -1 when scratch cannot be allocated. */
+int evo_kimi_forward(const int64_t *dims, const void *const *ptrs, const float *eps, const float *embedded,
+                     const int64_t *seg_row, const int64_t *seg_start, const int64_t *seg_len, int64_t count,
+                     float *logits) {
+    const segments seg = {count, seg_row, seg_start, seg_len};
     const int layers = (int)dims[KDIM_LAYERS];
     const int64_t D = dims[KDIM_D], V = dims[KDIM_VOCAB], HK = dims[KDIM_KH] * dims[KDIM_KD], K = dims[KDIM_KD];
     const int64_t MH = dims[KDIM_MH], QD = dims[KDIM_NOPE] + dims[KDIM_ROPE], KD = dims[KDIM_R] + dims[KDIM_ROPE];
     const int64_t topk = dims[KDIM_TOPK] > 0 ? dims[KDIM_TOPK] : 1;
+    int n = 0;
     int64_t longest = 1;
-    for (int r = 0; r < n; r++) longest = pos[r] + 1 > longest ? pos[r] + 1 : longest;
+    for (int64_t i = 0; i < count; i++) {
+        n += (int)seg_len[i];
+        longest = seg_start[i] + seg_len[i] > longest ? seg_start[i] + seg_len[i] : longest;
+    }
     /* one width W fits every per-row scratch: 3HK, 2I, the dense and shared widths, the MLA query, latent and
        outputs, the experts' count */
     int64_t W = D;
@@ -463,10 +488,11 @@ int evo_kimi_decode_step(const int64_t *dims, const void *const *ptrs, const flo
     const int64_t LAT = MH * KD + (int64_t)n * MH * dims[KDIM_R];  /* MLA: latent queries then every row's outputs */
     /* x, h, o [n, D]; four scratch blocks s0..s3 [n, W]; a linear's xs [n, W + 16]; MLA's latents and scores */
     const size_t floats = (size_t)n * (size_t)(3 * D + 4 * W + W + 16) + (size_t)(LAT + MH * longest);
-    /* the scratch is kept between steps (per thread): a fresh one a step cost its pages' first-touch faults */
+    /* the scratch is kept between calls (per thread): a fresh one a step cost its pages' first-touch faults */
     static __thread float *kept = NULL;
     static __thread size_t kept_bytes = 0;
-    const size_t bytes = sizeof(float) * (floats + (size_t)(n * topk)) + sizeof(int) * (size_t)(n * topk * 2);
+    const size_t bytes = sizeof(float) * (floats + (size_t)(n * topk)) + sizeof(int) * (size_t)(n * topk * 2) +
+                         sizeof(int64_t) * (size_t)(2 * n);
     if (bytes > kept_bytes) {
         free(kept);
         kept = malloc(bytes);
@@ -479,19 +505,45 @@ int evo_kimi_decode_step(const int64_t *dims, const void *const *ptrs, const flo
     float *xs = s3 + n * W, *lat = xs + n * (W + 16), *scores = lat + LAT;
     float *weight = scores + MH * longest;
     int *chosen = (int *)(weight + n * topk), *members = chosen + n * topk;
+    int64_t *row = (int64_t *)(members + n * topk), *pos = row + n;  /* each token's pool row and position */
+    for (int64_t i = 0, t = 0; i < count; i++)
+        for (int64_t j = 0; j < seg_len[i]; j++, t++) {
+            row[t] = seg_row[i];
+            pos[t] = seg_start[i] + j;
+        }
     memcpy(x, embedded, sizeof(float) * (size_t)(n * D));
     for (int l = 0; l < layers; l++) {
         const void *const *p = ptrs + l * KP_PER_LAYER;
         const int64_t mixer = dims[KDIM_COUNT + 2 * l], ff = dims[KDIM_COUNT + 2 * l + 1];
         /* o: the last feed-forward's output */
         evo_add_rms_norm(x, l ? o : NULL, x, (const float *)p[KP_IN_NORM], h, n, D, eps[E_RMS]);
-        if (mixer == 0) kda_mixer(dims, p, eps, h, n, o, s0, s1, s2, s3, xs);  /* s0: 3 n HK, s1: 2 n HK */
-        else mla_mixer(dims, p, eps, h, pos, n, o, s0, s1, lat, scores, xs);
+        if (mixer == 0) kda_mixer(dims, p, eps, h, n, &seg, o, s0, s1, s2, s3, xs);  /* s0: 3 n HK, s1: 2 n HK */
+        else mla_mixer(dims, p, eps, h, row, pos, n, o, s0, s1, lat, scores, xs);
         evo_add_rms_norm(x, o, x, (const float *)p[KP_POST_NORM], h, n, D, eps[E_RMS]);
         if (ff == 0) swiglu(h, n, D, dims[KDIM_DENSE_I], p[KP_FF0], p[KP_FF1], p[KP_FF2], o, s0, s1, xs);
         else moe(dims, p, eps, h, n, o, s0, s1, s2, s3, xs, chosen, weight, members);
     }
-    evo_add_rms_norm(x, o, x, (const float *)ptrs[layers * KP_PER_LAYER], h, n, D, eps[E_RMS]);
-    product(h, n, D, ptrs[layers * KP_PER_LAYER + 1], V, logits, xs);
+    /* each segment's last token: x + o, normed, through the head */
+    for (int64_t i = 0, t = 0; i < count; i++) {
+        t += seg_len[i];
+        for (int64_t c = 0; c < D; c++) s0[i * D + c] = x[(t - 1) * D + c] + o[(t - 1) * D + c];
+    }
+    evo_add_rms_norm(s0, NULL, s0, (const float *)ptrs[layers * KP_PER_LAYER], h, (int)count, D, eps[E_RMS]);
+    product(h, (int)count, D, ptrs[layers * KP_PER_LAYER + 1], V, logits, xs);
     return 0;
+}
+
+/* One decode step: row r feeds one token at position pos[r] of pool row r, for r in [0, n). */
+int evo_kimi_decode_step(const int64_t *dims, const void *const *ptrs, const float *eps, const float *embedded,
+                         const int64_t *pos, int n, float *logits) {
+    int64_t *rows = malloc(sizeof(int64_t) * (size_t)(2 * n));
+    if (rows == NULL) return -1;
+    int64_t *ones = rows + n;
+    for (int r = 0; r < n; r++) {
+        rows[r] = r;
+        ones[r] = 1;
+    }
+    const int rc = evo_kimi_forward(dims, ptrs, eps, embedded, rows, pos, ones, n, logits);
+    free(rows);
+    return rc;
 }

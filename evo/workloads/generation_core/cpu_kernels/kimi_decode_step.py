@@ -32,6 +32,12 @@ def _kernel():
 
 
 @functools.cache
+def _forward_kernel():
+    _kernel()  # the same library, its layout checked
+    return kernel_function("kimi_decode_step", "evo_kimi_forward", INT, (PTR,) * 7 + (I64, PTR))
+
+
+@functools.cache
 def _prefill_kernel():
     _kernel()  # the same library, its layout checked
     return kernel_function("kimi_decode_step", "evo_kda_prefill", None,
@@ -192,6 +198,32 @@ class KimiDecodeStep:
         logits = torch.empty(n, self.spec.vocab, dtype=torch.float32)
         rc = self._call(self.dims.data_ptr(), self.pointers.data_ptr(), self.eps.data_ptr(), embedded.data_ptr(),
                         pos.data_ptr(), n, logits.data_ptr())
+        if rc != 0:
+            raise MemoryError("kimi_decode_step: the kernel could not allocate its scratch")
+        return logits
+
+    def forward(self, embedded: torch.Tensor, rows: list[int], starts: list[int], lengths: list[int]) -> torch.Tensor:
+        """The tokens of segments (segment i: lengths[i] tokens of pool row rows[i] from position starts[i]; one from
+        position 0 starts from a zeroed state and window), embedded [N, D] float32 packed in order: the logits
+        [len(rows), V] of each segment's last token; each row's state, window and cache advanced over its tokens.
+        A prefill is its prompts as segments from 0 (or chunks of them, in order, each call after the last)."""
+        D, limit = self.spec.hidden, self.max_positions if self.max_positions is not None else 2**62
+        N = embedded.shape[0]
+        ok = (embedded.shape == (N, D) and embedded.dtype == torch.float32 and len(rows) == len(starts) == len(lengths)
+              and 0 < len(rows) and sum(lengths) == N and len(set(rows)) == len(rows)
+              and all(0 <= r < self.rows for r in rows) and all(n >= 1 for n in lengths)
+              and all(0 <= s and s + n <= limit for s, n in zip(starts, lengths)))
+        if not ok:
+            raise ValueError(f"KimiDecodeStep.forward: embedded [N, {D}] float32 and segments (distinct rows in "
+                             f"[0, {self.rows}), positions [start, start + length) within [0, {limit}), lengths >= 1 "
+                             f"adding up to N); got {tuple(embedded.shape)} {embedded.dtype}, rows {rows}, starts "
+                             f"{starts}, lengths {lengths}")
+        embedded = embedded.contiguous()
+        segments = torch.tensor([rows, starts, lengths], dtype=torch.int64)
+        logits = torch.empty(len(rows), self.spec.vocab, dtype=torch.float32)
+        rc = _forward_kernel()(self.dims.data_ptr(), self.pointers.data_ptr(), self.eps.data_ptr(), embedded.data_ptr(),
+                               segments[0].data_ptr(), segments[1].data_ptr(), segments[2].data_ptr(), len(rows),
+                               logits.data_ptr())
         if rc != 0:
             raise MemoryError("kimi_decode_step: the kernel could not allocate its scratch")
         return logits
