@@ -125,11 +125,11 @@ def _fusion_genes(device: DeviceInfo) -> list[Gene]:
     ]
 
 
-# the speed levers, most leverage first (the `levers` agent's sweep): the decode step in C, the KDA recurrence in C,
-# how prompts are prefilled (together, and through the recurrence or chunks), how many steps an exchange runs, how
-# the experts are dispatched, the projections fused, the MLA cache held
-LEVERS = ("decode_step", "prefill_step", "kda_kernel", "prefill_rows", "kda_prefill", "steps_per_exchange", "moe_dispatch",
-          "fused_projections", "mla_cache")
+# the speed levers, most leverage first (the `levers` agent's sweep): the decode step in C, the prefill by its
+# forward, the KDA recurrence in C, how prompts are prefilled (together, and through the recurrence or chunks), how
+# many steps an exchange runs, how the experts are dispatched, the projections fused, the MLA cache held
+LEVERS = ("decode_step", "prefill_step", "kda_kernel", "prefill_rows", "kda_prefill", "steps_per_exchange",
+          "moe_dispatch", "fused_projections", "mla_cache")
 
 
 def gene_space(preset: KimiPreset, device: DeviceInfo) -> GeneSpace:

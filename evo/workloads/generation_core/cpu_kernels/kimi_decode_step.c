@@ -23,6 +23,10 @@
    cache are written), then the final norm and the head. eps: rms, latent norm, l2 norm, routed scaling, MLA scale.
    Returns 0, or -1 when scratch cannot be allocated.
 
+   `evo_kimi_forward`: the same forward over tokens in segments (a pool row's tokens from a position, packed in
+   order; a segment from position 0 starts from a zeroed state and window): a prefill's prompts, or chunks of them;
+   the decode step is its one-token segments. Logits of each segment's last token.
+
    `evo_kda_prefill`: a KDA layer's prompts between its products (torch's, which are faster than `linear` at prefill
    sizes), by the same per-token code as the step's KDA layers (`kda_tokens`). */
 #include "llama_decode_step.c"
@@ -122,7 +126,9 @@ static void linear_panels(const float *x, int n, int64_t K, const float *w, int6
 #define PANEL 16
 
 /* A weight of O outputs over K inputs as the wrapper stores it: panels from 16 outputs up, rows below. */
-static inline int64_t packed_floats(int64_t O, int64_t K) { return (O >= PANEL ? (O + PANEL - 1) / PANEL * PANEL : O) * K; }
+static inline int64_t packed_floats(int64_t O, int64_t K) {
+    return (O >= PANEL ? (O + PANEL - 1) / PANEL * PANEL : O) * K;
+}
 
 static void product(const float *x, int n, int64_t K, const void *w, int64_t O, float *out, float *xs) {
     if (O >= PANEL) linear_panels(x, n, K, (const float *)w, O, out);
