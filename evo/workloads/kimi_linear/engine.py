@@ -541,7 +541,7 @@ class KimiModel:
         projections, norms and experts (`Ragged`); logits [n, V] of each one's last position (every layer needs
         all positions, the next one reads them; the head only the last)."""
         if self.native_prefill is not None:
-            return self._prefill_in_c(rows, prompts)
+            return self._prefill_by_forward(rows, prompts)
         batch = Ragged.of([len(p) for p in prompts], self.device)
         x = self.embed[torch.tensor([t for p in prompts for t in p], device=self.device)]  # [N, D]
         for mixer, norm_in, attn, norm_post, mlp in self.layers:
@@ -549,7 +549,7 @@ class KimiModel:
             x = x + mlp(_rmsnorm(x, norm_post, self.eps))
         return _rmsnorm(x[batch.last], self.norm, self.eps) @ self.head
 
-    def _prefill_in_c(self, rows: list[int], prompts: list[tuple[int, ...]]) -> torch.Tensor:
+    def _prefill_by_forward(self, rows: list[int], prompts: list[tuple[int, ...]]) -> torch.Tensor:
         """`prefill_rows` by the C step's forward, PREFILL_CHUNK tokens a call (the prompts packed in order, a prompt
         split across calls where a chunk ends inside it): each prompt's last logits [n, V]."""
         x = self.embed[torch.tensor([t for p in prompts for t in p])]  # [N, D]

@@ -21,11 +21,10 @@
    dims (int64): the KDIM_ names, then per layer its mixer (0 KDA, 1 MLA) and feed-forward (0 dense, 1 MoE).
    ptrs: per layer the KP_ names (a mixer's and a feed-forward's pointers share slots by kind; the state, window and
    cache are written), then the final norm and the head. eps: rms, latent norm, l2 norm, routed scaling, MLA scale.
-   Returns 0, or -1 when scratch cannot be allocated.
-
-   `evo_kimi_forward`: the same forward over tokens in segments (a pool row's tokens from a position, packed in
-   order; a segment from position 0 starts from a zeroed state and window): a prefill's prompts, or chunks of them;
-   the decode step is its one-token segments. Logits of each segment's last token.
+   `evo_kimi_forward` runs it over tokens in segments (a pool row's tokens from a position, packed in order; a
+   segment from position 0 starts from a zeroed state and window): a decode step is n one-token segments, a prefill
+   its prompts, or chunks of them. Logits of each segment's last token. Returns 0, or -1 when scratch cannot be
+   allocated.
 
    `evo_kda_prefill`: a KDA layer's prompts between its products (torch's, which are faster than `linear` at prefill
    sizes), by the same per-token code as the step's KDA layers (`kda_tokens`). */
@@ -263,8 +262,26 @@ static kda_layer kda_of(const int64_t *dims, const void *const *p, const float *
    decode step: n segments of one token; a prefill: a prompt's tokens, or a chunk of them), packed in order. */
 typedef struct {
     int64_t count;
-    const int64_t *row, *start, *len;
+    const int64_t *row, *start, *len;  /* start NULL: every segment from position 0 */
 } segments;
+
+/* Each segment's tokens in order through `kda_tokens` on its row's window and state (rows window_row and state_row
+   floats apart), from a zeroed window and state where it starts at position 0; q .. beta packed as the segments
+   are (`kda_tokens`' inputs, overwritten), o [n, HK] out. */
+static void kda_segments(const kda_layer *L, const segments *seg, float *windows, int64_t window_row, float *states,
+                         int64_t state_row, float *q, float *k, float *v, float *decay, float *gate, float *beta,
+                         float *o) {
+    const int64_t H = L->H, K = L->K, HK = H * K;
+    for (int64_t i = 0, t = 0; i < seg->count; t += seg->len[i], i++) {
+        float *window = windows + seg->row[i] * window_row, *S = states + seg->row[i] * state_row;
+        if (seg->start == NULL || seg->start[i] == 0) {
+            memset(window, 0, sizeof(float) * (size_t)((L->taps - 1) * 3 * HK));
+            memset(S, 0, sizeof(float) * (size_t)(H * K * K));
+        }
+        kda_tokens(L, seg->len[i], q + t * HK, k + t * HK, v + t * HK, decay + t * HK, gate + t * HK, beta + t * H,
+                   window, S, o + t * HK);
+    }
+}
 
 /* scratch (each n rows of the step's width): qkv (the q, k and v products, [n, HK] each), gates (decay, then the
    output gate), low (f | g_a | b), o (the recurrence's outputs, normed and gated). A segment from position 0 starts
@@ -283,16 +300,8 @@ static void kda_mixer(const int64_t *dims, const void *const *p, const float *ep
     product(h, n, D, p[KP_B], H, b, xs);
     product(f, n, K, p[KP_FB], HK, decay, xs);
     product(ga, n, K, p[KP_GB], HK, gate, xs);
-    for (int64_t i = 0, t = 0; i < seg->count; t += seg->len[i], i++) {  /* each segment's tokens in order */
-        float *window = (float *)p[KP_WINDOW] + seg->row[i] * dims[KDIM_WINDOW_ROW];
-        float *S = (float *)p[KP_STATE] + seg->row[i] * dims[KDIM_STATE_ROW];
-        if (seg->start[i] == 0) {
-            memset(window, 0, sizeof(float) * (size_t)((L.taps - 1) * 3 * HK));
-            memset(S, 0, sizeof(float) * (size_t)(H * K * K));
-        }
-        kda_tokens(&L, seg->len[i], q + t * HK, k + t * HK, v + t * HK, decay + t * HK, gate + t * HK, b + t * H,
-                   window, S, o + t * HK);
-    }
+    kda_segments(&L, seg, (float *)p[KP_WINDOW], dims[KDIM_WINDOW_ROW], (float *)p[KP_STATE], dims[KDIM_STATE_ROW],
+                 q, k, v, decay, gate, b, o);
     product(o, n, HK, p[KP_O], D, out, xs);
 }
 
@@ -305,14 +314,8 @@ void evo_kda_prefill(int64_t H, int64_t K, int64_t taps, float rms_eps, float l2
                      float *states, int64_t state_row, const int64_t *rows, const int64_t *lengths, int64_t n,
                      float *q, float *k, float *v, float *decay, float *gate, float *beta, float *o) {
     const kda_layer L = {H, K, taps, rms_eps, l2_eps, conv, dt_bias, a, o_norm};
-    const int64_t HK = H * K;
-    for (int64_t i = 0, at = 0; i < n; at += lengths[i], i++) {
-        float *window = windows + rows[i] * window_row, *S = states + rows[i] * state_row;
-        memset(window, 0, sizeof(float) * (size_t)((taps - 1) * 3 * HK));
-        memset(S, 0, sizeof(float) * (size_t)(H * K * K));
-        kda_tokens(&L, lengths[i], q + at * HK, k + at * HK, v + at * HK, decay + at * HK, gate + at * HK,
-                   beta + at * H, window, S, o + at * HK);
-    }
+    const segments prompts = {n, rows, NULL, lengths};
+    kda_segments(&L, &prompts, windows, window_row, states, state_row, q, k, v, decay, gate, beta, o);
 }
 
 /* Token r at position pos[r] of pool row row[r]: its latent and rope key written there, then it attends over that
@@ -537,19 +540,4 @@ int evo_kimi_forward(const int64_t *dims, const void *const *ptrs, const float *
     evo_add_rms_norm(s0, NULL, s0, (const float *)ptrs[layers * KP_PER_LAYER], h, (int)count, D, eps[E_RMS]);
     product(h, (int)count, D, ptrs[layers * KP_PER_LAYER + 1], V, logits, xs);
     return 0;
-}
-
-/* One decode step: row r feeds one token at position pos[r] of pool row r, for r in [0, n). */
-int evo_kimi_decode_step(const int64_t *dims, const void *const *ptrs, const float *eps, const float *embedded,
-                         const int64_t *pos, int n, float *logits) {
-    int64_t *rows = malloc(sizeof(int64_t) * (size_t)(2 * n));
-    if (rows == NULL) return -1;
-    int64_t *ones = rows + n;
-    for (int r = 0; r < n; r++) {
-        rows[r] = r;
-        ones[r] = 1;
-    }
-    const int rc = evo_kimi_forward(dims, ptrs, eps, embedded, rows, pos, ones, n, logits);
-    free(rows);
-    return rc;
 }

@@ -28,12 +28,6 @@ def _kernel():
     lib.evo_kimi_step_dims.restype = lib.evo_kimi_step_pointers_per_layer.restype = INT
     if lib.evo_kimi_step_dims() != STEP_DIMS or lib.evo_kimi_step_pointers_per_layer() != PER_LAYER:
         raise KernelUnavailable("kimi_decode_step.c and its wrapper disagree on the dims or a layer's pointers")
-    return kernel_function("kimi_decode_step", "evo_kimi_decode_step", INT, (PTR, PTR, PTR, PTR, PTR, INT, PTR))
-
-
-@functools.cache
-def _forward_kernel():
-    _kernel()  # the same library, its layout checked
     return kernel_function("kimi_decode_step", "evo_kimi_forward", INT, (PTR,) * 7 + (I64, PTR))
 
 
@@ -184,23 +178,11 @@ class KimiDecodeStep:
         self._call = _kernel()
 
     def __call__(self, embedded: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """embedded [n, D] float32 (row r's token), pos [n] int64 (its position; row r of the pool): the logits [n, V]
-        float32; each row's state, window and cache advanced by its token."""
-        n, D = embedded.shape[0], self.spec.hidden
-        pos = pos.to(torch.int64).contiguous()
-        limit = self.max_positions if self.max_positions is not None else 2**62
-        if embedded.shape != (n, D) or embedded.dtype != torch.float32 or pos.shape != (n,) or \
-                not 0 < n <= self.rows or not 0 <= int(pos.min()) <= int(pos.max()) < limit:
-            raise ValueError(f"KimiDecodeStep: embedded [n, {D}] float32 and pos [n] with n in [1, {self.rows}], each "
-                             f"position in [0, {limit}); got {tuple(embedded.shape)} {embedded.dtype}, positions "
-                             f"{pos.tolist()}")
-        embedded = embedded.contiguous()
-        logits = torch.empty(n, self.spec.vocab, dtype=torch.float32)
-        rc = self._call(self.dims.data_ptr(), self.pointers.data_ptr(), self.eps.data_ptr(), embedded.data_ptr(),
-                        pos.data_ptr(), n, logits.data_ptr())
-        if rc != 0:
-            raise MemoryError("kimi_decode_step: the kernel could not allocate its scratch")
-        return logits
+        """One decode step: embedded [n, D] float32 (row r's token), pos [n] (its position; row r of the pool): the
+        logits [n, V] float32; each row's state, window and cache advanced by its token (`forward`'s one-token
+        segments)."""
+        n = embedded.shape[0]
+        return self.forward(embedded, list(range(n)), [int(p) for p in pos.tolist()], [1] * n)
 
     def forward(self, embedded: torch.Tensor, rows: list[int], starts: list[int], lengths: list[int]) -> torch.Tensor:
         """The tokens of segments (segment i: lengths[i] tokens of pool row rows[i] from position starts[i]; one from
@@ -221,9 +203,9 @@ class KimiDecodeStep:
         embedded = embedded.contiguous()
         segments = torch.tensor([rows, starts, lengths], dtype=torch.int64)
         logits = torch.empty(len(rows), self.spec.vocab, dtype=torch.float32)
-        rc = _forward_kernel()(self.dims.data_ptr(), self.pointers.data_ptr(), self.eps.data_ptr(), embedded.data_ptr(),
-                               segments[0].data_ptr(), segments[1].data_ptr(), segments[2].data_ptr(), len(rows),
-                               logits.data_ptr())
+        rc = self._call(self.dims.data_ptr(), self.pointers.data_ptr(), self.eps.data_ptr(), embedded.data_ptr(),
+                        segments[0].data_ptr(), segments[1].data_ptr(), segments[2].data_ptr(), len(rows),
+                        logits.data_ptr())
         if rc != 0:
             raise MemoryError("kimi_decode_step: the kernel could not allocate its scratch")
         return logits
