@@ -170,3 +170,22 @@ def test_levers_move_on_past_values_the_evidence_measured_slower():
     assert first[1].genome["decode_step"] == "native"  # traced cannot hold bf16_weights; native_max_rows: ignored
     plain = LeverSweepAgent(space, seed=0).propose([Parent(best, 10.0)], 2, 1)
     assert [p.move_kind for p in plain] == ["linear_kernel"] * 2  # without evidence: the lever order
+
+
+def test_a_result_reaches_the_agents_without_importing_torch():
+    """Every result a generation tells the agents (Ray actors, which import no torch) carries the evaluator's
+    version stamp; a `torch.__version__` object in it would import torch in each agent's process on unpickling
+    (seconds of start-up per agent, per run)."""
+    import pickle
+    import subprocess
+    import sys
+
+    from evaluators.machine.device import versions
+    from evo.core.records import EvalResult
+
+    stamp = versions("cpu")
+    assert all(type(v) is str for v in stamp.values()), stamp
+    data = pickle.dumps(EvalResult("h" * 64, "ok", latency_ms=1.0, versions=stamp))
+    probe = "import pickle, sys; pickle.loads(sys.stdin.buffer.read()); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], input=data, capture_output=True, check=True).stdout
+    assert out.strip() == b"False"
