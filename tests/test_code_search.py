@@ -24,7 +24,7 @@ EAGER = {f"backend_{s}": ["eager"] for s in ("gate", "l2norm", "intra", "recurre
 
 def config(tmp: Path, url: str, name: str, generations: int, budget: int) -> Path:
     data = {
-        "workload": "kda", "preset": "cpu_small", "name": name, "baselines": ["eager_recurrent"], "genes": EAGER,
+        "workload": "kda", "preset": "cpu_small", "name": name, "baselines": ["chunk_pairwise_c64"], "genes": EAGER,
         "search": {"seed": 1, "generations": generations, "offspring": 4, "max_evaluations": budget,
                    "agents": ["scheduling", "code"], "population": {"size": 4, "elite": 1, "tournament": 2}},
         "evaluators": {"count": 2, "threads": 1},

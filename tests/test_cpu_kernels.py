@@ -311,3 +311,20 @@ def test_the_kda_prefill_refuses_tokens_its_prompts_do_not_add_up_to():
     with pytest.raises(ValueError, match="N the sum of the lengths \\[2, 2\\]"):
         cpu_kernels.kda_prefill(t, t, t, t, t, *args)
     assert bool((states == 1).all()) and bool((windows == 1).all())
+
+
+def test_the_sandboxs_zygote_loads_every_kernel_before_the_jail_for_the_workloads_that_call_them(monkeypatch):
+    """A jailed engine process cannot reach the per-user kernel cache and starts with an empty private /tmp: without
+    the zygote's preload (`module:function`), every build of an engine that calls our kernels compiled them again
+    (~6 s of each llama_serve evaluation)."""
+    from evaluators.sandbox import zygote
+    from evo.workloads import get_workload
+    from evo.workloads.base import CPU_KERNELS_PRELOAD
+    from evo.workloads.generation_core.cpu_kernels import build
+
+    assert all(CPU_KERNELS_PRELOAD in get_workload(name).engine_preload for name in ("llama", "llama_serve",
+                                                                                       "kimi_linear"))
+    loaded = []
+    monkeypatch.setattr(build, "kernel_library", lambda name: loaded.append(name))
+    zygote._preload(("torch", CPU_KERNELS_PRELOAD, "no_such_module:anything"))  # a failing entry is the engine's
+    assert loaded == sorted(path.stem for path in build.HERE.glob("*.c")) and len(loaded) >= 5

@@ -40,7 +40,7 @@ SUBMIT = ('ray job submit --working-dir . --runtime-env-json "$RUNTIME_ENV" -- '
           "python -m evo run configs/kda_smoke.yaml --set out_dir=$PWD/runs")
 SUBMIT_NO_WAIT = ('ray job submit --no-wait --submission-id kda-cpu-1 --working-dir . --runtime-env-json "$RUNTIME_ENV" -- '
                   "python -m evo run configs/kda_cpu.yaml --set out_dir=$PWD/runs --set preset=cpu_small "
-                  "--set baselines=[eager_recurrent]")
+                  "--set baselines=[chunk_pairwise_c64]")
 LOGS, STATUS, STOP = "ray job logs --follow kda-cpu-1", "ray job status kda-cpu-1", "ray job stop kda-cpu-1"
 TERMINALS = [[ACTIVATE, SECURE, TOKEN, TOKEN_PRIVATE, HEAD], [ACTIVATE, MLFLOW], [ACTIVATE, EXPORT, SUBMIT, SUBMIT_NO_WAIT, LOGS, STATUS, STOP]]
 TRACKING = "http://127.0.0.1:5000"

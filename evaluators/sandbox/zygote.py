@@ -253,12 +253,17 @@ def _hold(engine_process: Any, fd: int, plan: dict | None, view: Any, report: in
 
 def _preload(modules: Any) -> None:
     """Import each module and the modules it imports on first use (`evo.workloads.lazy`: a workload's
-    engine, baselines and reference), so engine processes start with them loaded, before any jail."""
+    engine, baselines and reference), so engine processes start with them loaded, before any jail. An entry
+    `module:function` also calls the module's function (no arguments), e.g. to load compiled kernels that a
+    jailed process could not build or find (`Workload.engine_preload`)."""
     from evo.workloads.lazy import load_all
 
-    for name in modules:
+    for entry in modules:
+        name, _, call = entry.partition(":")
         try:
-            importlib.import_module(name)
+            module = importlib.import_module(name)
+            if call:
+                getattr(module, call)()
         except Exception:  # noqa: BLE001 - the engine's process imports it again and reports the error
             pass
     try:

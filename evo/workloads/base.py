@@ -109,6 +109,11 @@ class KernelFacts:
     shared_bytes: int | None = None  # per block
 
 
+# `Workload.engine_preload` of a workload whose engines may call our C kernels (generation_core.cpu_kernels): the
+# zygote loads them once, before the jail, where each jailed engine process would compile them again
+CPU_KERNELS_PRELOAD = "evo.workloads.generation_core.cpu_kernels.build:load_kernels"
+
+
 class Workload:
     """The base class of every workload: each hook declared once, with its default.
 
@@ -130,7 +135,8 @@ class Workload:
     # a long-lived engine, requests in and tokens out (`evo.workloads.generation`), judged as a client
     # (`evaluators.judge.generation`) through the generation hooks below
     engine_preload: tuple[str, ...] = ()  # modules its engines' processes start with imported (the zygote loads
-    # them once): "torch._dynamo" where engines may torch.compile (~2 s of CPU each process would pay otherwise)
+    # them once): "torch._dynamo" where engines may torch.compile (~2 s of CPU each process would pay otherwise);
+    # "module:function" also calls that function there, before the jail (CPU_KERNELS_PRELOAD: our C kernels)
 
     # ------------------------------------------------------------------ required hooks
     def presets(self) -> dict[str, Preset]:

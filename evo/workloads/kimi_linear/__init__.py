@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from evo.core.genome import GeneSpace, Genome
-from evo.workloads.base import NO_SOURCES, DeviceInfo, MachineRates, Preset, Roofline
+from evo.workloads.base import CPU_KERNELS_PRELOAD, NO_SOURCES, DeviceInfo, MachineRates, Preset, Roofline
 from evo.workloads.generation_workload import GenerationWorkload
 from evo.workloads.kimi_linear.model import KDA
 from evo.workloads.kimi_linear.presets import PRESET_TABLE, KimiPreset
@@ -30,6 +30,7 @@ _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 class KimiLinearWorkload(GenerationWorkload):
     name = "kimi_linear"
     preset_type = KimiPreset
+    engine_preload = (CPU_KERNELS_PRELOAD,)  # its engines may call our C kernels (decode step, KDA recurrence)
 
     def presets(self) -> dict[str, Preset]:
         return PRESET_TABLE

@@ -18,7 +18,8 @@ import numpy as np
 
 from evo.core.code import OpenStage
 from evo.core.genome import GeneSpace, Genome
-from evo.workloads.base import NO_SOURCES, CheckCase, DeviceInfo, Engine, MachineRates, Preset, Roofline, Workload
+from evo.workloads.base import (CPU_KERNELS_PRELOAD, NO_SOURCES, CheckCase, DeviceInfo, Engine, MachineRates, Preset,
+                                Roofline, Workload)
 from evo.workloads.domain import InputDomain
 from evo.workloads.lazy import lazy
 from evo.workloads.llama import genes as _genes
@@ -40,7 +41,7 @@ class LlamaWorkload(Workload):
     name = "llama"
     input_names = ("prompt", "continuation")
     output_names = ("logits",)
-    engine_preload = ("torch._dynamo",)  # its engines may torch.compile
+    engine_preload = ("torch._dynamo", CPU_KERNELS_PRELOAD)  # its engines may torch.compile or call our C kernels
     reference_baseline = "hf_sdpa"  # transformers' default attention: what a user runs today
 
     @staticmethod

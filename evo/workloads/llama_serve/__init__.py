@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from evo.core.genome import GeneSpace, Genome
-from evo.workloads.base import NO_SOURCES, DeviceInfo, MachineRates, Preset, Roofline
+from evo.workloads.base import CPU_KERNELS_PRELOAD, NO_SOURCES, DeviceInfo, MachineRates, Preset, Roofline
 from evo.workloads.generation_workload import GenerationWorkload
 from evo.workloads.lazy import lazy
 from evo.workloads.llama import open_code as _open_code
@@ -30,7 +30,7 @@ _llama_reference = lazy("evo.workloads.llama.reference", judge_only=True)
 class LlamaServeWorkload(GenerationWorkload):
     name = "llama_serve"
     preset_type = ServePreset
-    engine_preload = ("torch._dynamo",)  # its engines may torch.compile
+    engine_preload = ("torch._dynamo", CPU_KERNELS_PRELOAD)  # its engines may torch.compile or call our C kernels
 
     def presets(self) -> dict[str, Preset]:
         return PRESET_TABLE

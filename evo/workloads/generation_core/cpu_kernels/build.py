@@ -75,6 +75,18 @@ def kernel_library(name: str) -> ctypes.CDLL:
     return lib
 
 
+def load_kernels() -> None:
+    """Every kernel of this folder compiled (into the per-user cache, once) and loaded in this process, those this
+    machine cannot build left out. For the sandbox's zygote (`Workload.engine_preload`): engine processes fork from
+    it with the libraries loaded, where a jailed one would compile each kernel again (seconds a build): its private
+    /tmp starts empty and the per-user cache is outside its view."""
+    for source in sorted(HERE.glob("*.c")):
+        try:
+            kernel_library(source.stem)
+        except KernelUnavailable:
+            pass
+
+
 def kernel_function(name: str, symbol: str, restype, argtypes: tuple) -> ctypes._CFuncPtr:
     """The C function `symbol` of `<name>.c` (`kernel_library`), its result and argument types declared (a caller
     keeps it: looked up per call, the declaration would cost more than the kernel's small calls)."""
