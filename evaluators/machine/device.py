@@ -60,7 +60,7 @@ def cpu_name() -> str:
 def versions(device: str) -> dict[str, str]:
     """Versions stamped on every result."""
     stamp = {
-        "torch": str(torch.__version__),  # a plain str: a TorchVersion would import torch wherever a result is unpickled
+        "torch": str(torch.__version__),  # a plain str: a TorchVersion imports torch wherever a result is unpickled
         "python": sys.version.split()[0],
         "numpy": np.__version__,
         "platform": platform.platform(),
