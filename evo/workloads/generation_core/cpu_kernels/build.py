@@ -51,15 +51,22 @@ def _compiler() -> str:
 
 
 @functools.cache
+def _build_key() -> tuple[str, str]:
+    """(the compiler, the hash every library's name carries): of all the sources (a kernel may include another's),
+    the flags and the compiler's version, the same for every kernel, so worked out once a process."""
+    source = b"".join(path.read_bytes() for path in sorted(HERE.glob("*.c")))
+    cc = _compiler()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    return cc, hashlib.sha256(source + repr(FLAGS).encode() + version.encode()).hexdigest()[:16]
+
+
+@functools.cache
 def kernel_library(name: str) -> ctypes.CDLL:
     """`<name>.c` of this folder compiled (once per source, flags and compiler) and loaded. KernelUnavailable
     says why not."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         raise KernelUnavailable(f"our CPU kernels are x86-64 (AVX2, FMA); this machine is {platform.machine()}")
-    source = b"".join(path.read_bytes() for path in sorted(HERE.glob("*.c")))  # a kernel may include another's
-    cc = _compiler()
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(source + repr(FLAGS).encode() + version.encode()).hexdigest()[:16]
+    cc, key = _build_key()
     library = _cache_folder() / f"{name}-{key}.so"
     if not library.exists():
         partial = library.with_suffix(f".{os.getpid()}.tmp")
