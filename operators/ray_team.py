@@ -1,4 +1,10 @@
-"""The agents of a run as Ray actors, one per agent; same interface as `operators.team.LocalTeam`."""
+"""The agents of a run on Ray: one actor holds them all; same interface as `operators.team.LocalTeam`.
+
+One actor, not one each: every actor is a worker process that starts Ray's worker and imports the agents'
+modules (~1.5 s of CPU each), four of them at every run's start on a 2-core machine took ~5 s. The agents
+still run side by side: each has its own concurrency group of one thread, so one agent's calls run in
+order while another's (the code agent waiting on its LLM) run beside them.
+"""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -11,77 +17,82 @@ from evo.core.genome import GeneSpace
 from evo.core.proposer import Archive, Feedback, ProposalRequest
 from evo.core.records import Proposal
 from operators.registry import proposer_class
-from operators.team import make_agent
+from operators.team import LocalTeam
 
 
-class _AgentActor:
-    """Holds one agent; constructed inside the actor so its RNG lives there. Its class is resolved by the
-    driver and travels by reference, so an agent named by dotted path loads where its module imports."""
+class _AgentsActor:
+    """Holds the run's agents (`LocalTeam`, constructed inside the actor so their RNGs live there). Their
+    classes are resolved by the driver and travel by reference, so an agent named by dotted path loads
+    where its module imports."""
 
-    def __init__(self, cls: type, name: str, gene_space: GeneSpace, run_seed: int,
-                 options: dict[str, Any] | None = None) -> None:
-        self.agent = make_agent(name, gene_space, run_seed, options, cls=cls)
+    def __init__(self, classes: dict[str, type], gene_space: GeneSpace, run_seed: int,
+                 options: dict[str, dict[str, Any]]) -> None:
+        self.team = LocalTeam(list(classes), gene_space, run_seed, options, classes=classes)
 
     def ask(self, request: ProposalRequest, archive: Archive) -> list[Proposal]:
-        return self.agent.ask(replace(request, archive=archive))
+        return self.team.agents[request.agent].ask(replace(request, archive=archive))
 
-    def tell(self, feedback: Feedback) -> None:
-        self.agent.tell(feedback)
+    def tell(self, name: str, feedback: Feedback) -> None:
+        self.team.agents[name].tell(feedback)
 
-    def state(self) -> dict[str, Any]:
-        return self.agent.state()
+    def state(self, name: str) -> dict[str, Any]:
+        return self.team.agents[name].state()
 
-    def load_state(self, state: dict[str, Any]) -> None:
-        self.agent.load_state(state)
+    def load_state(self, name: str, state: dict[str, Any]) -> None:
+        self.team.agents[name].load_state(state)
 
-    def close(self) -> None:
-        self.agent.close()
+    def wait_idle(self, name: str, timeout_s: float) -> bool:
+        return self.team.agents[name].wait_idle(timeout_s)
 
-    def wait_idle(self, timeout_s: float) -> bool:
-        return self.agent.wait_idle(timeout_s)
+    def close(self, name: str) -> None:
+        self.team.agents[name].close()
 
 
 class RayTeam:
-    """One small actor per agent. Agents are light (num_cpus=0, so they never take evaluator cores)
+    """The run's agents in one small actor. Agents are light (num_cpus=0, so they never take evaluator cores)
     and live on the driver's node, so a worker node leaving the cluster cannot take them along."""
 
     def __init__(self, names: list[str], gene_space: GeneSpace, run_seed: int,
                  options: dict[str, dict[str, Any]] | None = None) -> None:
-        classes = {name: proposer_class(name) for name in names}  # an unknown name fails here, before any actor
+        classes = {name: proposer_class(name) for name in names}  # an unknown name fails here, before the actor
+        self.names = list(names)
         self.parents_needed = {name: cls.parents_needed for name, cls in classes.items()}
         # Hard affinity also keeps agents beside the run directory they write (the code agent's artifacts).
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        actor = ray.remote(num_cpus=0, num_gpus=0, max_restarts=0, scheduling_strategy=here)(_AgentActor)
-        options = options or {}
-        self.actors = {name: actor.options(name=None).remote(classes[name], name, gene_space, run_seed,
-                                                             options.get(name))
-                       for name in names}
+        actor = ray.remote(num_cpus=0, num_gpus=0, max_restarts=0, scheduling_strategy=here,
+                           concurrency_groups={self._group(name): 1 for name in names})(_AgentsActor)
+        self.actor = actor.remote(classes, gene_space, run_seed, options or {})
+
+    @staticmethod
+    def _group(name: str) -> str:
+        return f"agent:{name}"
+
+    def _call(self, method: str, name: str, *args: Any) -> ray.ObjectRef:
+        return getattr(self.actor, method).options(concurrency_group=self._group(name)).remote(*args)
 
     def ask(self, requests: list[ProposalRequest]) -> list[list[Proposal]]:
-        # the archive goes to the object store once per generation, not once per agent
+        # the archive goes to the object store once per generation, not once per request
         archives = {id(r.archive): ray.put(r.archive) for r in requests}
-        refs = [self.actors[r.agent].ask.remote(replace(r, archive=Archive()), archives[id(r.archive)])
-                for r in requests]
-        return ray.get(refs)
+        return ray.get([self._call("ask", r.agent, replace(r, archive=Archive()), archives[id(r.archive)])
+                        for r in requests])
 
     def tell(self, feedback: Feedback) -> None:
-        shared = ray.put(feedback)  # once, for every actor
-        ray.get([actor.tell.remote(shared) for actor in self.actors.values()])
+        shared = ray.put(feedback)  # once, for every agent
+        ray.get([self._call("tell", name, name, shared) for name in self.names])
 
     def state(self) -> dict[str, Any]:
-        names = list(self.actors)
-        return dict(zip(names, ray.get([self.actors[n].state.remote() for n in names])))
+        return dict(zip(self.names, ray.get([self._call("state", name, name) for name in self.names])))
 
     def load_state(self, state: dict[str, Any]) -> None:
-        ray.get([self.actors[name].load_state.remote(s) for name, s in state.items()])
+        ray.get([self._call("load_state", name, name, s) for name, s in state.items()])
 
     def wait_idle(self, timeout_s: float) -> bool:
-        return all(ray.get([a.wait_idle.remote(timeout_s) for a in self.actors.values()], timeout=timeout_s + 30))
+        return all(ray.get([self._call("wait_idle", name, name, timeout_s) for name in self.names],
+                           timeout=timeout_s + 30))
 
     def close(self) -> None:
         try:
-            ray.get([actor.close.remote() for actor in self.actors.values()], timeout=10)
-        except Exception:  # an actor already gone: killing it below is all that is left
+            ray.get([self._call("close", name, name) for name in self.names], timeout=10)
+        except Exception:  # the actor already gone: killing it below is all that is left
             pass
-        for actor in self.actors.values():
-            ray.kill(actor)
+        ray.kill(self.actor)

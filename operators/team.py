@@ -30,9 +30,10 @@ class LocalTeam:
     """Agents as plain objects in this process (tests, single-process runs)."""
 
     def __init__(self, names: list[str], gene_space: GeneSpace, run_seed: int,
-                 options: dict[str, dict[str, Any]] | None = None) -> None:
-        options = options or {}
-        self.agents = {name: make_agent(name, gene_space, run_seed, options.get(name)) for name in names}
+                 options: dict[str, dict[str, Any]] | None = None, classes: dict[str, type] | None = None) -> None:
+        options, classes = options or {}, classes or {}
+        self.agents = {name: make_agent(name, gene_space, run_seed, options.get(name), cls=classes.get(name))
+                       for name in names}
         self.parents_needed = {name: agent.parents_needed for name, agent in self.agents.items()}
 
     def ask(self, requests: list[ProposalRequest]) -> list[list[Proposal]]:

@@ -123,7 +123,7 @@ def assemble(config: RunConfig, run_dir: Path, resume: SavedRun | None, lessons:
     team = RayTeam(list(config.search.agents), gene_space, config.search.seed, options)
     stack.callback(team.close)
     mlflow = start_mlflow(config, run_dir, device, resume, stack)
-    team.state()  # waits until the agent actors are up
+    team.state()  # waits until the agents' actor is up
     return RunParts(config, run_dir, workload, preset, pool, device, lessons, gene_space, store, team, options,
                     mlflow)
 
