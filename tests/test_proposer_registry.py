@@ -2,6 +2,8 @@
 tells it the results, and keeps the invariants. One rule says when a child paid, for the agents' own
 statistics and their yields alike. No Ray except the last test (the real driver on the in-process Ray)."""
 import io
+import threading
+import time
 from collections import Counter
 from collections.abc import Mapping
 
@@ -178,6 +180,59 @@ def test_improves_on_parent_compares_a_parentless_child_with_the_best_before_its
     assert improves_on_parent(child, known)  # 3 ms beats its parent a (4 ms); the best (1 ms) does not matter
     failed = Evaluated(child.proposal, EvalResult(genomes[2].hash, "incorrect"))
     assert not improves_on_parent(failed, known)
+
+
+_RELEASED = threading.Event()  # in the agents' actor process: set by ReleasingAgent's ask
+
+
+class WaitingAgent(ToyAgent):
+    """Its ask waits (up to a minute) for ReleasingAgent's: it says `met` only when the two ran side by side.
+    It also counts the asks it is inside, to show that its own never overlap."""
+
+    name = "waiting"
+
+    def __init__(self, gene_space, seed):
+        super().__init__(gene_space, seed)
+        self.inside = self.most_inside = 0
+
+    def ask(self, request):
+        self.inside += 1
+        self.most_inside = max(self.most_inside, self.inside)
+        met = self.meet()
+        time.sleep(0.05)
+        self.inside -= 1
+        return [Proposal(request.parents[0].genome, (), self.name, f"met={met} most={self.most_inside}",
+                         request.generation)]
+
+    def meet(self) -> bool:
+        return _RELEASED.wait(60)
+
+
+class ReleasingAgent(WaitingAgent):
+    name = "releasing"
+
+    def meet(self) -> bool:
+        _RELEASED.set()
+        return True
+
+
+def test_the_agents_actor_runs_agents_side_by_side_and_each_ones_calls_in_order(ray_local):
+    from evo.core.proposer import Archive
+    from evo.core.records import Parent
+    from operators.ray_team import RayTeam
+
+    space = toy_space()
+    waiting, releasing = f"{__name__}:WaitingAgent", f"{__name__}:ReleasingAgent"
+    team = RayTeam([waiting, releasing], space, 3)
+    try:
+        parents = (Parent(space.default(), 1.0),)
+        # the waiting agent is asked first, three times: one thread per agent would never reach the releasing one
+        requests = [ProposalRequest(name, 1, parents, 1, Archive()) for name in (waiting, waiting, waiting, releasing)]
+        moves = [proposals[0].move for proposals in team.ask(requests)]
+        assert moves[:3] == ["met=True most=1"] * 3 and moves[3] == "met=True most=1", moves
+        assert set(team.state()) == {waiting, releasing}
+    finally:
+        team.close()
 
 
 @pytest.mark.slow
