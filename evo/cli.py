@@ -169,9 +169,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{saved.run_dir} is a finished run ({done.evaluations} evaluations, best engine "
                   f"{done.best_hash}); nothing to resume. Start a new run with python -m evo run", flush=True)
             return 0
+        ray_started = _start_ray_while_importing_the_driver(saved.config)
         from evo.driver.run import run
 
-        outcome = run(saved.config, resume=saved, handle_signals=True, verbosity=args.verbosity)
+        outcome = run(saved.config, resume=saved, handle_signals=True, verbosity=args.verbosity, ray_started=ray_started)
         return 0 if outcome.summary.best_hash else 1
     if args.command == "import-gguf":
         from evo.workloads.llama.gguf_import import import_gguf
@@ -245,8 +246,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, RunDirError) as exc:
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
-    from evo.driver.run import run  # Ray and torch load only when needed
-
     lessons = None
     if args.warm_start:
         try:
@@ -254,8 +253,12 @@ def main(argv: list[str] | None = None) -> int:
         except LessonsError as exc:
             print(f"error: cannot warm-start: {exc}", file=sys.stderr)
             return 2
+    ray_started = _start_ray_while_importing_the_driver(config)
+    from evo.driver.run import run
+
     try:
-        outcome = run(config, args.out, handle_signals=True, lessons=lessons, checked=True, verbosity=args.verbosity)
+        outcome = run(config, args.out, handle_signals=True, lessons=lessons, checked=True, verbosity=args.verbosity,
+                      ray_started=ray_started)
     except (ConfigError, RunDirError, LessonsError) as exc:  # before the search starts (lessons of another device)
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
@@ -269,6 +272,14 @@ def _verbosity_flags(command: argparse.ArgumentParser) -> None:
                        help="print only warnings and the final summary (run.log still gets every line)")
     group.add_argument("-v", "--verbose", dest="verbosity", action="store_const", const=1,
                        help="also print debug lines (and write them to run.log)")
+
+
+def _start_ray_while_importing_the_driver(config) -> bool:
+    """Ray for the run (only now: a bad config or run directory never started it), started while the driver's
+    modules (torch, MLflow) import; whether it was started here, for `run(ray_started=...)`."""
+    from evo.driver.local_ray import start_while_importing
+
+    return start_while_importing("evo.driver.run", config.ray.address, config.ray.num_cpus)
 
 
 def _one_line(exc: Exception) -> str:

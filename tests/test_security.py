@@ -57,10 +57,10 @@ def stop(process: subprocess.Popen) -> None:
 
 START_RAY = """
 import ray, sys
-from evo.driver.config import RaySettings, RunConfig
-from evo.driver.run import start_ray
+from evo.driver.local_ray import start_while_importing
 from ray._raylet import AuthenticationMode, get_authentication_mode
-start_ray(RunConfig(ray=RaySettings(num_cpus=1)))
+assert start_while_importing("evo.driver.run", None, 1)  # as `evo run` starts its Ray
+assert "evo.driver.run" in sys.modules and "torch" in sys.modules
 ray.get(ray.remote(lambda: 1).remote())
 print("ready", ray.util.get_node_ip_address(), get_authentication_mode() == AuthenticationMode.TOKEN, flush=True)
 sys.stdin.read()
@@ -71,7 +71,7 @@ def test_evo_runs_local_ray_listens_on_loopback_only_with_token_auth(tmp_path):
     process, log = start(tmp_path, ["-c", START_RAY])
     try:
         line = wait_for(lambda: next((l for l in log.read_text().splitlines() if l.startswith("ready")), None), 120,
-                        "evo.driver.run.start_ray to start a local Ray")
+                        "evo.driver.local_ray.start_while_importing to start a local Ray")
         assert line.split()[1:] == ["127.0.0.1", "True"], log.read_text()[-2000:]
         processes = process_tree(process.pid)
         found = listening(processes)

@@ -83,18 +83,7 @@ def start_ray(config: RunConfig) -> bool:
 
     Returns whether this process started Ray (and so must stop it).
     """
-    if ray.is_initialized():
-        return False
-    address = config.ray.address or os.environ.get("RAY_ADDRESS")
-    # Workers must import this project: it is pip-installed, and the env keeps the compile cache shared.
-    env = {"env_vars": {k: os.environ[k] for k in ("TORCHINDUCTOR_CACHE_DIR",) if k in os.environ}}
-    if address:
-        local_ray.join(address, runtime_env=env, log_to_driver=False)
-        return True
-    # a new Ray even if `ray start` ran on this machine, listening on 127.0.0.1 only (evo.driver.local_ray)
-    local_ray.init_local(num_cpus=config.ray.num_cpus or os.cpu_count(), include_dashboard=False,
-                         runtime_env=env, log_to_driver=False)
-    return True
+    return local_ray.start_for_run(config.ray.address, config.ray.num_cpus)
 
 
 def assemble(config: RunConfig, run_dir: Path, resume: SavedRun | None, lessons: Lessons | None,

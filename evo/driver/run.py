@@ -60,11 +60,13 @@ class RunOutcome:
 
 def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout, resume: SavedRun | None = None,
         handle_signals: bool = False, lessons: Lessons | None = None, checked: bool = False,
-        verbosity: int = NORMAL) -> RunOutcome:
+        verbosity: int = NORMAL, ray_started: bool = False) -> RunOutcome:
     """Run a search; with `resume` (from `evo.driver.resume.load_run`), continue the one in its run directory.
     With `handle_signals` (the CLI), SIGTERM and Ctrl-C stop it cleanly (see evo.driver.stop). `checked`:
     the caller has run `check_config` already (the CLI does, before it imports Ray). `verbosity`: QUIET
-    (only the final summary), NORMAL or VERBOSE (debug) on `out`; the run's log is also in RUN_DIR/run.log."""
+    (only the final summary), NORMAL or VERBOSE (debug) on `out`; the run's log is also in RUN_DIR/run.log.
+    `ray_started`: the caller started Ray for this run (the CLI, while it imported this module); the run stops
+    it as one it started itself."""
     started = time.monotonic()
     say = _printer()
     if not checked:
@@ -78,7 +80,7 @@ def run(config: RunConfig, run_dir: Path | None = None, out: TextIO = sys.stdout
         if config.mlflow.enabled:  # MLflow's stores load while Ray and the evaluators start
             warm_mlflow(tracking_uri(config.mlflow.tracking_uri))
         with run_log.phase("start-up (Ray, evaluators, agents, MLflow)"):
-            if start_ray(config):
+            if start_ray(config) or ray_started:
                 stack.callback(ray.shutdown)
             if handle_signals:
                 install_handlers()  # after ray.init, which installs its own SIGTERM handler
