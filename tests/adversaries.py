@@ -150,7 +150,7 @@ class CompiledBaselineWorkload(AttackWorkload):
 
 
 def _compiled(honest):
-    identity = torch.compile(lambda t: t * 1.0)
+    identity = torch.compile(lambda t: t * 1.0, dynamic=True)
 
     def engine(**x):
         return {k: identity(v).contiguous() for k, v in honest(**x).items()}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import os
 import re
 
 import numpy as np
@@ -189,18 +190,28 @@ def test_description_fits_in_a_tag():
     assert json.dumps(version_tags(SUMMARY, "x", "/r"))  # every value a string
 
 
-def test_a_registered_engine_resolves_from_its_own_store_whatever_store_the_process_set(tmp_path_factory):
-    """MLflow resolves `models:/` against the process-wide registry: `resolve` must ask the store it is given."""
+def test_a_registered_engine_resolves_from_its_own_store_whatever_store_the_process_set(tmp_path_factory,
+                                                                                       monkeypatch):
+    """MLflow resolves `models:/` against the process-wide registry: `resolve` must ask the store it is given.
+    Registering keeps the input example but never loads the engine (the judge verified it already)."""
     import mlflow
 
+    from evo.evidence.mlflow import pyfunc_engine
     from evo.evidence.mlflow.registry import register_engine
     from evo.serving.source import resolve
 
+    loads = []
+    monkeypatch.setattr(pyfunc_engine, "_load_pyfunc", lambda path, real=pyfunc_engine._load_pyfunc:
+                        loads.append(path) or real(path))
     own, other = (f"sqlite:///{tmp_path_factory.mktemp(name) / 'mlflow.db'}" for name in ("own", "other"))
     record = resolve("default:kda/cpu_small")
     client = MlflowClient(own)
     run_id = client.create_run(client.create_experiment("resolve")).info.run_id
     version = register_engine(record, run_id, "resolve-engine", own)
+    assert loads == [], "registering loaded the engine (MLflow's serving-input validation)"
+    logged = os.listdir(mlflow.artifacts.download_artifacts(f"models:/resolve-engine/{version}", tracking_uri=own,
+                                                            registry_uri=own, dst_path=str(tmp_path_factory.mktemp("dl"))))
+    assert {"MLmodel", "serving_input_example.json"} <= set(logged), logged
     client.set_registered_model_alias("resolve-engine", CHAMPION, version)
     mlflow.set_tracking_uri(other)
     try:
