@@ -55,9 +55,9 @@ from evaluators.sandbox.zygote import Zygote
 from evaluators.settings import EvaluatorSettings
 
 _SPEC_CACHE_SIZE = 256  # output specs kept for cases of distinct shapes
-# After an evaluation the judge collects the generations its own objects of that evaluation are in (engines run in
-# their own processes: nothing of theirs is here). A full collection walks every object of the process: ~0.15 s in an
-# evaluator actor, ~0.7-1.5 s in a process that imported transformers and friends (a test session, `evo ab`).
+# After an evaluation the judge collects the young generations (0 and 1) only; older garbage is left to Python's own
+# collector. Engines run in their own processes, so nothing of theirs is here. A full collection walks every object of
+# the process: ~0.15 s in an evaluator actor, ~0.7 s or more in one that imported transformers (a test session).
 _YOUNG = 1
 _CALIBRATION_CALLS = 5  # echo calls that measure the judge's own cost of a call, before the engine is built
 _FORBIDDEN_ADVICE = "engines must compute their answer, not call the workload's reference or a baseline"
