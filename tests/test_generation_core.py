@@ -72,6 +72,7 @@ class FakeRunner:
         self.batched_prefills: list[list[int]] = []  # the rows of each prefill_rows call
         self.decodes: list[int] = []  # rows per decode step
         self.verifies: list[list[tuple[list[int], list[int]]]] = []  # per verify step, each row's (fed, picked)
+        self.mixes: list[tuple[int, int]] = []  # per mixed forward: (decode rows, prompt chunks)
 
     def prefill(self, row, tokens, pos, pick):
         if pos == 0:
@@ -89,6 +90,11 @@ class FakeRunner:
     def decode(self, tokens, positions, picks):
         self.decodes.append(len(tokens))
         return [row[0] for row in self._feed([[t] for t in tokens], positions, [[p] for p in picks])]
+
+    def mixed(self, tokens, positions, picks, rows, chunks, starts, prefill_picks):
+        self.mixes.append((len(tokens), len(rows)))
+        decoded = [row[0] for row in self._feed([[t] for t in tokens], positions, [[p] for p in picks])]
+        return decoded, [self.prefill(*args) for args in zip(rows, chunks, starts, prefill_picks)]
 
     def verify(self, fed, positions, picks):
         picked = self._feed(fed, positions, picks)
@@ -111,10 +117,10 @@ class FakeRunner:
 
 
 def _scheduler(max_running: int, batching="continuous", prefill="whole", chunk=0, prefills=None, context=None,
-               spec=0, model=_next, max_positions=64, together=False):
+               spec=0, model=_next, max_positions=64, together=False, with_decode=False):
     pool = FakePool(max_running)
     policy = SchedulerPolicy(batching, max_running, prefill, chunk, prefills or max_running, spec,
-                             prefill_together=together)
+                             prefill_together=together, prefill_with_decode=with_decode)
     kwargs = {"context": context} if context else {}
     return Scheduler(FakeRunner(pool, model, max_positions), pool, policy, max_positions, num_threads=1, **kwargs)
 
@@ -196,6 +202,27 @@ def test_prefills_together_go_through_one_call_per_step_and_make_the_same_tokens
     pool, one_at_a_time = FakePool(2), SimpleNamespace(prefill=None, decode=None)  # Kimi Linear's runner's shape
     with pytest.raises(ValueError, match="prefill_rows"):
         Scheduler(one_at_a_time, pool, SchedulerPolicy("continuous", 2, "whole", 0, 2, prefill_together=True), 64, 1)
+
+
+def test_a_steps_decode_rows_join_its_prefills_forward_and_make_the_same_tokens():
+    """prefill_with_decode: a step with prompt chunks runs its decode rows in the same forward (`mixed`), a step
+    without them a decode forward; the tokens those of one request at a time, each step's decode events before its
+    prefills', fewer decode forwards of their own; a runner without `mixed` is refused."""
+    requests = [GenerationRequest(i, tuple(range(i + 1, i + 2 + 5 * i)), 3 + i) for i in range(5)]
+    apart, mixed = (_scheduler(3, prefill="chunked", chunk=4, prefills=2, with_decode=w) for w in (False, True))
+    made, _ = _drive(apart, requests)
+    made_mixed, steps = _drive(mixed, requests)
+    assert made_mixed == made == {r.id: _generate(r) for r in requests}
+    runner = mixed.runner
+    assert runner.mixes and all(rows >= 1 and chunks >= 1 for rows, chunks in runner.mixes), runner.mixes
+    assert len(runner.decodes) < len(apart.runner.decodes)  # decode forwards of their own: fewer
+    for events in steps:  # a request's first token (a prefill's) never precedes a decode event of its step
+        firsts = [i for i, e in enumerate(events) if sum(x.request_id == e.request_id for x in events[:i + 1]) == 1
+                  and e.token == made_mixed[e.request_id][0]]
+        assert all(i >= len(events) - len(firsts) for i in firsts), events
+    with pytest.raises(ValueError, match="prefill_with_decode needs a model runner with mixed"):
+        Scheduler(SimpleNamespace(prefill=None, decode=None), FakePool(2),
+                  SchedulerPolicy("continuous", 2, "whole", 0, 2, prefill_with_decode=True), 64, 1)
 
 
 def test_one_prefill_a_step_takes_the_oldest_admitted_request():

@@ -122,6 +122,9 @@ DESIGNS = {
     "native_prefill": {"prefill_step": "native", "mla_cache": "compressed"},  # the C forward's states, torch's steps
     "native_forward_queue": {"prefill_step": "native", "decode_step": "native", "mla_cache": "compressed",
                              "max_running": 2, "prefill_rows": "together"},
+    # a step's decode rows in its prefill's forward (two running: requests join while the other decodes)
+    "native_forward_with_decode": {"prefill_step": "with_decode", "decode_step": "native", "mla_cache": "compressed",
+                                   "max_running": 2},
 }
 
 
@@ -209,6 +212,8 @@ def test_the_native_decode_step_needs_what_it_reads_and_a_float32_cpu_preset():
         SPACE.make({"decode_step": "native", "mla_cache": "compressed", "conv_window": "ring"})
     with pytest.raises(GenomeError, match="prefill_step='native' reads.*state_layout='vk'.*or prefill_step=torch"):
         SPACE.make({"prefill_step": "native", "mla_cache": "compressed", "state_layout": "vk"})
+    with pytest.raises(GenomeError, match="prefill_step='with_decode' runs the decode rows.*decode_step='eager'"):
+        SPACE.make({"prefill_step": "with_decode", "mla_cache": "compressed"})
     bf16 = dataclasses.replace(PRESET, dtype="bfloat16",
                                model=dataclasses.replace(PRESET.model, storage_dtype="bfloat16"))
     for preset, device in ((PRESET, DeviceInfo("cuda", "H200", 1)), (bf16, CPU)):

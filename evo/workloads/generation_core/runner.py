@@ -11,7 +11,8 @@ Pick = tuple[GenerationRequest, int]  # how a row's token is chosen: its request
 
 class ModelRunner(Protocol):
     """A prompt chunk of one pool row (or of several, in one forward), and one decode step of the pool's first n
-    rows together; with speculation, a verify forward of those rows, several tokens each."""
+    rows together (or with the prompt chunks, in one forward); with speculation, a verify forward of those rows,
+    several tokens each."""
 
     def prefill(self, row: int, tokens: tuple[int, ...], pos: int, pick: Pick | None) -> int | None:
         """Prompt tokens at positions [pos, pos+T) of `row`; with `pick` (they end the prompt), the next token."""
@@ -26,6 +27,14 @@ class ModelRunner(Protocol):
 
     def decode(self, tokens: list[int], positions: list[int], picks: list[Pick]) -> list[int]:
         """Rows [0, n) each feed tokens[r] at positions[r]; their next tokens, each picked by its request."""
+        ...
+
+    def mixed(self, tokens: list[int], positions: list[int], picks: list[Pick], rows: list[int],
+              chunks: list[tuple[int, ...]], starts: list[int],
+              prefill_picks: list[Pick | None]) -> tuple[list[int], list[int | None]]:
+        """`decode` of rows [0, n) and `prefill_rows` of `rows` (other rows) in one forward: the decode rows' next
+        tokens, and per chunk its next token or None. Optional: called only when the policy's prefill_with_decode
+        is set."""
         ...
 
     def verify(self, fed: list[list[int]], positions: list[int], picks: list[list[Pick]]) -> list[list[int]]:

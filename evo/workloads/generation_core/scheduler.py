@@ -16,6 +16,12 @@ With `spec_tokens` > 0 a decode step speculates (vLLM's prompt lookup): each dec
 keeps the picked tokens for as long as its draft agreed with them, and the first pick that disagreed: exactly
 the tokens one-at-a-time decoding picks (a sampled token is the same seeded draw, keyed on its index), up to
 d + 1 of them for a draft of d. A step without any draft is the plain decode forward.
+
+With `prefill_with_decode` a step that has prompts to prefill runs its decode rows in the same forward
+(`ModelRunner.mixed`; vLLM's unified batch: a decode row is one more token beside the prompts', whose products
+read every weight anyway): waiting requests are admitted before that forward, so a row freed by a request ending
+in it is taken at the next step. Its events are the same as the two forwards': the decode rows', then the
+prefills'.
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ from typing import Callable
 from evo.workloads.generation import GenerationRequest, TokenEvent, check_fits
 from evo.workloads.generation_core.drafting import prompt_lookup
 from evo.workloads.generation_core.pool import Pool
-from evo.workloads.generation_core.runner import ModelRunner
+from evo.workloads.generation_core.runner import ModelRunner, Pick
 
 BATCHING = ("continuous", "static")
 PREFILL = ("whole", "chunked")
@@ -49,6 +55,7 @@ class SchedulerPolicy:
     spec_min_ngram: int = 1  # the shortest context suffix a draft may match
     spec_max_rows: int = 0  # speculate only while at most this many requests decode (0: however many)
     prefill_together: bool = False  # a step's prefills in one forward (needs a runner with `prefill_rows`)
+    prefill_with_decode: bool = False  # ... and its decode rows in that forward (needs a runner with `mixed`)
 
     def __post_init__(self) -> None:
         if self.batching not in BATCHING or self.prefill not in PREFILL:
@@ -96,6 +103,9 @@ class Scheduler:
         if policy.prefill_together and not hasattr(runner, "prefill_rows"):
             raise ValueError(f"prefill_together needs a model runner with prefill_rows; {type(runner).__name__} "
                              "prefills one request a forward")
+        if policy.prefill_with_decode and not hasattr(runner, "mixed"):
+            raise ValueError(f"prefill_with_decode needs a model runner with mixed; {type(runner).__name__} runs "
+                             "prefills and decode steps in forwards of their own")
         self.runner, self.pool, self.policy, self.max_positions = runner, pool, policy, max_positions
         self.num_threads = num_threads  # the engine's threads gene, as the engine's process reads it
         self.context = context
@@ -112,9 +122,18 @@ class Scheduler:
     def step(self) -> list[TokenEvent]:
         """Decode every decoding request by one token, then admit and prefill (first tokens come from there)."""
         with self.context():
+            if self._mixes():
+                return self._mixed()
             events = self._decode() if self.decoding else []
             self._admit()
             return events + self._prefill()
+
+    def _mixes(self) -> bool:
+        """Whether this step's decode rows join its prefill's forward (admitting first: see the module)."""
+        if not (self.policy.prefill_with_decode and self.decoding) or self.policy.speculates(len(self.decoding)):
+            return False
+        self._admit()
+        return bool(self.prefilling)
 
     def abort(self, request_id: int) -> None:
         """Drop the request wherever it is: out of the queue, or its row freed (decoding rows compacted)."""
@@ -148,17 +167,27 @@ class Scheduler:
     def _prefill(self) -> list[TokenEvent]:
         """A prefill forward (the whole prompt, or its next chunk) for the oldest admitted requests: one each, or
         one for them all (`prefill_together`)."""
-        events, policy, chunks = [], self.policy, []
+        chunks = self._prefill_chunks()
+        if self.policy.prefill_together and len(chunks) > 1:
+            runs, prompts, starts, picks = zip(*chunks)
+            tokens = self.runner.prefill_rows([run.row for run in runs], list(prompts), list(starts), list(picks))
+        else:
+            tokens = [self.runner.prefill(run.row, *rest) for run, *rest in chunks]
+        return self._prefilled(chunks, tokens)
+
+    def _prefill_chunks(self) -> list[tuple[_Run, tuple[int, ...], int, Pick | None]]:
+        """This step's prompt chunks (run, tokens, start, pick where they end the prompt), their rows reserved."""
+        chunks, policy = [], self.policy
         for run in self.prefilling[:policy.max_prefills_per_step]:
             prompt, pos = run.request.prompt, run.prefilled
             T = len(prompt) - pos if policy.prefill == "whole" else min(policy.prefill_chunk, len(prompt) - pos)
             self.pool.reserve(run.row, pos + T)
             chunks.append((run, prompt[pos:pos + T], pos, (run.request, 0) if pos + T == len(prompt) else None))
-        if policy.prefill_together and len(chunks) > 1:
-            runs, prompts, starts, picks = zip(*chunks)
-            tokens = self.runner.prefill_rows([run.row for run in runs], list(prompts), list(starts), list(picks))
-        else:
-            tokens = [self.runner.prefill(run.row, *rest) for run, *rest in chunks]
+        return chunks
+
+    def _prefilled(self, chunks: list, tokens: list[int | None]) -> list[TokenEvent]:
+        """The chunks forwarded: a prompt done gives its request's first token and starts it decoding."""
+        events = []
         for run, chunk, _, _ in chunks:
             run.prefilled += len(chunk)
         for (run, *_), token in zip(chunks, tokens):
@@ -172,6 +201,19 @@ class Scheduler:
             else:
                 self._start_decoding(run)
         return events
+
+    def _mixed(self) -> list[TokenEvent]:
+        """Every decoding request by one token and this step's prompt chunks in one forward (`ModelRunner.mixed`)."""
+        runs, chunks = self.decoding, self._prefill_chunks()
+        positions = [run.cached for run in runs]
+        for run, p in zip(runs, positions):
+            self.pool.reserve(run.row, p + 1)
+        prefills, prompts, starts, picks = zip(*chunks)
+        decoded, prefilled = self.runner.mixed([run.made[-1] for run in runs], positions,
+                                               [(run.request, len(run.made)) for run in runs],
+                                               [run.row for run in prefills], list(prompts), list(starts), list(picks))
+        events = self._decoded(runs, [[token] for token in decoded])
+        return events + self._prefilled(chunks, prefilled)
 
     def _decode(self) -> list[TokenEvent]:
         """One batched forward of every decoding request (see the module for speculation); those that finish
@@ -187,6 +229,11 @@ class Scheduler:
             tokens = self.runner.decode([run.made[-1] for run in runs], positions,
                                         [(run.request, len(run.made)) for run in runs])
             made = [[token] for token in tokens]
+        return self._decoded(runs, made)
+
+    def _decoded(self, runs: list[_Run], made: list[list[int]]) -> list[TokenEvent]:
+        """Each decoding run's tokens of this step (its events, none after its last); those that finish leave
+        their rows."""
         events, ended = [], []
         for run, tokens in zip(runs, made):
             for token in tokens:

@@ -521,10 +521,10 @@ class KimiModel:
         # our C decode step (decode_step=native; its forward: prefill_step=native) over the same weights' float32
         # values and the pool's memory
         self.native_step = self.native_decode = self.native_prefill = None
-        if "native" in (plan.decode_step, plan.prefill_step):
+        if plan.decode_step != "eager" or plan.prefill_step != "torch":
             self.native_step = cpu_kernels.KimiDecodeStep(spec, w, pool.tensors, LATENT_NORM_EPS, L2NORM_EPS)
             self.native_decode = self.native_step if plan.decode_step == "native" else None
-            self.native_prefill = self.native_step if plan.prefill_step == "native" else None
+            self.native_prefill = self.native_step if plan.prefill_step != "torch" else None
 
     def _block(self, x: torch.Tensor, mix) -> torch.Tensor:
         for mixer, norm_in, attn, norm_post, mlp in self.layers:
@@ -550,22 +550,35 @@ class KimiModel:
         return _rmsnorm(x[batch.last], self.norm, self.eps) @ self.head
 
     def _prefill_by_forward(self, rows: list[int], prompts: list[tuple[int, ...]]) -> torch.Tensor:
-        """`prefill_rows` by the C step's forward, PREFILL_CHUNK tokens a call (the prompts packed in order, a prompt
-        split across calls where a chunk ends inside it): each prompt's last logits [n, V]."""
-        x = self.embed[torch.tensor([t for p in prompts for t in p])]  # [N, D]
-        ends = torch.tensor([len(p) for p in prompts]).cumsum(0).tolist()
-        logits: list[torch.Tensor | None] = [None] * len(prompts)
+        """`prefill_rows` by the C step's forward (`_forward`): each prompt's last logits [n, V]."""
+        return self._forward(rows, prompts, [0] * len(prompts))
+
+    def _forward(self, rows: list[int], parts: list[tuple[int, ...]], starts: list[int]) -> torch.Tensor:
+        """Segments through the C step's forward, PREFILL_CHUNK tokens a call: parts[i] at positions [starts[i], ...)
+        of rows[i] (packed in order, a part split across calls where a chunk ends inside it; one from position 0
+        starts from a zeroed state): each part's last logits [n, V]."""
+        x = self.embed[torch.tensor([t for p in parts for t in p])]  # [N, D]
+        ends = torch.tensor([len(p) for p in parts]).cumsum(0).tolist()
+        logits: list[torch.Tensor | None] = [None] * len(parts)
         for a in range(0, ends[-1], PREFILL_CHUNK):
             b = min(a + PREFILL_CHUNK, ends[-1])
-            parts = [(i, max(a, end - len(p)), min(b, end)) for i, (p, end) in enumerate(zip(prompts, ends))
-                     if end - len(p) < b and a < end]  # (prompt, its tokens [lo, hi) of [a, b))
-            out = self.native_prefill.forward(x[a:b], [rows[i] for i, _, _ in parts],
-                                              [lo - (ends[i] - len(prompts[i])) for i, lo, _ in parts],
-                                              [hi - lo for _, lo, hi in parts])
-            for (i, _, hi), row_logits in zip(parts, out):
+            pieces = [(i, max(a, end - len(p)), min(b, end)) for i, (p, end) in enumerate(zip(parts, ends))
+                      if end - len(p) < b and a < end]  # (part, its tokens [lo, hi) of [a, b))
+            out = self.native_prefill.forward(x[a:b], [rows[i] for i, _, _ in pieces],
+                                              [starts[i] + lo - (ends[i] - len(parts[i])) for i, lo, _ in pieces],
+                                              [hi - lo for _, lo, hi in pieces])
+            for (i, _, hi), row_logits in zip(pieces, out):
                 if hi == ends[i]:
                     logits[i] = row_logits
         return torch.stack(logits)
+
+    def mixed(self, tokens: list[int], positions: list[int], rows: list[int],
+              prompts: list[tuple[int, ...]]) -> torch.Tensor:
+        """A decode step of rows [0, n) (tokens at positions) and prompts into `rows` from position 0, in the C
+        step's forward calls (the decode rows in the first): logits [n + len(prompts), V], the decode rows' first."""
+        n = len(tokens)
+        return self._forward(list(range(n)) + rows, [(t,) for t in tokens] + list(prompts),
+                             list(positions) + [0] * len(prompts))
 
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
         """Rows [0, n) each feed tokens[r] at positions[r]; logits [n, V]."""
@@ -602,6 +615,15 @@ class KimiRunner:
     def decode(self, tokens: list[int], positions: list[int], picks: list[Pick]) -> list[int]:
         return pick_tokens(self.model.decode(tokens, positions), picks)
 
+    def mixed(self, tokens: list[int], positions: list[int], picks: list[Pick], rows: list[int],
+              chunks: list[tuple[int, ...]], starts: list[int],
+              prefill_picks: list[Pick | None]) -> tuple[list[int], list[int | None]]:
+        if any(starts) or None in prefill_picks:
+            raise ValueError(f"KimiModel prefills whole prompts from position 0 (prefill='whole'), got chunks of "
+                             f"{[len(c) for c in chunks]} tokens at positions {starts}")
+        picked = pick_tokens(self.model.mixed(tokens, positions, rows, chunks), list(picks) + list(prefill_picks))
+        return picked[:len(tokens)], picked[len(tokens):]
+
 
 class KimiGenerator(Scheduler):
     """`add`, `step`, `abort` (the generation contract): the shared scheduler over the state pool and the model,
@@ -610,7 +632,8 @@ class KimiGenerator(Scheduler):
     def __init__(self, model: KimiModel, pool: StatePool, plan: KimiPlan, max_positions: int) -> None:
         self.model, self.plan = model, plan
         policy = SchedulerPolicy("continuous", plan.max_running, "whole", 0, plan.max_running,
-                                 prefill_together=plan.prefill_rows == "together")
+                                 prefill_together=plan.prefill_rows == "together",
+                                 prefill_with_decode=plan.prefill_step == "with_decode")
         super().__init__(KimiRunner(model), pool, policy, max_positions, plan.threads, torch.inference_mode)
 
 
@@ -645,11 +668,11 @@ def build(genome: Genome, preset: KimiPreset, device: DeviceInfo,
         except cpu_kernels.KernelUnavailable as e:
             raise ValueError(f"kda_kernel='native': {e}; use kda_kernel=torch") from None
     for gene, other in (("decode_step", "eager"), ("prefill_step", "torch")):
-        if getattr(plan, gene) == "native":
+        if getattr(plan, gene) != other:
             try:
                 cpu_kernels.check_kimi_step_supported(preset.model, dtype, torch_device)
             except cpu_kernels.KernelUnavailable as e:
-                raise ValueError(f"{gene}='native': {e}; use {gene}={other}") from None
+                raise ValueError(f"{gene}={getattr(plan, gene)!r}: {e}; use {gene}={other}") from None
     pool = StatePool(preset.model, plan, preset.max_positions, dtype, torch_device)
     chunked = (_chunked_kda(preset, device, chunk_size=plan.chunk_size, intra_algorithm=plan.intra_algorithm)
                if plan.kda_prefill == "chunked" else None)

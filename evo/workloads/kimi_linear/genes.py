@@ -92,12 +92,15 @@ def _step_genes(preset: KimiPreset, device: DeviceInfo) -> list[Gene]:
                  "recurrence per row and head, MLA over each row's own positions of the compressed cache, each routed "
                  "expert on the rows that chose it (float32 weights; needs mla_cache=compressed, state_layout=kv, "
                  "conv_window=shifted; prefills are prefill_step's)"),
-            Gene("prefill_step", "fusion", ("torch", "native"), "torch",
+            Gene("prefill_step", "fusion", ("torch", "native", "with_decode"), "torch",
                  "torch: a prefill as torch ops (the products by torch's BLAS, ~100 ops a call dispatched from "
                  "Python); native: the C decode step's forward over the prompts' tokens (their products streaming "
                  "each weight once per 6 tokens from cache, each KDA prompt through its recurrence, each MLA token "
                  "over its prompt's positions), PREFILL_CHUNK tokens a call (float32 weights; needs "
-                 "mla_cache=compressed, state_layout=kv, conv_window=shifted)")]
+                 "mla_cache=compressed, state_layout=kv, conv_window=shifted); with_decode: native, and a step that "
+                 "prefills runs its decode rows in the same forward, one token each beside the prompts' (vLLM's "
+                 "unified batch: the step's weights read once for both, not again by a decode step of their own; "
+                 "needs decode_step=native too)")]
 
 
 def _fusion_genes(device: DeviceInfo) -> list[Gene]:
@@ -149,8 +152,9 @@ def gene_space(preset: KimiPreset, device: DeviceInfo) -> GeneSpace:
                      constraints=(Constraint("kda_kernel native needs state_layout kv", _native_kernel_needs_kv),
                                   Constraint("decode_step native needs mla_cache compressed, state_layout kv, "
                                              "conv_window shifted", partial(_native_step_needs, "decode_step")),
-                                  Constraint("prefill_step native needs mla_cache compressed, state_layout kv, "
-                                             "conv_window shifted", partial(_native_step_needs, "prefill_step"))))
+                                  Constraint("prefill_step native or with_decode needs mla_cache compressed, "
+                                             "state_layout kv, conv_window shifted (with_decode: decode_step "
+                                             "native too)", partial(_native_step_needs, "prefill_step"))))
 
 
 def _native_kernel_needs_kv(values: Mapping[str, Scalar]) -> str | None:
@@ -164,12 +168,16 @@ NATIVE_STEP_NEEDS = {"mla_cache": "compressed", "state_layout": "kv", "conv_wind
 
 
 def _native_step_needs(gene: str, values: Mapping[str, Scalar]) -> str | None:
-    """The rule for `gene` (decode_step or prefill_step; bound by partial): native reads what the C step reads."""
-    if values.get(gene) != "native":
+    """The rule for `gene` (decode_step or prefill_step; bound by partial): native reads what the C step reads;
+    a prefill with the decode rows needs them decoded by the C step too."""
+    if values.get(gene) in ("eager", "torch", None):
         return None
+    if values.get(gene) == "with_decode" and values.get("decode_step") != "native":
+        return (f"prefill_step='with_decode' runs the decode rows through the C step's forward; got decode_step="
+                f"{values.get('decode_step')!r}; set decode_step=native or prefill_step=native")
     wrong = {g: values.get(g) for g, want in NATIVE_STEP_NEEDS.items() if values.get(g) != want}
     if wrong:
-        return (f"{gene}='native' reads the compressed MLA cache, [K, V] states and a shifted window; got "
+        return (f"{gene}={values.get(gene)!r} reads the compressed MLA cache, [K, V] states and a shifted window; got "
                 f"{', '.join(f'{g}={v!r}' for g, v in wrong.items())}; set "
                 f"{', '.join(f'{g}={NATIVE_STEP_NEEDS[g]}' for g in wrong)} or "
                 f"{gene}={'eager' if gene == 'decode_step' else 'torch'}")

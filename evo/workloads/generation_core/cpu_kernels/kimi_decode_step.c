@@ -324,6 +324,37 @@ void evo_kda_prefill(int64_t H, int64_t K, int64_t taps, float rms_eps, float l2
     kda_segments(&L, &prompts, windows, window_row, states, state_row, q, k, v, decay, gate, beta, o);
 }
 
+/* out [R] = sum over s < S of p[s] v_s, v_s the first R values of cache + s stride: 32 sums at a time in registers
+   over every position (summed in order, as one at a time through memory: its stores chained each position's adds). */
+static void attend_values(const float *p, int64_t S, const float *cache, int64_t stride, int64_t R, float *out) {
+    int64_t c = 0;
+    for (; c + 32 <= R; c += 32) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t s = 0; s < S; s++) {
+            const float *v = cache + s * stride + c;
+            const __m256 pr = _mm256_set1_ps(p[s]);
+            a0 = _mm256_fmadd_ps(pr, _mm256_loadu_ps(v), a0);
+            a1 = _mm256_fmadd_ps(pr, _mm256_loadu_ps(v + 8), a1);
+            a2 = _mm256_fmadd_ps(pr, _mm256_loadu_ps(v + 16), a2);
+            a3 = _mm256_fmadd_ps(pr, _mm256_loadu_ps(v + 24), a3);
+        }
+        _mm256_storeu_ps(out + c, a0);
+        _mm256_storeu_ps(out + c + 8, a1);
+        _mm256_storeu_ps(out + c + 16, a2);
+        _mm256_storeu_ps(out + c + 24, a3);
+    }
+    for (; c + 8 <= R; c += 8) {
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t s = 0; s < S; s++) a = _mm256_fmadd_ps(_mm256_set1_ps(p[s]), _mm256_loadu_ps(cache + s * stride + c), a);
+        _mm256_storeu_ps(out + c, a);
+    }
+    for (; c < R; c++) {
+        float a = 0.0f;
+        for (int64_t s = 0; s < S; s++) a += p[s] * cache[s * stride + c];
+        out[c] = a;
+    }
+}
+
 /* Token r at position pos[r] of pool row row[r]: its latent and rope key written there, then it attends over that
    row's positions [0, pos[r]] (a segment's earlier tokens come first, so their keys are there). */
 static void mla_mixer(const int64_t *dims, const void *const *p, const float *eps, const float *h, const int64_t *row,
@@ -377,12 +408,8 @@ static void mla_mixer(const int64_t *dims, const void *const *p, const float *ep
             float *sc = scores + hd * S, top = sc[0], total = 0.0f;
             for (int64_t s = 1; s < S; s++) top = sc[s] > top ? sc[s] : top;
             for (int64_t s = 0; s < S; s++) total += (sc[s] = expf(sc[s] - top));
-            float *oh = o + hd * R;
-            for (int64_t c = 0; c < R; c++) oh[c] = 0.0f;
-            for (int64_t s = 0; s < S; s++) {
-                const float pr = sc[s] / total, *vv = cache + s * dims[KDIM_CACHE_POS];
-                for (int64_t c = 0; c < R; c++) oh[c] += pr * vv[c];
-            }
+            for (int64_t s = 0; s < S; s++) sc[s] /= total;
+            attend_values(sc, S, cache, dims[KDIM_CACHE_POS], R, o + hd * R);
         }
     }
     product(lat + H * KD, n, H * R, p[KP_MO], D, out, xs);
