@@ -122,18 +122,13 @@ class Scheduler:
     def step(self) -> list[TokenEvent]:
         """Decode every decoding request by one token, then admit and prefill (first tokens come from there)."""
         with self.context():
-            if self._mixes():
-                return self._mixed()
+            if self.policy.prefill_with_decode and self.decoding and not self.policy.speculates(len(self.decoding)):
+                self._admit()  # before the forward that takes the decode rows with the prompts (see the module)
+                if self.prefilling:
+                    return self._mixed()
             events = self._decode() if self.decoding else []
             self._admit()
             return events + self._prefill()
-
-    def _mixes(self) -> bool:
-        """Whether this step's decode rows join its prefill's forward (admitting first: see the module)."""
-        if not (self.policy.prefill_with_decode and self.decoding) or self.policy.speculates(len(self.decoding)):
-            return False
-        self._admit()
-        return bool(self.prefilling)
 
     def abort(self, request_id: int) -> None:
         """Drop the request wherever it is: out of the queue, or its row freed (decoding rows compacted)."""

@@ -98,9 +98,9 @@ def _step_genes(preset: KimiPreset, device: DeviceInfo) -> list[Gene]:
                  "each weight once per 6 tokens from cache, each KDA prompt through its recurrence, each MLA token "
                  "over its prompt's positions), PREFILL_CHUNK tokens a call (float32 weights; needs "
                  "mla_cache=compressed, state_layout=kv, conv_window=shifted); with_decode: native, and a step that "
-                 "prefills runs its decode rows in the same forward, one token each beside the prompts' (vLLM's "
-                 "unified batch: the step's weights read once for both, not again by a decode step of their own; "
-                 "needs decode_step=native too)")]
+                 "prefills runs its decode rows in the same forward, one token each beside the prompts' (all of "
+                 "the step's prompts, whatever prefill_rows says; vLLM's unified batch: the step's weights read "
+                 "once for both, not again by a decode step of their own; needs decode_step=native too)")]
 
 
 def _fusion_genes(device: DeviceInfo) -> list[Gene]:
