@@ -15,8 +15,9 @@ Three parts, each blind to the others' insides (as llama_serve's engine, and vLL
 - the scheduler, shared with every generation engine here (`evo.workloads.generation_core.Scheduler`, over
   the pool and `KimiRunner`, the model as its runner): continuous batching up to `max_running`: decode every
   running request by one token, then admit waiting requests and prefill each whole (its first token comes
-  from there; the recurrence cannot resume a prompt mid-way, so no chunks); a request that ends leaves its
-  row, and the last running row moves into the hole.
+  from there; the recurrence cannot resume a prompt mid-way, so no chunks; with prefill_step=with_decode the
+  decode rows run in the prefill's forward); a request that ends leaves its row, and the last running row moves
+  into the hole.
 Greedy, or each request's seeded sampling (`evo.workloads.generation_core.pick_tokens`).
 """
 from __future__ import annotations
