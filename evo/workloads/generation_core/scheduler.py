@@ -200,12 +200,8 @@ class Scheduler:
     def _mixed(self) -> list[TokenEvent]:
         """Every decoding request by one token and this step's prompt chunks in one forward (`ModelRunner.mixed`)."""
         runs, chunks = self.decoding, self._prefill_chunks()
-        positions = [run.cached for run in runs]
-        for run, p in zip(runs, positions):
-            self.pool.reserve(run.row, p + 1)
         prefills, prompts, starts, picks = zip(*chunks)
-        decoded, prefilled = self.runner.mixed([run.made[-1] for run in runs], positions,
-                                               [(run.request, len(run.made)) for run in runs],
+        decoded, prefilled = self.runner.mixed(*self._decode_inputs(runs, [run.cached for run in runs]),
                                                [run.row for run in prefills], list(prompts), list(starts), list(picks))
         events = self._decoded(runs, [[token] for token in decoded])
         return events + self._prefilled(chunks, prefilled)
@@ -219,12 +215,15 @@ class Scheduler:
         if any(drafts):
             made = self._verify(runs, positions, drafts)
         else:
-            for run, p in zip(runs, positions):
-                self.pool.reserve(run.row, p + 1)
-            tokens = self.runner.decode([run.made[-1] for run in runs], positions,
-                                        [(run.request, len(run.made)) for run in runs])
-            made = [[token] for token in tokens]
+            made = [[token] for token in self.runner.decode(*self._decode_inputs(runs, positions))]
         return self._decoded(runs, made)
+
+    def _decode_inputs(self, runs: list[_Run], positions: list[int]) -> tuple[list[int], list[int], list[Pick]]:
+        """A plain decode of `runs` at `positions`: their rows reserved one position on; (each one's last token,
+        the positions, how each next token is picked)."""
+        for run, p in zip(runs, positions):
+            self.pool.reserve(run.row, p + 1)
+        return [run.made[-1] for run in runs], positions, [(run.request, len(run.made)) for run in runs]
 
     def _decoded(self, runs: list[_Run], made: list[list[int]]) -> list[TokenEvent]:
         """Each decoding run's tokens of this step (its events, none after its last); those that finish leave

@@ -595,6 +595,13 @@ class KimiModel:
 
 
 # ---------------------------------------------------------------------------------------------- the generator
+def _check_whole(chunks: list[tuple[int, ...]], positions: list[int], picks: list[Pick | None]) -> None:
+    """ValueError unless every chunk is a whole prompt: from position 0, its last token picking the next."""
+    if any(positions) or None in picks:
+        raise ValueError(f"KimiModel prefills whole prompts from position 0 (prefill='whole'), got chunks of "
+                         f"{[len(c) for c in chunks]} tokens at positions {positions}")
+
+
 class KimiRunner:
     """The model as the shared scheduler's runner (`evo.workloads.generation_core.ModelRunner`): a whole prompt
     from position 0, one decode step of rows [0, n); tokens by `pick_tokens`, read from this module when called
@@ -608,9 +615,7 @@ class KimiRunner:
 
     def prefill_rows(self, rows: list[int], chunks: list[tuple[int, ...]], positions: list[int],
                      picks: list[Pick | None]) -> list[int | None]:
-        if any(positions) or None in picks:
-            raise ValueError(f"KimiModel prefills whole prompts from position 0 (prefill='whole'), got chunks of "
-                             f"{[len(c) for c in chunks]} tokens at positions {positions}")
+        _check_whole(chunks, positions, picks)
         return pick_tokens(self.model.prefill_rows(rows, chunks), picks)
 
     def decode(self, tokens: list[int], positions: list[int], picks: list[Pick]) -> list[int]:
@@ -619,9 +624,7 @@ class KimiRunner:
     def mixed(self, tokens: list[int], positions: list[int], picks: list[Pick], rows: list[int],
               chunks: list[tuple[int, ...]], starts: list[int],
               prefill_picks: list[Pick | None]) -> tuple[list[int], list[int | None]]:
-        if any(starts) or None in prefill_picks:
-            raise ValueError(f"KimiModel prefills whole prompts from position 0 (prefill='whole'), got chunks of "
-                             f"{[len(c) for c in chunks]} tokens at positions {starts}")
+        _check_whole(chunks, starts, prefill_picks)
         picked = pick_tokens(self.model.mixed(tokens, positions, rows, chunks), list(picks) + list(prefill_picks))
         return picked[:len(tokens)], picked[len(tokens):]
 

@@ -92,10 +92,10 @@ static inline __attribute__((always_inline)) void panel_block(const int R, const
    panel (or 4, or 2 at once when rows are few), the rows in blocks of up to 6 split evenly. Against `linear` over
    the same float32 weights as rows, one thread of an AMD EPYC (AVX2), weights in cache: 1.1-1.5x at 1-3 rows,
    1.2-1.6x at 4-32 (81-91 GFLOP/s against 54-62 at 16 rows; 256 -> 768, 256 -> 4096, 688 -> 256, 128 -> 256); at
-   8 outputs 0.3-0.7x, hence rows there. From 3 rows, each panel's blocks prefetch the next panel (a step's weights
-   come from memory: ~22 MB at 16 rows, every expert chosen): the `cpu` preset's decode step, paired in one process
-   against the same step without it, 0.90x [0.89, 0.91] its time at 16 rows, 0.93x [0.91, 0.94] at 4; level at one
-   row, where four panels stream at once and the extra loads cost more than they save (1.14x with them). */
+   8 outputs 0.3-0.7x, hence rows there. From 3 rows to PREFETCH_ROWS, each panel's blocks prefetch the next panel
+   (a step's weights come from memory: ~22 MB at 16 rows, every expert chosen): the `cpu` preset's decode step,
+   paired in one process against the same step without it, 0.92x [0.91, 0.93] its time at 16 rows, 0.93x [0.91,
+   0.95] at 4; level at one row, where four panels stream at once and prefetching them cost 1.14x, and in prefill. */
 #define PREFETCH_ROWS 32  /* more rows reuse each panel enough to hide its fetch (a prefill's products) */
 static void linear_panels(const float *x, int n, int64_t K, const float *w, int64_t O, float *out) {
     const int64_t panel = 16 * K;
